@@ -1,0 +1,56 @@
+//! Criterion benches: the engine against plain `sha2`, one thread, for 1, 2
+//! and 4 interleaved streams, plus all threads. Each case hashes a batch of
+//! equal buffers so the multi-stream scheduler has messages to pair.
+//!
+//!     cargo bench --bench engine
+
+use std::time::Duration;
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use sha2::Digest as _;
+use weight_checker::{Backend, Engine};
+
+fn cases() -> Vec<(&'static str, usize, usize)> {
+    // (label, buffer size, buffer count)
+    vec![
+        ("4KiB x 4096", 4 << 10, 4096),
+        ("64KiB x 256", 64 << 10, 256),
+        ("1MiB x 32", 1 << 20, 32),
+        ("64MiB x 4", 64 << 20, 4),
+    ]
+}
+
+fn bench(c: &mut Criterion) {
+    let best = Backend::best_available();
+    for (label, size, count) in cases() {
+        let pool: Vec<u8> = (0..size * count)
+            .map(|i| (i as u32).wrapping_mul(2654435761) as u8)
+            .collect();
+        let bufs: Vec<&[u8]> = pool.chunks(size).collect();
+        let mut group = c.benchmark_group(label);
+        group.throughput(Throughput::Bytes((size * count) as u64));
+        group
+            .sample_size(10)
+            .warm_up_time(Duration::from_millis(500))
+            .measurement_time(Duration::from_secs(3));
+        group.bench_function("sha2 1 thread", |b| {
+            b.iter(|| bufs.iter().map(sha2::Sha256::digest).collect::<Vec<_>>())
+        });
+        for lanes in [1, 2, 4] {
+            let engine = Engine::new(best, lanes, 1);
+            group.bench_with_input(
+                BenchmarkId::new(format!("{best} 1 thread"), format!("{lanes} streams")),
+                &engine,
+                |b, e| b.iter(|| e.hash_many(&bufs)),
+            );
+        }
+        let all = Engine::default();
+        group.bench_function(format!("{} all threads {} streams", all.backend, all.lanes), |b| {
+            b.iter(|| all.hash_many(&bufs))
+        });
+        group.finish();
+    }
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);

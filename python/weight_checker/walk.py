@@ -1,0 +1,103 @@
+"""Which tensors are checked: the walk of vLLM's built-in weight checker.
+
+``model.named_parameters()`` with its default de-duplication (a tied
+parameter appears once, under its first name; buffers are not covered).
+A ``SharedWeightParameter`` expands to ``name.{index}`` per partition and a
+traceable tensor subclass to ``name.{attr}`` per inner tensor, recursively;
+everything else is the tensor itself. Duck-typed so vLLM need not be
+importable.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+
+def _is_shared_weight_parameter(t: Any) -> bool:
+    # vLLM's class, recognised by name so that vLLM need not be imported.
+    return any(c.__name__ == "SharedWeightParameter" for c in type(t).__mro__) and isinstance(
+        getattr(t, "partitions", None), Mapping
+    )
+
+
+def _is_traceable_wrapper_subclass(t: Any) -> bool:
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    return is_traceable_wrapper_subclass(t)
+
+
+def expand(name: str, tensor: Any) -> Iterator[tuple[str, Any]]:
+    """The leaf tensors that hold ``tensor``'s bytes, with their names."""
+    if _is_shared_weight_parameter(tensor):
+        for index, partition in tensor.partitions.items():
+            yield from expand(f"{name}.{index}", partition)
+    elif type(tensor) not in _plain_types() and _is_traceable_wrapper_subclass(tensor):
+        for attr in tensor.__tensor_flatten__()[0]:
+            yield from expand(f"{name}.{attr}", getattr(tensor, attr))
+    else:
+        yield name, tensor
+
+
+@functools.cache
+def _plain_types() -> tuple[type, ...]:
+    # Exact types that are never wrapper subclasses: skipping the check for
+    # them keeps the walk cheap on models with many small parameters.
+    import torch
+
+    return (torch.nn.Parameter, torch.Tensor)
+
+
+def iter_weights(source: Any) -> Iterator[tuple[str, Any]]:
+    """``(name, leaf tensor)`` pairs of an ``nn.Module``, a mapping name → tensor,
+    or an iterable of ``(name, tensor)`` pairs, in walk order."""
+    for item in _pairs(source):
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+            raise TypeError(f"expected (name, tensor) pairs, got {item!r:.80}")
+        yield from expand(*item)
+
+
+def _pairs(source: Any) -> Iterable[Any]:
+    if hasattr(source, "named_parameters") and callable(source.named_parameters):
+        pairs: Iterable[tuple[str, Any]] = source.named_parameters()
+    elif isinstance(source, Mapping):
+        pairs = source.items()
+    elif isinstance(source, Iterable) and not isinstance(source, (str, bytes)):
+        pairs = source
+    else:
+        raise TypeError(
+            "expected an nn.Module, a mapping name -> tensor, or an iterable of "
+            f"(name, tensor) pairs, got {type(source).__name__}"
+        )
+    return pairs
+
+
+def collect(source: Any) -> tuple[list[str], list[Any]]:
+    """Names and leaf tensors of the walk; rejects repeated names and non-tensors."""
+    names: list[str] = []
+    tensors: list[Any] = []
+    plain = _plain_types() if _torch_loaded() else ()
+    for item in _pairs(source):
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+            raise TypeError(f"expected (name, tensor) pairs, got {item!r:.80}")
+        if type(item[1]) in plain:
+            # The common case, without the generator of `expand`.
+            names.append(item[0])
+            tensors.append(item[1])
+            continue
+        for name, tensor in expand(*item):
+            names.append(name)
+            tensors.append(tensor)
+    if len(set(names)) != len(names):
+        seen: set[str] = set()
+        dup = next(n for n in names if n in seen or seen.add(n))
+        raise ValueError(f"tensor {dup!r} appears more than once")
+    return names, tensors
+
+
+def _torch_loaded() -> bool:
+    import sys
+
+    return "torch" in sys.modules

@@ -1,0 +1,325 @@
+//! SHA-256 with pluggable compression backends.
+//!
+//! The state machine (buffering, padding, length) lives here once; the
+//! backends only implement the compression function, for one stream or for
+//! several independent streams advanced together. That split lets the
+//! scheduler in [`crate::engine`] pair unrelated messages block-for-block
+//! without knowing which instruction set runs them.
+
+mod portable;
+#[cfg(target_arch = "x86_64")]
+mod x86_shani;
+
+use std::fmt;
+use std::sync::OnceLock;
+
+/// Environment variable that selects the backend: `auto` (default),
+/// `portable` (the `sha2` crate, one stream) or `sha-ni` (fails over to
+/// `portable` when the CPU lacks the instructions).
+pub const BACKEND_ENV: &str = "WEIGHT_CHECKER_BACKEND";
+
+pub const BLOCK_LEN: usize = 64;
+
+const H0: [u32; 8] = [
+    0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a, 0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19,
+];
+
+/// Which compression function runs the blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Backend {
+    /// `sha2::compress256`: one stream at a time (itself SHA-NI accelerated
+    /// when available, detected at run time by `sha2`).
+    Portable,
+    /// Our interleaved SHA-NI kernels: up to four streams in one loop. Only
+    /// constructed after run-time detection of the required CPU features.
+    #[cfg(target_arch = "x86_64")]
+    ShaNi,
+}
+
+impl Backend {
+    /// The fastest backend this CPU supports.
+    pub fn best_available() -> Backend {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if x86_shani::is_supported() {
+                return Backend::ShaNi;
+            }
+        }
+        Backend::Portable
+    }
+
+    /// The backend in force for this process: [`BACKEND_ENV`] if set, else the best.
+    pub fn active() -> Backend {
+        static ACTIVE: OnceLock<Backend> = OnceLock::new();
+        *ACTIVE.get_or_init(|| match std::env::var(BACKEND_ENV).as_deref() {
+            Ok("portable") => Backend::Portable,
+            _ => Backend::best_available(),
+        })
+    }
+
+    /// Every backend usable on this CPU (for tests and benchmarks).
+    pub fn all_available() -> Vec<Backend> {
+        let mut all = vec![Backend::Portable];
+        let best = Backend::best_available();
+        if best != Backend::Portable {
+            all.push(best);
+        }
+        all
+    }
+
+    /// How many streams the backend advances together at best.
+    pub fn max_lanes(self) -> usize {
+        match self {
+            Backend::Portable => 1,
+            #[cfg(target_arch = "x86_64")]
+            Backend::ShaNi => 4,
+        }
+    }
+
+    /// How many streams the scheduler pairs by default: two interleaved
+    /// SHA-NI streams reach ~1.85x of one; four add little on top and spill
+    /// registers, so two is the default.
+    pub fn default_lanes(self) -> usize {
+        self.max_lanes().min(2)
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::Portable => "portable",
+            #[cfg(target_arch = "x86_64")]
+            Backend::ShaNi => "sha-ni",
+        }
+    }
+
+    /// Compresses `blocks.len() / 64` whole blocks into `state`.
+    #[inline]
+    pub(crate) fn compress1(self, state: &mut [u32; 8], blocks: &[u8]) {
+        debug_assert_eq!(blocks.len() % BLOCK_LEN, 0);
+        match self {
+            Backend::Portable => portable::compress(state, blocks),
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `ShaNi` is only returned by `best_available`, after
+            // `is_supported` confirmed every target feature the kernel enables.
+            Backend::ShaNi => unsafe { x86_shani::compress::<1>([state], [blocks]) },
+        }
+    }
+
+    /// Compresses two independent streams of the same number of blocks.
+    #[inline]
+    pub(crate) fn compress2(self, s: [&mut [u32; 8]; 2], blocks: [&[u8]; 2]) {
+        debug_assert_eq!(blocks[0].len(), blocks[1].len());
+        match self {
+            Backend::Portable => {
+                let [a, b] = s;
+                portable::compress(a, blocks[0]);
+                portable::compress(b, blocks[1]);
+            }
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as in `compress1`, the features were detected.
+            Backend::ShaNi => unsafe { x86_shani::compress::<2>(s, blocks) },
+        }
+    }
+
+    /// Compresses four independent streams of the same number of blocks.
+    #[inline]
+    pub(crate) fn compress4(self, s: [&mut [u32; 8]; 4], blocks: [&[u8]; 4]) {
+        match self {
+            Backend::Portable => {
+                for (state, b) in s.into_iter().zip(blocks) {
+                    portable::compress(state, b);
+                }
+            }
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as in `compress1`, the features were detected.
+            Backend::ShaNi => unsafe { x86_shani::compress::<4>(s, blocks) },
+        }
+    }
+}
+
+impl fmt::Display for Backend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A finished digest, with whether every hashed byte was zero (an empty
+/// message counts as all-zero): a tensor still all-zero after a reset is the
+/// typical sign that a weight update never reached it.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Digest {
+    pub bytes: [u8; 32],
+    pub all_zero: bool,
+}
+
+impl Digest {
+    pub fn hex(&self) -> String {
+        const HEX: &[u8; 16] = b"0123456789abcdef";
+        let mut s = String::with_capacity(64);
+        for b in self.bytes {
+            s.push(HEX[(b >> 4) as usize] as char);
+            s.push(HEX[(b & 15) as usize] as char);
+        }
+        s
+    }
+}
+
+impl fmt::Debug for Digest {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Digest({}, all_zero={})", self.hex(), self.all_zero)
+    }
+}
+
+/// True when every byte is zero. Folds 64-byte blocks with OR so the
+/// compiler vectorises it, and stops at the first non-zero block: on real
+/// weights that is the first one, so the check costs nothing.
+#[inline]
+pub(crate) fn is_all_zero(data: &[u8]) -> bool {
+    let mut blocks = data.chunks_exact(64);
+    for block in &mut blocks {
+        let mut acc = 0u64;
+        for word in block.chunks_exact(8) {
+            acc |= u64::from_ne_bytes(word.try_into().unwrap());
+        }
+        if acc != 0 {
+            return false;
+        }
+    }
+    blocks.remainder().iter().all(|&b| b == 0)
+}
+
+/// An incremental SHA-256 state. The scheduler in [`crate::engine`] drives
+/// its fields directly so that whole blocks go to multi-stream kernels; this
+/// type keeps the partial block, the length and the all-zero flag.
+#[derive(Clone)]
+pub struct Sha256 {
+    pub(crate) h: [u32; 8],
+    pub(crate) buf: [u8; BLOCK_LEN],
+    pub(crate) buf_len: usize,
+    pub(crate) len: u64,
+    pub(crate) nonzero: bool,
+}
+
+impl Default for Sha256 {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Sha256 {
+    pub fn new() -> Self {
+        Sha256 {
+            h: H0,
+            buf: [0; BLOCK_LEN],
+            buf_len: 0,
+            len: 0,
+            nonzero: false,
+        }
+    }
+
+    /// Bytes absorbed so far.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Notes whether `data` (about to be hashed) has a non-zero byte. Once
+    /// one is seen the check is skipped for the rest of the message.
+    #[inline]
+    pub(crate) fn observe(&mut self, data: &[u8]) {
+        if !self.nonzero && !is_all_zero(data) {
+            self.nonzero = true;
+        }
+    }
+
+    /// Absorbs bytes into the partial block until it is full (then compresses
+    /// it) or `data` runs out. Returns how many bytes were taken. Afterwards
+    /// either `buf_len == 0` or all of `data` was taken.
+    #[inline]
+    pub(crate) fn absorb_into_buffer(&mut self, backend: Backend, data: &[u8]) -> usize {
+        let take = (BLOCK_LEN - self.buf_len).min(data.len());
+        self.observe(&data[..take]);
+        self.buf[self.buf_len..self.buf_len + take].copy_from_slice(&data[..take]);
+        self.buf_len += take;
+        self.len += take as u64;
+        if self.buf_len == BLOCK_LEN {
+            let block = self.buf;
+            backend.compress1(&mut self.h, &block);
+            self.buf_len = 0;
+        }
+        take
+    }
+
+    /// Records that whole blocks were compressed into `h` by a kernel.
+    #[inline]
+    pub(crate) fn note_blocks(&mut self, nbytes: usize) {
+        self.len += nbytes as u64;
+    }
+
+    /// Feeds `data`, one stream, with the given backend.
+    pub fn update_with(&mut self, backend: Backend, mut data: &[u8]) {
+        if self.buf_len > 0 {
+            let took = self.absorb_into_buffer(backend, data);
+            data = &data[took..];
+        }
+        let whole = data.len() / BLOCK_LEN * BLOCK_LEN;
+        if whole > 0 {
+            // Observe and compress in L2-sized steps so the zero check reads
+            // bytes the hash is about to read anyway.
+            for piece in data[..whole].chunks(crate::engine::STEP_BYTES) {
+                self.observe(piece);
+                backend.compress1(&mut self.h, piece);
+            }
+            self.note_blocks(whole);
+        }
+        if whole < data.len() {
+            self.absorb_into_buffer(backend, &data[whole..]);
+        }
+    }
+
+    /// Feeds `data` with the process's active backend.
+    pub fn update(&mut self, data: &[u8]) {
+        self.update_with(Backend::active(), data)
+    }
+
+    /// Pads, compresses the last block(s) and returns the digest.
+    pub fn finalize_with(mut self, backend: Backend) -> Digest {
+        let bit_len = self.len.wrapping_mul(8);
+        let mut tail = [0u8; 2 * BLOCK_LEN];
+        tail[..self.buf_len].copy_from_slice(&self.buf[..self.buf_len]);
+        tail[self.buf_len] = 0x80;
+        let total = if self.buf_len < BLOCK_LEN - 8 {
+            BLOCK_LEN
+        } else {
+            2 * BLOCK_LEN
+        };
+        tail[total - 8..total].copy_from_slice(&bit_len.to_be_bytes());
+        backend.compress1(&mut self.h, &tail[..total]);
+        let mut bytes = [0u8; 32];
+        for (out, word) in bytes.chunks_exact_mut(4).zip(self.h) {
+            out.copy_from_slice(&word.to_be_bytes());
+        }
+        Digest {
+            bytes,
+            all_zero: !self.nonzero,
+        }
+    }
+
+    pub fn finalize(self) -> Digest {
+        self.finalize_with(Backend::active())
+    }
+}
+
+/// One-shot digest of one buffer on the calling thread.
+pub fn digest_with(backend: Backend, data: &[u8]) -> Digest {
+    let mut s = Sha256::new();
+    s.update_with(backend, data);
+    s.finalize_with(backend)
+}
+
+/// One-shot digest with the active backend.
+pub fn digest(data: &[u8]) -> Digest {
+    digest_with(Backend::active(), data)
+}

@@ -1,0 +1,203 @@
+//! Hashing a strided (non-contiguous) array as if it were contiguous.
+//!
+//! The digest of a tensor is defined over its C-order bytes, i.e. over
+//! `.contiguous()`. Rather than materialising that copy (a whole tensor's
+//! worth of memory), the elements are gathered in C order into a small
+//! scratch buffer, one bounded piece at a time, and streamed into SHA-256.
+
+use crate::sha256::{Backend, Digest, Sha256};
+
+/// Scratch size for one gather: bounded memory, large enough to amortise calls.
+pub const GATHER_BYTES: usize = 1 << 20;
+
+/// A read-only view of `shape` elements of `itemsize` bytes at byte `strides`.
+#[derive(Clone, Debug)]
+pub struct StridedView {
+    ptr: *const u8,
+    itemsize: usize,
+    shape: Vec<usize>,
+    strides: Vec<isize>,
+}
+
+// SAFETY: a `StridedView` is only a description of memory that its creator
+// promised (see `new`) stays alive and readable for the view's lifetime; it
+// never writes, so reading it from another thread is as sound as reading it
+// from this one.
+unsafe impl Send for StridedView {}
+unsafe impl Sync for StridedView {}
+
+impl StridedView {
+    /// # Safety
+    /// For every index tuple `i` within `shape`, the `itemsize` bytes at
+    /// `ptr + sum(i[d] * strides[d])` must be readable for as long as the
+    /// view is used. When any extent is zero, `ptr` is never read.
+    pub unsafe fn new(ptr: *const u8, itemsize: usize, shape: Vec<usize>, strides: Vec<isize>) -> StridedView {
+        assert_eq!(shape.len(), strides.len());
+        StridedView {
+            ptr,
+            itemsize,
+            shape,
+            strides,
+        }
+    }
+
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    pub fn nbytes(&self) -> usize {
+        self.numel() * self.itemsize
+    }
+
+    /// True when the bytes are already laid out in C order with no gaps.
+    /// Extents of one do not constrain their stride (as in torch and numpy).
+    pub fn is_c_contiguous(&self) -> bool {
+        let mut expected = self.itemsize as isize;
+        for (&n, &s) in self.shape.iter().zip(&self.strides).rev() {
+            if n != 1 && s != expected {
+                return false;
+            }
+            expected *= n as isize;
+        }
+        true
+    }
+
+    /// The bytes as one slice, when the view is C-contiguous.
+    pub fn as_contiguous(&self) -> Option<&[u8]> {
+        if !self.is_c_contiguous() {
+            return None;
+        }
+        let len = self.nbytes();
+        if len == 0 {
+            return Some(&[]);
+        }
+        // SAFETY: contiguous, so the elements are exactly the `len` bytes
+        // from `ptr`, readable per the contract of `new`.
+        Some(unsafe { std::slice::from_raw_parts(self.ptr, len) })
+    }
+
+    /// Calls `f` with consecutive pieces of the C-order bytes, each at most
+    /// [`GATHER_BYTES`] (at least one row of the innermost dimension).
+    pub fn for_each_piece(&self, mut f: impl FnMut(&[u8])) {
+        if let Some(bytes) = self.as_contiguous() {
+            for piece in bytes.chunks(GATHER_BYTES) {
+                f(piece);
+            }
+            return;
+        }
+        if self.numel() == 0 {
+            return;
+        }
+        // Merge the innermost run when it is contiguous: whole rows are copied
+        // with one memcpy, otherwise element by element.
+        let nd = self.shape.len();
+        let (inner_n, inner_s) = (self.shape[nd - 1], self.strides[nd - 1]);
+        let row_bytes = inner_n * self.itemsize;
+        let row_contiguous = inner_s == self.itemsize as isize;
+        let outer = &self.shape[..nd - 1];
+        let outer_strides = &self.strides[..nd - 1];
+        let mut scratch: Vec<u8> = Vec::with_capacity(GATHER_BYTES.max(row_bytes));
+        let mut index = vec![0usize; outer.len()];
+        let mut offset: isize = 0;
+        loop {
+            // SAFETY: `offset` is the byte offset of element (index.., 0) and
+            // the row's elements lie at `offset + k * inner_s`, all inside the
+            // view per the contract of `new`.
+            unsafe {
+                let row = self.ptr.offset(offset);
+                if row_contiguous {
+                    scratch.extend_from_slice(std::slice::from_raw_parts(row, row_bytes));
+                } else {
+                    for k in 0..inner_n {
+                        let e = row.offset(k as isize * inner_s);
+                        scratch.extend_from_slice(std::slice::from_raw_parts(e, self.itemsize));
+                    }
+                }
+            }
+            if scratch.len() + row_bytes > scratch.capacity() {
+                f(&scratch);
+                scratch.clear();
+            }
+            // Odometer over the outer dimensions, last fastest.
+            let mut d = outer.len();
+            loop {
+                if d == 0 {
+                    if !scratch.is_empty() {
+                        f(&scratch);
+                    }
+                    return;
+                }
+                d -= 1;
+                index[d] += 1;
+                offset += outer_strides[d];
+                if index[d] < outer[d] {
+                    break;
+                }
+                offset -= outer_strides[d] * outer[d] as isize;
+                index[d] = 0;
+            }
+        }
+    }
+
+    /// SHA-256 of the C-order bytes.
+    pub fn digest(&self, backend: Backend) -> Digest {
+        let mut s = Sha256::new();
+        self.for_each_piece(|p| s.update_with(backend, p));
+        s.finalize_with(backend)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sha2::Digest as _;
+
+    /// A transposed 2-D u16 array hashes like its explicit C-order copy.
+    #[test]
+    fn transposed_matches_explicit_copy() {
+        let (rows, cols) = (37usize, 1000usize);
+        let data: Vec<u16> = (0..rows * cols).map(|i| i as u16 ^ 0x5a5a).collect();
+        // View of the transpose: shape (cols, rows), strides (2, 2*cols).
+        let view = unsafe { StridedView::new(data.as_ptr().cast(), 2, vec![cols, rows], vec![2, 2 * cols as isize]) };
+        assert!(!view.is_c_contiguous());
+        let mut expect = Vec::new();
+        for c in 0..cols {
+            for r in 0..rows {
+                expect.extend_from_slice(&data[r * cols + c].to_le_bytes());
+            }
+        }
+        let want: [u8; 32] = sha2::Sha256::digest(&expect).into();
+        for backend in Backend::all_available() {
+            assert_eq!(view.digest(backend).bytes, want);
+        }
+    }
+
+    #[test]
+    fn negative_strides_and_broadcast() {
+        let data: Vec<u8> = (0..=255).collect();
+        // Reversed: start at the end, stride -1.
+        let rev = unsafe { StridedView::new(data.as_ptr().add(255), 1, vec![256], vec![-1]) };
+        let mut expect = data.clone();
+        expect.reverse();
+        assert_eq!(
+            rev.digest(Backend::Portable).bytes,
+            <[u8; 32]>::from(sha2::Sha256::digest(&expect))
+        );
+        // Broadcast row: stride 0 in the outer dimension.
+        let bc = unsafe { StridedView::new(data.as_ptr(), 1, vec![3, 256], vec![0, 1]) };
+        let expect: Vec<u8> = data.iter().copied().cycle().take(768).collect();
+        assert_eq!(
+            bc.digest(Backend::Portable).bytes,
+            <[u8; 32]>::from(sha2::Sha256::digest(&expect))
+        );
+    }
+
+    #[test]
+    fn empty_view_is_never_read() {
+        let v = unsafe { StridedView::new(std::ptr::null(), 4, vec![0, 5], vec![20, 4]) };
+        assert_eq!(
+            v.digest(Backend::Portable).hex(),
+            "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
+        );
+    }
+}

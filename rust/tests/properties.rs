@@ -1,0 +1,121 @@
+//! Property tests of every scheduler path against plain `sha2`.
+
+use proptest::prelude::*;
+use sha2::Digest as _;
+use weight_checker::{Backend, Engine};
+
+fn oracle(data: &[u8]) -> [u8; 32] {
+    sha2::Sha256::digest(data).into()
+}
+
+/// Lengths around the 64-byte block and 56-byte padding edges, plus larger ones.
+fn length() -> impl Strategy<Value = usize> {
+    prop_oneof![
+        prop::sample::select(vec![0usize, 1, 55, 56, 57, 63, 64, 65, 119, 120, 127, 128, 129]),
+        0usize..5000,
+        (1usize..4).prop_map(|m| m << 20),
+        (1usize..3 << 20),
+    ]
+}
+
+/// A buffer of `len` bytes starting `offset` bytes into a larger allocation,
+/// so starts are misaligned.
+fn buffers() -> impl Strategy<Value = (Vec<u8>, Vec<(usize, usize)>)> {
+    prop::collection::vec((length(), 0usize..16), 0..12)
+        .prop_flat_map(|specs| {
+            let total: usize = specs.iter().map(|(l, o)| l + o).sum();
+            (prop::collection::vec(any::<u8>(), total..=total), Just(specs))
+        })
+        .prop_map(|(pool, specs)| {
+            let mut at = 0;
+            let ranges = specs
+                .into_iter()
+                .map(|(len, off)| {
+                    let start = at + off;
+                    at = start + len;
+                    (start, len)
+                })
+                .collect();
+            (pool, ranges)
+        })
+}
+
+fn engines() -> Vec<Engine> {
+    let mut out = Vec::new();
+    for backend in Backend::all_available() {
+        for lanes in [1, 2, 4] {
+            for threads in [1, 2] {
+                out.push(Engine::new(backend, lanes, threads));
+            }
+        }
+    }
+    out
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    #[test]
+    fn hash_many_matches_sha2((pool, ranges) in buffers(), zero_some in any::<bool>()) {
+        let mut pool = pool;
+        if zero_some {
+            if let Some(&(s, l)) = ranges.first() {
+                pool[s..s + l].fill(0);
+            }
+        }
+        let bufs: Vec<&[u8]> = ranges.iter().map(|&(s, l)| &pool[s..s + l]).collect();
+        for engine in engines() {
+            let got = engine.hash_many(&bufs);
+            for (b, d) in bufs.iter().zip(&got) {
+                prop_assert_eq!(d.bytes, oracle(b), "{:?} len {}", engine, b.len());
+                prop_assert_eq!(d.all_zero, b.iter().all(|&x| x == 0));
+            }
+        }
+    }
+
+    #[test]
+    fn multi_hasher_random_chunkings_match_sha2(
+        (pool, ranges) in buffers(),
+        cuts in prop::collection::vec(0usize..1 << 21, 0..40),
+        rounds in 1usize..5,
+    ) {
+        let bufs: Vec<&[u8]> = ranges.iter().map(|&(s, l)| &pool[s..s + l]).collect();
+        for engine in engines() {
+            // Split every buffer at pseudo-random points, then feed the pieces
+            // over `rounds` updates, several pieces of one digest per update.
+            let mut pieces: Vec<Vec<&[u8]>> = bufs
+                .iter()
+                .enumerate()
+                .map(|(i, b)| {
+                    let mut points: Vec<usize> = cuts.iter().map(|c| (c + i * 7919) % (b.len() + 1)).collect();
+                    points.push(0);
+                    points.push(b.len());
+                    points.sort_unstable();
+                    points.windows(2).map(|w| &b[w[0]..w[1]]).collect()
+                })
+                .collect();
+            let mut multi = engine.multi(bufs.len());
+            for r in 0..rounds {
+                let mut feeds = Vec::new();
+                for (i, p) in pieces.iter_mut().enumerate() {
+                    let take = if r + 1 == rounds { p.len() } else { p.len().div_ceil(rounds) };
+                    feeds.extend(p.drain(..take.min(p.len())).map(|c| (i, c)));
+                }
+                multi.update(&feeds).unwrap();
+            }
+            for (i, b) in bufs.iter().enumerate() {
+                prop_assert_eq!(multi.bytes_fed(i), Some(b.len() as u64));
+            }
+            for (b, d) in bufs.iter().zip(multi.finish()) {
+                prop_assert_eq!(d.bytes, oracle(b), "{:?}", engine);
+            }
+        }
+    }
+}
+
+#[test]
+fn multi_hasher_rejects_unknown_digest() {
+    let mut m = Engine::default().multi(2);
+    let err = m.update(&[(0, b"ok".as_slice()), (2, b"bad")]).unwrap_err();
+    assert!(err.to_string().contains("index 2"), "{err}");
+}

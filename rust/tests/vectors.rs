@@ -1,0 +1,75 @@
+//! NIST SHA-256 vectors through every backend, lane width and entry point.
+
+use weight_checker::{Backend, Engine, Sha256};
+
+fn vectors() -> Vec<(Vec<u8>, String)> {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/sha256-nist.json");
+    let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    json["vectors"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| {
+            let msg = v["message"]
+                .as_str()
+                .unwrap()
+                .repeat(v["repeat"].as_u64().unwrap() as usize);
+            (msg.into_bytes(), v["digest"].as_str().unwrap().to_string())
+        })
+        .collect()
+}
+
+#[test]
+fn nist_vectors_one_shot_every_backend() {
+    for backend in Backend::all_available() {
+        for (msg, want) in vectors() {
+            let got = weight_checker::sha256::digest_with(backend, &msg);
+            assert_eq!(got.hex(), want, "backend {backend}, len {}", msg.len());
+        }
+    }
+}
+
+#[test]
+fn nist_vectors_batched_every_lane_width() {
+    let vectors = vectors();
+    let messages: Vec<&[u8]> = vectors.iter().map(|(m, _)| m.as_slice()).collect();
+    for backend in Backend::all_available() {
+        for lanes in [1, 2, 3, 4] {
+            for threads in [1, 0] {
+                let engine = Engine::new(backend, lanes, threads);
+                let got = engine.hash_many(&messages);
+                for ((_, want), d) in vectors.iter().zip(&got) {
+                    assert_eq!(&d.hex(), want, "{engine:?}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn nist_vectors_incremental_byte_by_byte_prefix() {
+    for backend in Backend::all_available() {
+        for (msg, want) in vectors().into_iter().filter(|(m, _)| m.len() < 1000) {
+            let mut s = Sha256::new();
+            for b in &msg {
+                s.update_with(backend, std::slice::from_ref(b));
+            }
+            assert_eq!(s.finalize_with(backend).hex(), want);
+        }
+    }
+}
+
+#[test]
+fn all_zero_flag() {
+    let zeros = vec![0u8; 1 << 20];
+    let mut late = zeros.clone();
+    *late.last_mut().unwrap() = 1;
+    for backend in Backend::all_available() {
+        let e = Engine::new(backend, 2, 0);
+        let d = e.hash_many(&[&zeros, &late, b"", &zeros[..63]]);
+        assert_eq!(
+            d.iter().map(|d| d.all_zero).collect::<Vec<_>>(),
+            [true, false, true, true]
+        );
+    }
+}
