@@ -156,7 +156,7 @@ fn label(names: Names<'_, '_>, index: usize) -> String {
         .and_then(|n| n.get_item(index).ok())
         .and_then(|n| n.extract::<String>().ok())
     {
-        Some(n) => format!("tensor {n:?}"),
+        Some(n) => format!("tensor '{n}'"),
         None => format!("buffer #{index}"),
     }
 }
@@ -180,6 +180,12 @@ fn acquire<'py>(obj: &Bound<'py, PyAny>, names: Names<'_, '_>, index: usize) -> 
         if obj.is_instance(tensor_type)? {
             return acquire_tensor(obj, names, index);
         }
+    }
+    // The buffer protocol first: it covers bytes-likes and numpy (including
+    // read-only arrays, which legacy DLPack refuses to export).
+    // SAFETY: `obj` is a valid object and we are attached to Python.
+    if unsafe { ffi::PyObject_CheckBuffer(obj.as_ptr()) } != 0 {
+        return acquire_buffer(obj, names, index);
     }
     if obj.hasattr(intern!(py, "__dlpack__"))? {
         return acquire_dlpack(obj, obj.clone(), names, index);

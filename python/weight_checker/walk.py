@@ -11,7 +11,6 @@ importable.
 from __future__ import annotations
 
 import functools
-
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 

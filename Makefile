@@ -1,0 +1,34 @@
+# weight-checker: the two commands are `make demo` (the main job) and
+# `make test` (everything CI runs). Both set up .venv first.
+
+PY := .venv/bin/python
+
+.PHONY: env test test-rust test-python lint bench demo clean
+
+env:
+	scripts/dev-env.sh
+
+## Everything CI runs: lint, Rust tests, the Python suite with both backends.
+test: env lint test-rust test-python
+
+lint:
+	cargo fmt --check
+	cargo clippy --all-targets -- -D warnings
+	cargo clippy --features python -- -D warnings
+	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .
+
+test-rust:
+	cargo test --release
+
+# The whole suite with the best backend, then the digest suites again with the
+# portable fallback forced, so both backends are checked against hashlib.
+test-python:
+	$(PY) -m pytest
+	WEIGHT_CHECKER_BACKEND=portable $(PY) -m pytest -q tests/test_digests.py tests/test_core.py tests/test_walk.py
+
+bench: env
+	$(PY) benches/bench_checksum.py
+
+clean:
+	rm -rf target .venv

@@ -1,0 +1,43 @@
+"""Shared test setup: hypothesis profiles and the vLLM reference digest."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+# `fast` for CI (the default), `slow` for deep local runs:
+#   HYPOTHESIS_PROFILE=slow pytest
+settings.register_profile(
+    "fast", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile(
+    "slow", max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "fast"))
+
+
+def vllm_digest(t) -> str:
+    """The digest vLLM 0.32's built-in checker computes for one tensor
+    (`compute_tensor_digests`, per tensor): the oracle of every test."""
+    import torch
+
+    if t.numel() == 0:
+        # SPEC: an empty tensor hashes to the empty message. (vLLM's routine
+        # itself raises on some empty views, e.g. expand(0, ...) of int16.)
+        return hashlib.sha256(b"").hexdigest()
+    try:
+        data = t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()
+    except RuntimeError:
+        # vLLM's routine raises on a one-element view with a non-unit stride
+        # (`.contiguous()` returns it unchanged); a fresh copy has the same
+        # C-order bytes.
+        data = torch.empty(t.shape, dtype=t.dtype).copy_(t).view(-1).view(torch.uint8).numpy()
+    return hashlib.sha256(data).hexdigest()
+
+
+@pytest.fixture
+def torch():
+    return pytest.importorskip("torch")

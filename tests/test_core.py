@@ -1,0 +1,85 @@
+"""The compiled core: backends, the GIL, the incremental multi-hasher."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import weight_checker
+from hypothesis import given
+from hypothesis import strategies as st
+from weight_checker import _core
+
+
+def test_backend_env_var_forces_the_fallback():
+    code = "from weight_checker import _core; print(_core.backend())"
+    env = dict(os.environ, WEIGHT_CHECKER_BACKEND="portable")
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "portable"
+
+
+def test_gil_is_released_while_hashing():
+    big = np.random.default_rng(0).integers(0, 256, 768 << 20, dtype=np.uint8)
+    span: dict[str, float] = {}
+
+    def hash_it():
+        span["start"] = time.perf_counter()
+        weight_checker.sha256_many([big])
+        span["end"] = time.perf_counter()
+
+    worker = threading.Thread(target=hash_it)
+    ticks: list[float] = []
+    worker.start()
+    while worker.is_alive():
+        ticks.append(time.perf_counter())
+    worker.join()
+    start, end = span["start"], span["end"]
+    margin = (end - start) * 0.2
+    inside = [t for t in ticks if start + margin < t < end - margin]
+    # With the GIL held for the whole call, this thread could not run at all
+    # in the middle of it.
+    assert len(inside) > 100, (len(inside), end - start)
+
+
+@given(
+    st.lists(st.binary(max_size=3000), min_size=1, max_size=8),
+    st.lists(st.integers(0, 3000), max_size=10),
+    st.integers(1, 4),
+)
+def test_multihasher_random_chunkings(messages, cuts, rounds):
+    m = _core.MultiHasher(len(messages))
+    pieces = []
+    for i, msg in enumerate(messages):
+        points = sorted({0, len(msg), *(c % (len(msg) + 1) for c in cuts)})
+        pieces.append([(i, msg[a:b]) for a, b in itertools.pairwise(points)])
+    for r in range(rounds):
+        feeds = []
+        for p in pieces:
+            take = len(p) if r == rounds - 1 else -(-len(p) // rounds)
+            feeds += p[:take]
+            del p[:take]
+        m.update(feeds)
+    assert [m.bytes_fed(i) for i in range(len(messages))] == [len(x) for x in messages]
+    digests, zero = m.finish()
+    assert digests == [hashlib.sha256(x).hexdigest() for x in messages]
+    assert zero == [not any(x) for x in messages]
+
+
+def test_multihasher_errors():
+    m = _core.MultiHasher(2)
+    with pytest.raises(IndexError, match="index 5"):
+        m.update([(5, b"x")])
+    with pytest.raises(TypeError, match="tuples"):
+        m.update([b"x"])
+    m.finish()
+    with pytest.raises(RuntimeError, match="finished"):
+        m.update([(0, b"x")])
