@@ -1,0 +1,306 @@
+"""``POST /weight_checker``: vLLM's weight-checker route, contract for contract.
+
+The route is a FastAPI ``APIRouter`` over a small backend: an async callable
+returning one ``{key: hex}`` dict per worker, and an async callable that
+zeroes the weights. It merges the workers' digests (a key produced twice is
+an HTTP 500 naming the duplicates), compares with vLLM's union-and-sorted
+semantics, and answers every malformed request with HTTP 400 in vLLM's error
+shape ``{"error": {"message", "type", "param", "code"}}``.
+
+    app = FastAPI()
+    mount(app, lambda request: WeightCheckerBackend(checksums=..., reset=...))
+
+The route exists only when ``VLLM_SERVER_DEV_MODE=1`` (as in vLLM).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from http import HTTPStatus
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from weight_checker.digests import compare
+
+ACTIONS = ("checksum", "reset", "compare")
+DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
+
+
+class _SharedExclusiveLock:
+    """Many checksums at once, but a reset runs alone: a reset never
+    interleaves with a checksum that is reading the same weights."""
+
+    def __init__(self) -> None:
+        self._cond = asyncio.Condition()
+        self._readers = 0
+        self._writer = False
+
+    async def _acquire(self, exclusive: bool) -> None:
+        async with self._cond:
+            if exclusive:
+                await self._cond.wait_for(lambda: not self._writer and self._readers == 0)
+                self._writer = True
+            else:
+                await self._cond.wait_for(lambda: not self._writer)
+                self._readers += 1
+
+    async def _release(self, exclusive: bool) -> None:
+        async with self._cond:
+            if exclusive:
+                self._writer = False
+            else:
+                self._readers -= 1
+            self._cond.notify_all()
+
+    def shared(self) -> _Held:
+        return _Held(self, exclusive=False)
+
+    def exclusive(self) -> _Held:
+        return _Held(self, exclusive=True)
+
+
+@dataclass
+class _Held:
+    lock: _SharedExclusiveLock
+    exclusive: bool
+
+    async def __aenter__(self) -> None:
+        await self.lock._acquire(self.exclusive)
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.lock._release(self.exclusive)
+
+
+@dataclass(eq=False)
+class WeightCheckerBackend:
+    """What the route needs from an inference engine.
+
+    ``checksums`` returns one ``{key: hex}`` dict per worker, over every
+    engine behind this API server; ``reset`` zeroes every worker's weights.
+    """
+
+    checksums: Callable[[], Awaitable[list[dict[str, str]]]]
+    reset: Callable[[], Awaitable[None]]
+    lock: _SharedExclusiveLock = field(default_factory=_SharedExclusiveLock, repr=False)
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+def error_response(status: HTTPStatus, message: str, param: str | None = None) -> JSONResponse:
+    """vLLM's error body: ``{"error": {"message", "type", "param", "code"}}``."""
+    body = {
+        "error": {"message": message, "type": status.phrase, "param": param, "code": status.value}
+    }
+    return JSONResponse(body, status_code=status.value)
+
+
+def parse_request(content_type: str | None, raw: bytes) -> tuple[str, dict[str, str] | None]:
+    """Validates a request body exactly as strictly as vLLM's route does
+    (plus a JSON content type); returns ``(action, baseline)``."""
+    if not raw.strip():
+        raise BadRequest(
+            "Field required: the body must be a JSON object with 'action'", "body.action"
+        )
+    media = (content_type or "").split(";")[0].strip().lower()
+    if media != "application/json" and not media.endswith("+json"):
+        raise BadRequest(f"Content-Type must be application/json, got {content_type!r}", "body")
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadRequest(f"Invalid JSON: {e}", "body") from None
+    if not isinstance(body, dict):
+        raise BadRequest(f"The body must be a JSON object, got {type(body).__name__}", "body")
+    if "action" not in body:
+        raise BadRequest("Field required: 'action'", "body.action")
+    action = body["action"]
+    if not isinstance(action, str) or action not in ACTIONS:
+        raise BadRequest(
+            f"'action' must be one of {list(ACTIONS)}, got {action!r:.80}", "body.action"
+        )
+    baseline = body.get("baseline")
+    if baseline is not None:
+        if not isinstance(baseline, dict):
+            raise BadRequest(
+                f"'baseline' must be an object key -> sha256 hex, got {type(baseline).__name__}",
+                "body.baseline",
+            )
+        for key, digest in baseline.items():
+            if not isinstance(digest, str):
+                raise BadRequest(
+                    f"baseline[{key!r}] must be a string, got {digest!r:.80}",
+                    f"body.baseline.{key}",
+                )
+    if action == "compare" and baseline is None:
+        raise BadRequest("action='compare' requires a 'baseline' object", "body.baseline")
+    return action, baseline
+
+
+def merge_worker_checksums(per_worker: list[dict[str, str]]) -> dict[str, str]:
+    """One dict from every worker's; raises ``KeyError`` listing duplicate keys."""
+    merged: dict[str, str] = {}
+    for worker in per_worker:
+        if duplicates := merged.keys() & worker.keys():
+            raise KeyError(sorted(duplicates))
+        merged.update(worker)
+    return merged
+
+
+_DIGEST_MAP = {
+    "type": "object",
+    "additionalProperties": {"type": "string", "pattern": "^[0-9a-f]{64}$"},
+}
+_ERROR = {
+    "type": "object",
+    "properties": {
+        "error": {
+            "type": "object",
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": "integer"},
+            },
+            "required": ["message", "type", "code"],
+        }
+    },
+}
+OPENAPI = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {
+                "schema": {
+                    "oneOf": [
+                        {
+                            "title": "checksum",
+                            "type": "object",
+                            "properties": {"action": {"const": "checksum"}},
+                            "required": ["action"],
+                        },
+                        {
+                            "title": "reset",
+                            "type": "object",
+                            "properties": {"action": {"const": "reset"}},
+                            "required": ["action"],
+                        },
+                        {
+                            "title": "compare",
+                            "type": "object",
+                            "properties": {"action": {"const": "compare"}, "baseline": _DIGEST_MAP},
+                            "required": ["action", "baseline"],
+                        },
+                    ]
+                }
+            }
+        },
+    },
+    "responses": {
+        "200": {
+            "description": "checksum: {checksums}; reset: {status}; compare: {match, mismatches}",
+            "content": {
+                "application/json": {
+                    "schema": {
+                        "oneOf": [
+                            {
+                                "type": "object",
+                                "properties": {"checksums": _DIGEST_MAP},
+                                "required": ["checksums"],
+                            },
+                            {
+                                "type": "object",
+                                "properties": {"status": {"const": "reset"}},
+                                "required": ["status"],
+                            },
+                            {
+                                "type": "object",
+                                "properties": {
+                                    "match": {"type": "boolean"},
+                                    "mismatches": {"type": "array", "items": {"type": "string"}},
+                                },
+                                "required": ["match", "mismatches"],
+                            },
+                        ]
+                    }
+                }
+            },
+        },
+        "400": {
+            "description": "Invalid request",
+            "content": {"application/json": {"schema": _ERROR}},
+        },
+        "500": {
+            "description": "Two workers produced the same key",
+            "content": {"application/json": {"schema": _ERROR}},
+        },
+    },
+}
+
+
+def create_router(get_backend: Callable[[Request], WeightCheckerBackend]) -> APIRouter:
+    """The ``POST /weight_checker`` router over the backend ``get_backend(request)``."""
+    router = APIRouter()
+
+    @router.post(
+        "/weight_checker",
+        summary="Checksum, reset, or compare model weights against a baseline.",
+        openapi_extra=OPENAPI,
+        response_model=None,
+    )
+    async def weight_checker(request: Request) -> JSONResponse:
+        """Per-tensor SHA-256 of every worker's weights (keys
+        ``dp{dp}:pp{pp}:pcp{pcp}:tp{tp}:{name}``); ``reset`` zeroes them;
+        ``compare`` recomputes and lists every key whose digest differs from
+        ``baseline`` (missing and extra keys included), sorted."""
+        try:
+            action, baseline = parse_request(
+                request.headers.get("content-type"), await request.body()
+            )
+        except BadRequest as e:
+            return error_response(HTTPStatus.BAD_REQUEST, e.message, e.param)
+        backend = get_backend(request)
+        if action == "reset":
+            async with backend.lock.exclusive():
+                await backend.reset()
+            return JSONResponse({"status": "reset"})
+        async with backend.lock.shared():
+            per_worker = await backend.checksums()
+        try:
+            checksums = merge_worker_checksums(per_worker)
+        except KeyError as e:
+            return error_response(
+                HTTPStatus.INTERNAL_SERVER_ERROR, f"Duplicate weight checksum keys: {e.args[0]}"
+            )
+        if action == "checksum":
+            return JSONResponse({"checksums": checksums})
+        assert baseline is not None
+        return JSONResponse(dict(compare(baseline, checksums)))
+
+    return router
+
+
+def dev_mode_enabled() -> bool:
+    return os.environ.get(DEV_MODE_ENV, "0") == "1"
+
+
+def mount(
+    app: FastAPI,
+    get_backend: Callable[[Request], WeightCheckerBackend],
+    *,
+    dev_mode: bool | None = None,
+) -> bool:
+    """Adds the route to ``app`` when dev mode is on (``VLLM_SERVER_DEV_MODE=1``
+    unless ``dev_mode`` says otherwise). Returns whether it was added."""
+    if not (dev_mode_enabled() if dev_mode is None else dev_mode):
+        return False
+    app.include_router(create_router(get_backend))
+    return True

@@ -1,0 +1,36 @@
+"""Fuzz POST /weight_checker from its own OpenAPI schema (schemathesis).
+
+Positive cases (bodies the schema allows) must be answered 200 or, for a
+baseline that the strategy cannot make complete, 200 as well; negative cases
+(bodies that break the schema) must be 400 in vLLM's error shape. Nothing may
+be a 5xx: the one allowed 500, duplicate keys across workers, cannot happen
+with this backend.
+"""
+
+from __future__ import annotations
+
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+
+from .test_server import Workers, make_app
+
+app = make_app(Workers())
+operation = schemathesis.openapi.from_asgi("/openapi.json", app)["/weight_checker"]["POST"]
+fuzz = settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+
+
+@fuzz
+@given(case=operation.as_strategy(schemathesis.GenerationMode.POSITIVE))
+def test_valid_bodies_succeed(case):
+    response = case.call()
+    assert response.status_code == 200, (case.body, response.text)
+
+
+@fuzz
+@given(case=operation.as_strategy(schemathesis.GenerationMode.NEGATIVE))
+def test_invalid_bodies_are_400_in_vllm_shape(case):
+    response = case.call()
+    assert response.status_code < 500, (case.body, response.text)
+    if response.status_code != 200:
+        assert response.status_code == 400, (case.body, response.text)
+        assert set(response.json()["error"]) == {"message", "type", "param", "code"}
