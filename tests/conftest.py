@@ -41,3 +41,11 @@ def vllm_digest(t) -> str:
 @pytest.fixture
 def torch():
     return pytest.importorskip("torch")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    """A tiny Llama checkpoint written at test time with a fixed seed."""
+    from .vllm_server import write_tiny_llama
+
+    return write_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama")

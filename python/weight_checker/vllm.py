@@ -1,0 +1,264 @@
+"""vLLM glue: a stock vLLM serves weight_checker's digests once this package
+is installed.
+
+Two entry points (see pyproject.toml):
+
+``vllm.general_plugins`` → :func:`register` (loaded by vLLM in the API
+server, the engine cores and every worker). In each worker it replaces
+``Worker.compute_weight_checksums`` and ``Worker.reset_weights`` (vLLM ≥ 0.32)
+with this package's core: same keys (vLLM's own prefix method), same tensors,
+same digests. It also adds ``weight_checker_checksums`` /
+``weight_checker_reset`` to the worker, for the route below and for vLLM
+versions without the built-in checker. ``WEIGHT_CHECKER_VLLM_PLUGIN=0``
+switches it off.
+
+``vllm.endpoint_plugins`` → :class:`WeightCheckerEndpoint` (loaded only when
+named in ``VLLM_PLUGINS``). It mounts :mod:`weight_checker.server`'s route,
+which replaces a built-in one, fanning out to every engine and every worker.
+This is the path for vLLM ≤ 0.31, which has no built-in endpoint.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import logging
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+# Under vLLM's logger tree, so vLLM's handler, format and level apply.
+logger = logging.getLogger("vllm.plugins.weight_checker")
+
+PLUGIN_ENV = "WEIGHT_CHECKER_VLLM_PLUGIN"
+WORKER_MODULE = "vllm.v1.worker.gpu_worker"
+
+_registered = False
+_lock = threading.Lock()
+
+
+def plugin_enabled() -> bool:
+    return os.environ.get(PLUGIN_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+# --- worker side -----------------------------------------------------------
+
+
+def worker_prefix(worker: Any) -> str:
+    """The worker's key prefix: vLLM's own method where it has one, else the
+    same ranks read from vLLM's parallel state."""
+    own = getattr(worker, "_weight_checksum_prefix", None)
+    if callable(own):
+        return own()
+    from vllm.distributed import parallel_state as ps
+
+    from weight_checker.keys import rank_prefix
+
+    pcp = ps.get_pcp_group().rank_in_group if hasattr(ps, "get_pcp_group") else 0
+    cfg = worker.parallel_config
+    dp = getattr(cfg, "data_parallel_index", getattr(cfg, "data_parallel_rank", 0))
+    return rank_prefix(dp, ps.get_pp_group().rank_in_group, pcp, ps.get_tp_group().rank_in_group)
+
+
+def weight_checker_checksums(self: Any) -> dict[str, str]:
+    """``{prefix + name: sha256 hex}`` of this worker's model, by the Rust core."""
+    import weight_checker
+    from weight_checker.walk import collect
+
+    prefix = worker_prefix(self)
+    model = self.model_runner.get_model()
+    start = time.perf_counter()
+    names, tensors = collect(model)
+    from weight_checker.digests import digest_tensors
+
+    digests, _ = digest_tensors(names, tensors)
+    seconds = time.perf_counter() - start
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    logger.info(
+        "weight_checker: %d tensors, %d bytes in %.4f s (%.2f GB/s) on %s by the Rust core "
+        "(weight_checker %s, backend %s)",
+        len(names),
+        nbytes,
+        seconds,
+        nbytes / seconds / 1e9 if seconds > 0 else 0.0,
+        prefix.rstrip(":"),
+        weight_checker.__version__,
+        weight_checker.backend(),
+    )
+    return {prefix + n: d for n, d in zip(names, digests, strict=True)}
+
+
+def weight_checker_reset(self: Any) -> None:
+    """Zeroes every tensor the checksum covers, in place."""
+    import weight_checker
+
+    weight_checker.reset(self.model_runner.get_model())
+    logger.info("weight_checker: weights reset on %s", worker_prefix(self).rstrip(":"))
+
+
+def weight_checker_vllm_reference(self: Any) -> dict[str, str]:
+    """vLLM's own built-in digests of this worker's model (its
+    ``compute_tensor_digests``, one tensor at a time): lets a deployment check,
+    in place, that the plugin's digests are byte-identical."""
+    from vllm.model_executor.model_loader.weight_checksum import compute_tensor_digests
+
+    prefix = worker_prefix(self)
+    return {prefix + n: d for n, d in compute_tensor_digests(self.model_runner.get_model()).items()}
+
+
+def patch_worker_class(worker_cls: type) -> None:
+    """Makes ``worker_cls`` (vLLM's GPU ``Worker``; CPU and other workers
+    inherit it) use weight_checker. Safe to call more than once."""
+    if getattr(worker_cls, "_weight_checker_patched", False):
+        return
+    worker_cls.weight_checker_checksums = weight_checker_checksums
+    worker_cls.weight_checker_reset = weight_checker_reset
+    worker_cls.weight_checker_vllm_reference = weight_checker_vllm_reference
+    missing = [
+        m for m in ("compute_weight_checksums", "reset_weights") if not hasattr(worker_cls, m)
+    ]
+    if missing:
+        logger.info(
+            "weight_checker: %s has no %s (vLLM without the built-in weight checker); "
+            "left as is. Name the endpoint plugin in VLLM_PLUGINS to serve /weight_checker.",
+            worker_cls.__name__,
+            " / ".join(missing),
+        )
+    else:
+        worker_cls.compute_weight_checksums = weight_checker_checksums
+        worker_cls.reset_weights = weight_checker_reset
+        logger.info("weight_checker: %s now hashes weights with the Rust core", worker_cls.__name__)
+    worker_cls._weight_checker_patched = True
+
+
+class _PatchAfterImport(importlib.abc.MetaPathFinder):
+    """Patches the worker class right after its module is imported, so that
+    processes that never import it (the API server) do not pay for it."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != WORKER_MODULE:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None and spec.loader is not None:
+                spec.loader = _PatchingLoader(spec.loader)
+                return spec
+        return None
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    def __init__(self, inner: Any):
+        self.inner = inner
+
+    def create_module(self, spec):
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module):
+        self.inner.exec_module(module)
+        _patch_module(module)
+
+
+def _patch_module(module: Any) -> None:
+    worker_cls = getattr(module, "Worker", None)
+    if worker_cls is None:
+        logger.warning("weight_checker: %s has no Worker class; vLLM left as is", module.__name__)
+        return
+    try:
+        patch_worker_class(worker_cls)
+    except Exception:  # a plugin must never take vLLM down
+        logger.exception("weight_checker: patching %s failed; vLLM left as is", worker_cls)
+
+
+def register() -> None:
+    """``vllm.general_plugins`` entry point (idempotent, cheap)."""
+    global _registered
+    with _lock:
+        if _registered:
+            return
+        _registered = True
+    if not plugin_enabled():
+        logger.info("weight_checker: plugin disabled by %s", PLUGIN_ENV)
+        return
+    module = sys.modules.get(WORKER_MODULE)
+    if module is not None:
+        _patch_module(module)
+    else:
+        sys.meta_path.insert(0, _PatchAfterImport())
+
+
+# --- API server side ---------------------------------------------------------
+
+
+async def _all_engines(engine_client: Any, method: str) -> list[Any]:
+    """``collective_rpc(method)`` on every worker of every engine behind this
+    API server, flattened. ``engine_client.collective_rpc`` alone answers for
+    one engine only under data parallelism."""
+    core = getattr(engine_client, "engine_core", None)
+    if core is not None and hasattr(core, "call_utility_all_async"):
+        per_engine = await core.call_utility_all_async("collective_rpc", method, None, (), None)
+    elif (
+        core is not None and hasattr(core, "_call_utility_async") and hasattr(core, "core_engines")
+    ):
+        import asyncio
+
+        per_engine = await asyncio.gather(
+            *(
+                core._call_utility_async("collective_rpc", method, None, (), None, engine=e)
+                for e in core.core_engines
+            )
+        )
+    else:
+        logger.warning("weight_checker: cannot reach engines one by one; asking collective_rpc")
+        per_engine = [await engine_client.collective_rpc(method)]
+    return [worker for workers in per_engine for worker in workers]
+
+
+def backend_for(engine_client: Any):
+    from weight_checker.server import WeightCheckerBackend
+
+    async def checksums() -> list[dict[str, str]]:
+        return await _all_engines(engine_client, "weight_checker_checksums")
+
+    async def reset() -> None:
+        await _all_engines(engine_client, "weight_checker_reset")
+
+    return WeightCheckerBackend(checksums=checksums, reset=reset)
+
+
+class WeightCheckerEndpoint:
+    """``vllm.endpoint_plugins`` entry point: mounts ``POST /weight_checker``
+    (replacing vLLM's built-in route of the same path) when
+    ``VLLM_SERVER_DEV_MODE=1``."""
+
+    name = "weight_checker_route"
+    required_tasks = None
+
+    def attach_router(self, app: Any) -> None:
+        from weight_checker.server import mount
+
+        def get_backend(request: Any):
+            state = request.app.state
+            backend = getattr(state, "weight_checker_backend", None)
+            if backend is None:
+                backend = state.weight_checker_backend = backend_for(state.engine_client)
+            return backend
+
+        if mount(app, get_backend):
+            logger.info("weight_checker: POST /weight_checker served by weight_checker.server")
+        else:
+            logger.info(
+                "weight_checker: VLLM_SERVER_DEV_MODE is not 1; /weight_checker not mounted"
+            )
+
+    async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
+        if engine_client is not None:
+            state.weight_checker_backend = backend_for(engine_client)
+
+
+def attach_router(app: Any) -> None:
+    """Function form of :meth:`WeightCheckerEndpoint.attach_router`."""
+    WeightCheckerEndpoint().attach_router(app)

