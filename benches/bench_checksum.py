@@ -33,9 +33,7 @@ def reference_digests():
 
         def compute_tensor_digests(model: nn.Module) -> dict[str, str]:
             return {
-                name: hashlib.sha256(
-                    t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()
-                ).hexdigest()
+                name: hashlib.sha256(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
                 for name, t in model.named_parameters()
             }
 
@@ -89,9 +87,7 @@ def bench(label, model, ref, repeat):
     print(f"\n{label}: {count} tensors, {nbytes / 1e9:.3f} GB (median of {repeat})")
     print(f"  {'':28} {'seconds':>9} {'GB/s':>7} {'us/tensor':>10}")
     print(f"  {'reference':28} {r:9.4f} {nbytes / r / 1e9:7.2f} {r / count * 1e6:10.2f}")
-    print(
-        f"  {'weight_checker.checksum':28} {o:9.4f} {nbytes / o / 1e9:7.2f} {o / count * 1e6:10.2f}"
-    )
+    print(f"  {'weight_checker.checksum':28} {o:9.4f} {nbytes / o / 1e9:7.2f} {o / count * 1e6:10.2f}")
     print(f"  ratio ours / reference: {o / r:.3f}   (speed-up {r / o:.2f}x)")
 
 

@@ -38,9 +38,7 @@ def build() -> None:
 def reference(t) -> str:
     import torch
 
-    return hashlib.sha256(
-        t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()
-    ).hexdigest()
+    return hashlib.sha256(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
 
 
 def check_digests(device: str, results: dict) -> None:
@@ -62,9 +60,7 @@ def check_digests(device: str, results: dict) -> None:
             for s in shape:
                 n *= s
             size = max(n, 1) * torch.empty((), dtype=dt).element_size()
-            raw = torch.randint(
-                0, 2 if dt == torch.bool else 256, (size,), dtype=torch.uint8, generator=g
-            )
+            raw = torch.randint(0, 2 if dt == torch.bool else 256, (size,), dtype=torch.uint8, generator=g)
             t = raw.view(dt)[:n].reshape(shape).to(device)
             tensors[f"{dt}.{shape}"] = t
             if t.dim() >= 2:
@@ -152,9 +148,7 @@ def time_model(device: str, smoke: bool, results: dict) -> None:
     t_ref, t_ours = min(r[0] for r in rows), min(r[1] for r in rows)
     stats = staging.StagingStats()
     if device == "cuda":
-        staging.digest_staged(
-            list(params.values()), engine=staging.CudaCopyEngine(device), stats=stats
-        )
+        staging.digest_staged(list(params.values()), engine=staging.CudaCopyEngine(device), stats=stats)
     results["timing"] = {
         "tensors": len(params),
         "bytes": nbytes,

@@ -18,6 +18,12 @@ use crate::sha256::{Backend, Digest, Sha256, BLOCK_LEN};
 /// that per-call overhead vanishes.
 pub const STEP_BYTES: usize = 64 * 1024;
 
+/// Called with each hashed piece of a buffer (see `hash_many_releasing`).
+pub type ReleaseHook<'a> = &'a (dyn Fn(&[u8]) + Sync);
+
+/// How much of a buffer is hashed before `hash_many_releasing` hands it back.
+pub const RELEASE_BYTES: usize = 8 << 20;
+
 /// Below this many bytes in total, threads cost more than they save.
 const PARALLEL_MIN_BYTES: usize = 256 * 1024;
 
@@ -60,6 +66,18 @@ impl Engine {
 
     /// SHA-256 of each buffer, in input order.
     pub fn hash_many(&self, buffers: &[&[u8]]) -> Vec<Digest> {
+        self.hash_many_with(buffers, None)
+    }
+
+    /// Like [`Engine::hash_many`], calling `release` with consecutive pieces
+    /// of each buffer (about [`RELEASE_BYTES`] each) once they are hashed.
+    /// Hashing a memory-mapped checkpoint uses it to drop pages already read,
+    /// so resident memory stays bounded however large the file.
+    pub fn hash_many_releasing(&self, buffers: &[&[u8]], release: ReleaseHook<'_>) -> Vec<Digest> {
+        self.hash_many_with(buffers, Some(release))
+    }
+
+    fn hash_many_with(&self, buffers: &[&[u8]], release: Option<ReleaseHook<'_>>) -> Vec<Digest> {
         let mut states: Vec<Sha256> = vec![Sha256::new(); buffers.len()];
         let mut digests = vec![
             Digest {
@@ -79,7 +97,7 @@ impl Engine {
                 bytes: buf.len(),
             })
             .collect();
-        self.run(tasks);
+        self.run(tasks, release);
         digests
     }
 
@@ -91,7 +109,7 @@ impl Engine {
         }
     }
 
-    fn run(&self, mut tasks: Vec<Task<'_>>) {
+    fn run(&self, mut tasks: Vec<Task<'_>>, release: Option<ReleaseHook<'_>>) {
         if tasks.is_empty() {
             return;
         }
@@ -107,6 +125,7 @@ impl Engine {
         };
         let workers = threads.min(tasks.len().div_ceil(lanes)).max(1);
         let queue = Queue {
+            release,
             slots: tasks.into_iter().map(|t| Mutex::new(Some(t))).collect(),
             cursor: AtomicUsize::new(0),
         };
@@ -141,9 +160,22 @@ struct Lane<'a> {
     task: Task<'a>,
     chunk: usize,
     pos: usize,
+    /// How far into the current chunk `release` has been called.
+    released: usize,
 }
 
 impl<'a> Lane<'a> {
+    /// Hands the hashed-but-unreleased part of the current chunk to the
+    /// queue's `release` hook once it is at least `min` bytes.
+    fn release_hashed(&mut self, queue: &Queue<'_>, min: usize) {
+        if let Some(release) = queue.release {
+            if self.pos - self.released >= min.max(1) {
+                release(&self.task.chunks[self.chunk][self.released..self.pos]);
+                self.released = self.pos;
+            }
+        }
+    }
+
     /// The unhashed rest of the current chunk.
     fn pending(&self) -> &'a [u8] {
         &self.task.chunks[self.chunk][self.pos..]
@@ -155,6 +187,8 @@ impl<'a> Lane<'a> {
 /// (the cursor hands each slot to one worker); they only make the hand-over
 /// safe without `unsafe`.
 struct Queue<'a> {
+    /// Called with each hashed piece of a buffer (see `hash_many_releasing`).
+    release: Option<ReleaseHook<'a>>,
     slots: Vec<Mutex<Option<Task<'a>>>>,
     cursor: AtomicUsize,
 }
@@ -173,7 +207,14 @@ fn prepare<'a>(backend: Backend, lane: &mut Option<Lane<'a>>, queue: &Queue<'a>)
     loop {
         let Some(l) = lane else {
             match next_task(queue) {
-                Some(task) => *lane = Some(Lane { task, chunk: 0, pos: 0 }),
+                Some(task) => {
+                    *lane = Some(Lane {
+                        task,
+                        chunk: 0,
+                        pos: 0,
+                        released: 0,
+                    })
+                }
                 None => return,
             }
             continue;
@@ -187,8 +228,10 @@ fn prepare<'a>(backend: Backend, lane: &mut Option<Lane<'a>>, queue: &Queue<'a>)
         }
         let data = l.pending();
         if data.is_empty() {
+            l.release_hashed(queue, 0);
             l.chunk += 1;
             l.pos = 0;
+            l.released = 0;
         } else if l.task.state.buf_len > 0 || data.len() < BLOCK_LEN {
             l.pos += l.task.state.absorb_into_buffer(backend, data);
         } else {
@@ -228,6 +271,7 @@ fn worker(backend: Backend, lanes: usize, queue: &Queue<'_>) {
         for l in active.iter_mut().flatten() {
             l.task.state.note_blocks(step);
             l.pos += step;
+            l.release_hashed(queue, RELEASE_BYTES);
         }
     }
 }
@@ -322,7 +366,7 @@ impl MultiHasher {
             });
             start = end;
         }
-        self.engine.run(tasks);
+        self.engine.run(tasks, None);
         Ok(())
     }
 

@@ -17,29 +17,28 @@ pub enum Error {
         tensor: Option<String>,
         reason: String,
     },
+    /// A progress callback asked to stop.
+    Cancelled,
 }
 
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Error::DigestIndex { index, len } => {
-                write!(f, "digest index {index} out of range for {len} digests")
-            }
+            Error::DigestIndex { index, len } => write!(f, "digest index {index} out of range for {len} digests"),
             Error::Io { path, source } => write!(f, "{}: {source}", path.display()),
             Error::Safetensors {
                 path,
                 tensor: Some(t),
                 reason,
             } => {
-                write!(f, "{}: tensor {t:?}: {reason}", path.display())
+                write!(f, "{}: tensor '{t}': {reason}", path.display())
             }
             Error::Safetensors {
                 path,
                 tensor: None,
                 reason,
-            } => {
-                write!(f, "{}: {reason}", path.display())
-            }
+            } => write!(f, "{}: {reason}", path.display()),
+            Error::Cancelled => f.write_str("cancelled"),
         }
     }
 }

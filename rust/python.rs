@@ -3,6 +3,7 @@
 //! lives in the pure-Rust modules; this file only adapts.
 
 use std::ffi::{c_int, c_void, CStr};
+use std::path::PathBuf;
 use std::sync::Mutex;
 
 use pyo3::exceptions::{PyBufferError, PyIndexError, PyOSError, PyRuntimeError, PyTypeError, PyValueError};
@@ -11,6 +12,7 @@ use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyCapsule, PyCapsuleMethods, PyTuple, PyType};
 use pyo3::{ffi, intern};
 
+use crate::checkpoint::{self, CheckpointFile};
 use crate::engine::{Engine, MultiHasher as CoreMultiHasher};
 use crate::error::Error;
 use crate::sha256::{Backend, Digest};
@@ -38,6 +40,7 @@ fn to_py_err(e: Error) -> PyErr {
         Error::DigestIndex { .. } => PyIndexError::new_err(e.to_string()),
         Error::Io { .. } => PyOSError::new_err(e.to_string()),
         Error::Safetensors { .. } => SafetensorsError::new_err(e.to_string()),
+        Error::Cancelled => PyRuntimeError::new_err("cancelled"),
     }
 }
 
@@ -589,6 +592,57 @@ impl MultiHasher {
     }
 }
 
+/// Per-tensor digests of safetensors files (memory-mapped, hashed in
+/// parallel, pages dropped once hashed): `[(name, hex, all_zero)]` in file
+/// order. `progress(done_bytes, total_bytes)` is called between batches with
+/// the GIL held; an exception from it (e.g. KeyboardInterrupt) stops the run.
+#[pyfunction]
+#[pyo3(signature = (paths, progress=None, batch_bytes=256 << 20))]
+fn checksum_safetensors(
+    py: Python<'_>,
+    paths: Vec<PathBuf>,
+    progress: Option<Py<PyAny>>,
+    batch_bytes: u64,
+) -> PyResult<Vec<(String, String, bool)>> {
+    let engine = Engine::default();
+    let mut callback_error: Option<PyErr> = None;
+    let result = py.detach(|| {
+        let files = paths
+            .iter()
+            .map(|p| CheckpointFile::open(p))
+            .collect::<Result<Vec<_>, Error>>()?;
+        checkpoint::checksum_files(&files, &engine, batch_bytes, |done, total| {
+            let Some(cb) = &progress else { return true };
+            Python::attach(|py| match cb.call1(py, (done, total)) {
+                Ok(_) => true,
+                Err(e) => {
+                    callback_error = Some(e);
+                    false
+                }
+            })
+        })
+    });
+    if let Some(e) = callback_error {
+        return Err(e);
+    }
+    let out = result.map_err(to_py_err)?;
+    Ok(out.into_iter().map(|(name, d)| (name, d.hex(), d.all_zero)).collect())
+}
+
+/// `(name, dtype, shape, nbytes)` of one checkpoint tensor.
+type TensorInfo = (String, String, Vec<u64>, u64);
+
+/// The tensors of one safetensors file as `[(name, dtype, shape, nbytes)]`,
+/// after validating its header.
+#[pyfunction]
+fn safetensors_tensors(path: PathBuf) -> PyResult<Vec<TensorInfo>> {
+    let f = CheckpointFile::open(&path).map_err(to_py_err)?;
+    Ok(f.tensors
+        .iter()
+        .map(|t| (t.name.clone(), t.dtype.clone(), t.shape.clone(), t.nbytes()))
+        .collect())
+}
+
 /// The compression backend in use (`sha-ni` or `portable`).
 #[pyfunction]
 fn backend() -> &'static str {
@@ -608,6 +662,8 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(digest_many, m)?)?;
     m.add_function(wrap_pyfunction!(backend, m)?)?;
     m.add_function(wrap_pyfunction!(threads, m)?)?;
+    m.add_function(wrap_pyfunction!(checksum_safetensors, m)?)?;
+    m.add_function(wrap_pyfunction!(safetensors_tensors, m)?)?;
     m.add_class::<MultiHasher>()?;
     m.add("SafetensorsError", m.py().get_type::<SafetensorsError>())?;
     m.add("DeviceTensorError", m.py().get_type::<DeviceTensorError>())?;

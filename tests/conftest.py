@@ -10,12 +10,8 @@ from hypothesis import HealthCheck, settings
 
 # `fast` for CI (the default), `slow` for deep local runs:
 #   HYPOTHESIS_PROFILE=slow pytest
-settings.register_profile(
-    "fast", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
-settings.register_profile(
-    "slow", max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
+settings.register_profile("fast", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("slow", max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "fast"))
 
 
@@ -46,6 +42,6 @@ def torch():
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory):
     """A tiny Llama checkpoint written at test time with a fixed seed."""
-    from .vllm_server import write_tiny_llama
+    from weight_checker.launch import write_tiny_llama
 
     return write_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama")

@@ -70,9 +70,7 @@ digest_maps = st.dictionaries(
 @given(digest_maps, digest_maps)
 def test_compare_is_symmetric_difference_plus_changed(base, cur):
     r = weight_checker.compare(base, cur)
-    expect = sorted(
-        (base.keys() ^ cur.keys()) | {k for k in base.keys() & cur.keys() if base[k] != cur[k]}
-    )
+    expect = sorted((base.keys() ^ cur.keys()) | {k for k in base.keys() & cur.keys() if base[k] != cur[k]})
     assert r["mismatches"] == expect
     assert r["match"] is (not expect)
 

@@ -21,9 +21,7 @@ from weight_checker import _core
 def test_backend_env_var_forces_the_fallback():
     code = "from weight_checker import _core; print(_core.backend())"
     env = dict(os.environ, WEIGHT_CHECKER_BACKEND="portable")
-    out = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
-    )
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "portable"
 
 

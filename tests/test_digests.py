@@ -45,9 +45,7 @@ def test_nist_vectors():
     msgs = [(v["message"] * v["repeat"]).encode() for v in vectors]
     assert weight_checker.sha256_many(msgs) == [v["digest"] for v in vectors]
     # The same bytes as tensors and as numpy arrays.
-    tensors = [
-        torch.frombuffer(bytearray(m), dtype=torch.uint8) if m else torch.empty(0) for m in msgs
-    ]
+    tensors = [torch.frombuffer(bytearray(m), dtype=torch.uint8) if m else torch.empty(0) for m in msgs]
     assert weight_checker.sha256_many(tensors) == [v["digest"] for v in vectors]
     arrays = [np.frombuffer(m, dtype=np.uint8) for m in msgs]
     assert weight_checker.sha256_many(arrays) == [v["digest"] for v in vectors]
@@ -69,9 +67,7 @@ def test_every_dtype_matches_vllm(dtype):
 
 def test_zero_dim_and_empty():
     scalar = torch.tensor(3.5, dtype=torch.float32)
-    assert weight_checker.sha256_many([scalar]) == [
-        hashlib.sha256(np.float32(3.5).tobytes()).hexdigest()
-    ]
+    assert weight_checker.sha256_many([scalar]) == [hashlib.sha256(np.float32(3.5).tobytes()).hexdigest()]
     assert weight_checker.sha256_many([torch.empty(0, 5), b"", np.empty((3, 0))]) == [EMPTY] * 3
 
 
@@ -119,9 +115,7 @@ def test_numpy_bytes_memoryview_bytearray():
         bytearray(b"q" * 70),
     ]
     want = [
-        hashlib.sha256(
-            np.ascontiguousarray(o).tobytes() if isinstance(o, np.ndarray) else bytes(o)
-        ).hexdigest()
+        hashlib.sha256(np.ascontiguousarray(o).tobytes() if isinstance(o, np.ndarray) else bytes(o)).hexdigest()
         for o in objs
     ]
     assert weight_checker.sha256_many(objs) == want
@@ -196,13 +190,9 @@ EDGE = [0, 1, 55, 56, 57, 63, 64, 65, 119, 120, 127, 128, 129, 4095, 4096, 4097]
     st.integers(0, 15),
 )
 def test_random_lengths_and_offsets_match_hashlib(lengths, offset):
-    pool = np.random.default_rng(sum(lengths) + offset).integers(
-        0, 256, sum(lengths) + offset, dtype=np.uint8
-    )
+    pool = np.random.default_rng(sum(lengths) + offset).integers(0, 256, sum(lengths) + offset, dtype=np.uint8)
     bufs, at = [], offset
     for n in lengths:
         bufs.append(pool[at : at + n])
         at += n
-    assert weight_checker.sha256_many(bufs) == [
-        hashlib.sha256(b.tobytes()).hexdigest() for b in bufs
-    ]
+    assert weight_checker.sha256_many(bufs) == [hashlib.sha256(b.tobytes()).hexdigest() for b in bufs]

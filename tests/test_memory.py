@@ -33,9 +33,7 @@ print(json.dumps({"tensor": n, "growth": peak() - before}))
 
 
 def peak_growth(gb: float, layout: str) -> dict:
-    out = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(gb), layout], capture_output=True, text=True, check=True
-    )
+    out = subprocess.run([sys.executable, "-c", SCRIPT, str(gb), layout], capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

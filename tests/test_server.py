@@ -35,9 +35,7 @@ class Workers:
     async def checksums(self) -> list[dict[str, str]]:
         self.events.append("checksum-start")
         await asyncio.sleep(0.01)
-        out = [
-            weight_checker.checksum(m, p) for m, p in zip(self.models, self.prefixes, strict=True)
-        ]
+        out = [weight_checker.checksum(m, p) for m, p in zip(self.models, self.prefixes, strict=True)]
         self.events.append("checksum-end")
         return out
 
@@ -179,9 +177,7 @@ def test_invalid_json_and_content_type(client):
     assert_vllm_error(client.post("/weight_checker", content=b"{action: checksum", headers=h), 400)
     assert_vllm_error(client.post("/weight_checker", content=b"\xff\xfe", headers=h), 400)
     assert_vllm_error(client.post("/weight_checker", content=b"null", headers=h), 400)
-    r = client.post(
-        "/weight_checker", content=b'{"action": "checksum"}', headers={"content-type": "text/plain"}
-    )
+    r = client.post("/weight_checker", content=b'{"action": "checksum"}', headers={"content-type": "text/plain"})
     assert_vllm_error(r, 400)
     r = client.post("/weight_checker", data={"action": "checksum"})  # form-encoded
     assert_vllm_error(r, 400)
@@ -197,10 +193,7 @@ def test_bad_requests_change_nothing(client, workers):
 
 
 def test_route_exists_only_in_dev_mode(workers, monkeypatch):
-    assert (
-        TestClient(make_app(workers, dev_mode=False)).post("/weight_checker", json={}).status_code
-        == 404
-    )
+    assert TestClient(make_app(workers, dev_mode=False)).post("/weight_checker", json={}).status_code == 404
     app = FastAPI()
     backend = WeightCheckerBackend(checksums=workers.checksums, reset=workers.reset)
     monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "0")
@@ -252,9 +245,7 @@ def test_reset_never_interleaves_with_checksum(workers):
 
 
 digest = st.sampled_from(["a" * 64, "b" * 64, "c" * 64])
-key = st.sampled_from(
-    [f"dp0:pp0:pcp0:tp{t}:{n}.{w}" for t in (0, 1) for n in (0, 1) for w in ("weight", "bias")]
-)
+key = st.sampled_from([f"dp0:pp0:pcp0:tp{t}:{n}.{w}" for t in (0, 1) for n in (0, 1) for w in ("weight", "bias")])
 
 
 @given(st.dictionaries(key, digest), st.data())
@@ -267,7 +258,6 @@ def test_compare_route_matches_union_semantics(baseline, data):
         baseline[k] = current[k]
     r = post(client, {"action": "compare", "baseline": baseline}).json()
     expect = sorted(
-        (baseline.keys() ^ current.keys())
-        | {k for k in baseline.keys() & current.keys() if baseline[k] != current[k]}
+        (baseline.keys() ^ current.keys()) | {k for k in baseline.keys() & current.keys() if baseline[k] != current[k]}
     )
     assert r == {"match": not expect, "mismatches": expect}

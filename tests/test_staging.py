@@ -54,9 +54,7 @@ def test_staged_digests_equal_hashlib_in_any_order(specs, budget, slots, rnd):
     tensors = [make_tensor(kind, n, i) for i, (kind, n) in enumerate(specs)]
     names = [f"t{i}" for i in range(len(tensors))]
     stats = StagingStats()
-    digests, zero = digest_staged(
-        tensors, names, engine=HostCopyEngine(), budget=budget, slots=slots, stats=stats
-    )
+    digests, zero = digest_staged(tensors, names, engine=HostCopyEngine(), budget=budget, slots=slots, stats=stats)
     assert digests == [vllm_digest(t) for t in tensors]
     assert zero == [not bool(t.count_nonzero()) for t in tensors]
     # The bound: all slots together within the budget; no device temporary
@@ -66,9 +64,7 @@ def test_staged_digests_equal_hashlib_in_any_order(specs, budget, slots, rnd):
     # Order does not matter: the same tensor gets the same digest.
     order = list(range(len(tensors)))
     rnd.shuffle(order)
-    shuffled, _ = digest_staged(
-        [tensors[i] for i in order], engine=HostCopyEngine(), budget=budget, slots=slots
-    )
+    shuffled, _ = digest_staged([tensors[i] for i in order], engine=HostCopyEngine(), budget=budget, slots=slots)
     assert dict(zip(order, shuffled, strict=True)) == dict(enumerate(digests))
 
 
@@ -124,9 +120,7 @@ def test_copy_error_surfaces_naming_the_tensor(at):
     names = [f"layer.{i}" for i in range(10)]
     with pytest.raises(RuntimeError, match=r"tensor 'layer\.\d+': staging copy failed: injected"):
         run_with_timeout(
-            lambda: digest_staged(
-                tensors, names, engine=FaultyEngine(fail_copy_at=at), budget=2000, slots=2
-            )
+            lambda: digest_staged(tensors, names, engine=FaultyEngine(fail_copy_at=at), budget=2000, slots=2)
         )
 
 
@@ -134,11 +128,7 @@ def test_copy_error_surfaces_naming_the_tensor(at):
 def test_hash_side_error_surfaces(at):
     tensors = [random_tensor((1000,), torch.uint8, i) for i in range(10)]
     with pytest.raises(RuntimeError, match="injected hash-side failure"):
-        run_with_timeout(
-            lambda: digest_staged(
-                tensors, engine=FaultyEngine(fail_wait_at=at), budget=2000, slots=2
-            )
-        )
+        run_with_timeout(lambda: digest_staged(tensors, engine=FaultyEngine(fail_wait_at=at), budget=2000, slots=2))
 
 
 def test_pinned_engine_falls_back_with_one_warning():
@@ -180,9 +170,7 @@ print(json.dumps({"growth": peak() - before, "host_bytes": stats.host_bytes}))
 
 
 def test_staging_bound_holds_for_a_1gb_parameter_set():
-    out = subprocess.run(
-        [sys.executable, "-c", RSS_SCRIPT], capture_output=True, text=True, check=True
-    )
+    out = subprocess.run([sys.executable, "-c", RSS_SCRIPT], capture_output=True, text=True, check=True)
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["host_bytes"] <= 64 << 20
     # Slots (64 MiB) plus allocator slack; a host snapshot would be 1 GiB.

@@ -6,9 +6,9 @@ The built-in route serves; the workers' checksum and reset are ours.
 from __future__ import annotations
 
 import pytest
+from weight_checker.launch import vllm_available, vllm_server
 
 from . import vllm_checks as checks
-from .vllm_server import vllm_available, vllm_server
 
 pytestmark = [
     pytest.mark.vllm,

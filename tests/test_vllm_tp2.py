@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from weight_checker.launch import vllm_available, vllm_server
 
 from . import vllm_checks as checks
-from .vllm_server import vllm_available, vllm_server
 
 pytestmark = [
     pytest.mark.vllm,
@@ -24,8 +24,7 @@ def test_both_tp_ranks_and_identity(server):
     ours = checks.check_digests(server, {"dp0:pp0:pcp0:tp0", "dp0:pp0:pcp0:tp1"})
     assert ours == checks.vllm_reference(server)
     names = {
-        r: {k.split(":", 4)[4] for k in ours if k.startswith(r)}
-        for r in ("dp0:pp0:pcp0:tp0:", "dp0:pp0:pcp0:tp1:")
+        r: {k.split(":", 4)[4] for k in ours if k.startswith(r)} for r in ("dp0:pp0:pcp0:tp0:", "dp0:pp0:pcp0:tp1:")
     }
     assert names["dp0:pp0:pcp0:tp0:"] == names["dp0:pp0:pcp0:tp1:"]
 

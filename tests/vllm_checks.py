@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from .vllm_server import Server
+from weight_checker.launch import Server
 
 EMPTY = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
 VLLM_BAD_PAYLOADS = [{}, {"action": "frobnicate"}, {"action": "compare"}, []]
@@ -75,9 +75,7 @@ def check_seed_flow(server: Server) -> None:
     assert status == 200, body
     assert compare(server, baseline) == {"match": True, "mismatches": []}
     assert server.post("/resume") == (200, {"status": "resumed"})
-    status, body = server.post(
-        "/v1/completions", {"model": server.model, "prompt": [1, 2, 3, 4], "max_tokens": 5}
-    )
+    status, body = server.post("/v1/completions", {"model": server.model, "prompt": [1, 2, 3, 4], "max_tokens": 5})
     assert status == 200, body
     assert body["choices"][0]["finish_reason"] in ("length", "stop")
 

@@ -17,9 +17,7 @@ def sha256_many(buffers: Iterable[Any], names: Sequence[str] | None = None) -> l
     bounded pieces; the GIL is released while hashing.
     """
 
-def digest_many(
-    buffers: Iterable[Any], names: Sequence[str] | None = None
-) -> tuple[list[str], list[bool]]:
+def digest_many(buffers: Iterable[Any], names: Sequence[str] | None = None) -> tuple[list[str], list[bool]]:
     """Like :func:`sha256_many`, plus whether each input was all zero bytes."""
 
 def backend() -> str:

@@ -90,7 +90,5 @@ def compare(baseline: Mapping[str, str], current: Mapping[str, str]) -> CompareR
     """
     _check_digest_map("baseline", baseline)
     _check_digest_map("current", current)
-    mismatches = sorted(
-        k for k in current.keys() | baseline.keys() if current.get(k) != baseline.get(k)
-    )
+    mismatches = sorted(k for k in current.keys() | baseline.keys() if current.get(k) != baseline.get(k))
     return {"match": not mismatches, "mismatches": mismatches}

@@ -98,9 +98,7 @@ class BadRequest(Exception):
 
 def error_response(status: HTTPStatus, message: str, param: str | None = None) -> JSONResponse:
     """vLLM's error body: ``{"error": {"message", "type", "param", "code"}}``."""
-    body = {
-        "error": {"message": message, "type": status.phrase, "param": param, "code": status.value}
-    }
+    body = {"error": {"message": message, "type": status.phrase, "param": param, "code": status.value}}
     return JSONResponse(body, status_code=status.value)
 
 
@@ -108,9 +106,7 @@ def parse_request(content_type: str | None, raw: bytes) -> tuple[str, dict[str, 
     """Validates a request body exactly as strictly as vLLM's route does
     (plus a JSON content type); returns ``(action, baseline)``."""
     if not raw.strip():
-        raise BadRequest(
-            "Field required: the body must be a JSON object with 'action'", "body.action"
-        )
+        raise BadRequest("Field required: the body must be a JSON object with 'action'", "body.action")
     media = (content_type or "").split(";")[0].strip().lower()
     if media != "application/json" and not media.endswith("+json"):
         raise BadRequest(f"Content-Type must be application/json, got {content_type!r}", "body")
@@ -124,9 +120,7 @@ def parse_request(content_type: str | None, raw: bytes) -> tuple[str, dict[str, 
         raise BadRequest("Field required: 'action'", "body.action")
     action = body["action"]
     if not isinstance(action, str) or action not in ACTIONS:
-        raise BadRequest(
-            f"'action' must be one of {list(ACTIONS)}, got {action!r:.80}", "body.action"
-        )
+        raise BadRequest(f"'action' must be one of {list(ACTIONS)}, got {action!r:.80}", "body.action")
     baseline = body.get("baseline")
     if baseline is not None:
         if not isinstance(baseline, dict):
@@ -262,9 +256,7 @@ def create_router(get_backend: Callable[[Request], WeightCheckerBackend]) -> API
         ``compare`` recomputes and lists every key whose digest differs from
         ``baseline`` (missing and extra keys included), sorted."""
         try:
-            action, baseline = parse_request(
-                request.headers.get("content-type"), await request.body()
-            )
+            action, baseline = parse_request(request.headers.get("content-type"), await request.body())
         except BadRequest as e:
             return error_response(HTTPStatus.BAD_REQUEST, e.message, e.param)
         backend = get_backend(request)
@@ -277,9 +269,7 @@ def create_router(get_backend: Callable[[Request], WeightCheckerBackend]) -> API
         try:
             checksums = merge_worker_checksums(per_worker)
         except KeyError as e:
-            return error_response(
-                HTTPStatus.INTERNAL_SERVER_ERROR, f"Duplicate weight checksum keys: {e.args[0]}"
-            )
+            return error_response(HTTPStatus.INTERNAL_SERVER_ERROR, f"Duplicate weight checksum keys: {e.args[0]}")
         if action == "checksum":
             return JSONResponse({"checksums": checksums})
         assert baseline is not None

@@ -88,10 +88,7 @@ def alloc_host(nbytes: int, pin: bool) -> Any:
         except RuntimeError as e:
             if not _pin_warned.is_set():
                 _pin_warned.set()
-                msg = (
-                    f"weight_checker: pinning {nbytes} bytes failed ({e}); "
-                    "staging through pageable memory"
-                )
+                msg = f"weight_checker: pinning {nbytes} bytes failed ({e}); staging through pageable memory"
                 warnings.warn(msg, RuntimeWarning, stacklevel=3)
                 logger.warning(msg)
     return torch.empty(nbytes, dtype=torch.uint8)
@@ -265,9 +262,7 @@ def digest_staged(
     slot_bytes = max(budget // slots, 1)
     plans = plan_slots(sizes, slot_bytes)
     # Never allocate more than the data needs.
-    slot_bytes = min(
-        slot_bytes, max((p[-1].offset + p[-1].stop - p[-1].start for p in plans), default=1)
-    )
+    slot_bytes = min(slot_bytes, max((p[-1].offset + p[-1].stop - p[-1].start for p in plans), default=1))
     stats = stats if stats is not None else StagingStats()
     stats.slot_bytes = slot_bytes
     multi = _core.MultiHasher(len(prepared))
@@ -290,9 +285,7 @@ def digest_staged(
                 for p in plan:
                     try:
                         offset = p.offset
-                        for src in engine.run(
-                            lambda p=p: list(byte_pieces(prepared[p.index], p.start, p.stop))
-                        ):
+                        for src in engine.run(lambda p=p: list(byte_pieces(prepared[p.index], p.start, p.stop))):
                             n = src.numel()
                             own = prepared[p.index].untyped_storage().data_ptr()
                             if src.untyped_storage().data_ptr() != own:  # a device temporary
@@ -350,8 +343,7 @@ def digest_mixed(names: list[str], tensors: list[Any]) -> tuple[list[str], list[
             d, z = digest_staged(sub_t, sub_n, engine=CudaCopyEngine(device))
         else:
             raise _core.DeviceTensorError(
-                f"tensor '{sub_n[0]}' is on device {device}; "
-                "only CPU and CUDA tensors are supported"
+                f"tensor '{sub_n[0]}' is on device {device}; only CPU and CUDA tensors are supported"
             )
         for i, di, zi in zip(idx, d, z, strict=True):
             digests[i], zero[i] = di, zi

