@@ -30,5 +30,11 @@ test-python:
 bench: env
 	$(PY) benches/bench_checksum.py
 
+## The main job: a real vLLM with our plugin, checked by `weight-checker verify`.
+## make demo TRANSFER="--transfer-cmd true" shows a transfer that did nothing.
+TRANSFER ?=
+demo: env
+	$(PY) scripts/demo.py "$(TRANSFER)"
+
 clean:
 	rm -rf target .venv

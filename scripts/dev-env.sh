@@ -23,5 +23,5 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
 fi
 
 # Build and install the package into .venv (release: the benchmarks use it too).
-.venv/bin/maturin develop --release -q 2>&1 | grep -v '^\(📦\|✏️\|🛠\)' || true
+.venv/bin/maturin develop --release -q 2>&1 | grep -v '^\(📦\|✏️\|🛠\|Ignoring \)' || true
 .venv/bin/python -c "import weight_checker; print('dev-env: weight_checker', weight_checker.__version__, 'backend', weight_checker.backend())"

@@ -157,11 +157,12 @@ def test_unsupported_device_is_named():
 
 
 RSS_SCRIPT = r"""
-import json, resource, torch
+import json, torch
 from weight_checker.staging import HostCopyEngine, StagingStats, digest_staged
 tensors = [torch.full((16 << 20,), i % 251, dtype=torch.uint8) for i in range(64)]  # 1 GiB
 tensors += [torch.full((3000,), 7, dtype=torch.uint8) for _ in range(200)]
-peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+# VmHWM (not ru_maxrss, which a child inherits from its parent across exec).
+peak = lambda: int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1]) * 1024
 before = peak()
 stats = StagingStats()
 digest_staged(tensors, engine=HostCopyEngine(pin=True), budget=64 << 20, slots=4, stats=stats)

@@ -119,3 +119,37 @@ fn multi_hasher_rejects_unknown_digest() {
     let err = m.update(&[(0, b"ok".as_slice()), (2, b"bad")]).unwrap_err();
     assert!(err.to_string().contains("index 2"), "{err}");
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
+
+    /// The safetensors header parser never panics, whatever the bytes.
+    #[test]
+    fn header_parser_never_panics(body in prop::collection::vec(any::<u8>(), 0..400), hlen in 0u64..500, prefix in any::<bool>()) {
+        let mut bytes = if prefix { hlen.to_le_bytes().to_vec() } else { Vec::new() };
+        bytes.extend(body);
+        let _ = weight_checker::checkpoint::parse_header(std::path::Path::new("f"), &bytes, bytes.len() as u64);
+    }
+
+    /// Headers that are JSON objects with arbitrary entries: still no panic,
+    /// and every accepted tensor lies inside the file.
+    #[test]
+    fn json_header_parser_never_panics(
+        entries in prop::collection::vec(("[a-c]{1,2}", prop::sample::select(vec!["F32", "BF16", "U8", "F4", "X"]),
+            prop::collection::vec(0u64..1 << 40, 0..3), any::<u64>(), any::<u64>()), 0..4),
+        data_len in 0usize..64,
+    ) {
+        let obj: serde_json::Map<String, serde_json::Value> = entries.into_iter().map(|(name, dtype, shape, b, e)| {
+            (name, serde_json::json!({"dtype": dtype, "shape": shape, "data_offsets": [b % 80, e % 80]}))
+        }).collect();
+        let header = serde_json::to_vec(&obj).unwrap();
+        let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+        bytes.extend(&header);
+        bytes.extend(std::iter::repeat_n(1u8, data_len));
+        if let Ok(tensors) = weight_checker::checkpoint::parse_header(std::path::Path::new("f"), &bytes, bytes.len() as u64) {
+            for t in tensors {
+                prop_assert!(t.start <= t.end && t.end <= bytes.len() as u64);
+            }
+        }
+    }
+}
