@@ -65,6 +65,7 @@ def worker_prefix(worker: Any) -> str:
 def weight_checker_checksums(self: Any) -> dict[str, str]:
     """``{prefix + name: sha256 hex}`` of this worker's model, by the Rust core."""
     import weight_checker
+    from weight_checker import _core
     from weight_checker.walk import collect
 
     prefix = worker_prefix(self)
@@ -78,7 +79,7 @@ def weight_checker_checksums(self: Any) -> dict[str, str]:
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     logger.info(
         "weight_checker: %d tensors, %d bytes in %.4f s (%.2f GB/s) on %s by the Rust core "
-        "(weight_checker %s, backend %s)",
+        "(weight_checker %s, backend %s, %d threads)",
         len(names),
         nbytes,
         seconds,
@@ -86,6 +87,7 @@ def weight_checker_checksums(self: Any) -> dict[str, str]:
         prefix.rstrip(":"),
         weight_checker.__version__,
         weight_checker.backend(),
+        _core.threads(),
     )
     return {prefix + n: d for n, d in zip(names, digests, strict=True)}
 
