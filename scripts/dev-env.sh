@@ -22,6 +22,14 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     echo "$want" > "$stamp"
 fi
 
-# Build and install the package into .venv (release: the benchmarks use it too).
-.venv/bin/maturin develop --release -q 2>&1 | grep -v '^\(📦\|✏️\|🛠\|Ignoring \)' || true
+# Build and install the package into .venv (release: the benchmarks use it
+# too). Its output is kept quiet unless the build fails.
+log=$(mktemp)
+if ! .venv/bin/maturin develop --release -q >"$log" 2>&1; then
+    cat "$log" >&2
+    rm -f "$log"
+    echo "dev-env: maturin develop failed" >&2
+    exit 1
+fi
+rm -f "$log"
 .venv/bin/python -c "import weight_checker; print('dev-env: weight_checker', weight_checker.__version__, 'backend', weight_checker.backend())"

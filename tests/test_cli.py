@@ -289,3 +289,22 @@ def test_progress_bar_only_after_a_delay(capsys):
     shown.close()
     err = capsys.readouterr().err
     assert err.count("[") == 1 and "50.0%" in err
+
+
+def test_output_to_a_special_file_writes_in_place(sharded, tmp_path):
+    # `-o /dev/null` must never replace /dev/null with a regular file: a
+    # FIFO stands in for it here.
+    import os
+    import stat
+    import threading
+
+    fifo = tmp_path / "out.fifo"
+    os.mkfifo(fifo)
+    got: list[str] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_text()))
+    reader.start()
+    r = run("checksum", str(sharded), "-o", str(fifo))
+    reader.join(timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+    assert json.loads(got[0])["checksums"] == loaded_digests(sharded)

@@ -130,3 +130,28 @@ def test_duplicate_keys_across_servers_are_an_error(server):
     assert r.returncode == 2 and "keys also served by another server" in r.stderr
     assert_resumed(server)
     server.post("/collective_rpc", {"method": "reload_weights"})
+
+
+def test_ctrl_c_during_transfer_resumes_and_exits_130(server):
+    import signal
+    import time
+
+    proc = subprocess.Popen(
+        [*CLI, "verify", "--url", server.url, "--wait"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if server.get("/is_paused")[1] == {"is_paused": True}:
+            break
+        time.sleep(0.2)
+    time.sleep(1.0)  # let it reach the prompt
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, (out, err)
+    assert "resume" in out
+    assert_resumed(server)
+    server.post("/collective_rpc", {"method": "reload_weights"})

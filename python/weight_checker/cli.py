@@ -35,13 +35,19 @@ class UsageError(Exception):
 
 
 def write_output(text: str, path: str | None) -> None:
-    """To stdout, or atomically to ``path`` (no half-written manifest)."""
+    """To stdout, or to ``path``: a regular file is replaced atomically (no
+    half-written manifest); anything else (``/dev/null``, a FIFO, a terminal)
+    is written in place, never replaced."""
     if path is None or path == "-":
         sys.stdout.write(text)
         sys.stdout.flush()
         return
     target = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=target.parent if str(target.parent) else ".", prefix=f".{target.name}.")
+    if target.exists() and not target.is_file():
+        with open(target, "w") as f:
+            f.write(text)
+        return
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)

@@ -1,0 +1,95 @@
+"""The vLLM plugin's patching logic, without a server (the real-server
+tests are tests/test_vllm_*.py)."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+
+import torch
+import weight_checker
+from torch import nn
+from weight_checker import vllm as plugin
+
+
+class Runner:
+    def __init__(self, model):
+        self.model = model
+
+    def get_model(self):
+        return self.model
+
+
+def make_worker_class(with_builtin: bool):
+    class Worker:
+        def __init__(self):
+            torch.manual_seed(0)
+            self.model_runner = Runner(nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4)))
+
+        def _weight_checksum_prefix(self):
+            return "dp1:pp0:pcp0:tp1:"
+
+    if with_builtin:
+        Worker.compute_weight_checksums = lambda self: {"builtin": "x"}
+        Worker.reset_weights = lambda self: None
+    return Worker
+
+
+def test_patch_replaces_builtin_methods_with_the_rust_core(caplog):
+    cls = make_worker_class(with_builtin=True)
+    with caplog.at_level(logging.INFO, logger="vllm.plugins.weight_checker"):
+        plugin.patch_worker_class(cls)
+        plugin.patch_worker_class(cls)  # idempotent
+        w = cls()
+        want = weight_checker.checksum(w.model_runner.model, "dp1:pp0:pcp0:tp1:")
+        assert w.compute_weight_checksums() == want == w.weight_checker_checksums()
+    assert any("by the Rust core" in r.message for r in caplog.records)
+    w.reset_weights()
+    assert all(torch.count_nonzero(p) == 0 for p in w.model_runner.model.parameters())
+
+
+def test_worker_without_builtin_methods_is_left_alone(caplog):
+    cls = make_worker_class(with_builtin=False)
+    with caplog.at_level(logging.INFO, logger="vllm.plugins.weight_checker"):
+        plugin.patch_worker_class(cls)
+    assert not hasattr(cls, "compute_weight_checksums") and not hasattr(cls, "reset_weights")
+    assert any("left as is" in r.message for r in caplog.records)
+    # Our own methods (used by the endpoint plugin) are there.
+    assert cls().weight_checker_checksums()
+
+
+def test_plugin_switch_and_lazy_patch_in_a_fresh_process():
+    code = """
+import sys, types
+from weight_checker import vllm as plugin
+plugin.register()
+assert any(type(f).__name__ == "_PatchAfterImport" for f in sys.meta_path), "hook installed"
+assert plugin.WORKER_MODULE not in sys.modules, "the worker module is not imported by register()"
+"""
+    subprocess.run([sys.executable, "-c", code], check=True)
+    off = """
+import os, sys
+os.environ["WEIGHT_CHECKER_VLLM_PLUGIN"] = "0"
+from weight_checker import vllm as plugin
+plugin.register()
+assert not any(type(f).__name__ == "_PatchAfterImport" for f in sys.meta_path)
+"""
+    subprocess.run([sys.executable, "-c", off], check=True)
+
+
+def test_import_hook_patches_vllms_worker_when_imported():
+    code = """
+from weight_checker import vllm as plugin
+plugin.register()
+from vllm.v1.worker.gpu_worker import Worker
+from vllm.v1.worker.cpu_worker import CPUWorker
+assert Worker.compute_weight_checksums is plugin.weight_checker_checksums
+assert CPUWorker.reset_weights is plugin.weight_checker_reset
+"""
+    import pytest
+    from weight_checker.launch import vllm_available
+
+    if not vllm_available():
+        pytest.skip("vLLM is not installed")
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
