@@ -22,30 +22,21 @@ import statistics
 import time
 from pathlib import Path
 
-from weight_checker.launch import vllm_server
+from weight_checker.launch import vllm_server, write_tiny_llama
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def wide_llama(path: Path, vocab: int) -> Path:
-    import torch
-    import transformers
-
-    if (path / "model.safetensors").exists():
-        return path
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
+    return write_tiny_llama(
+        path,
         vocab_size=vocab,
         hidden_size=1024,
         intermediate_size=2048,
-        num_hidden_layers=2,
         num_attention_heads=8,
         num_key_value_heads=4,
-        max_position_embeddings=256,
         tie_word_embeddings=False,
     )
-    transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
-    return path
 
 
 def timed(fn) -> tuple[float, object]:

@@ -36,23 +36,27 @@ def vllm_available() -> bool:
     return True
 
 
-def write_tiny_llama(path: Path, seed: int = 0, vocab: int = 512) -> Path:
-    """A tiny Llama (config.json + model.safetensors), fixed seed, bf16."""
+TINY_LLAMA = {
+    "vocab_size": 512,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+}
+
+
+def write_tiny_llama(path: Path, seed: int = 0, **config: object) -> Path:
+    """A Llama checkpoint (config.json + model.safetensors), fixed seed, bf16:
+    tiny by default, any ``LlamaConfig`` field overridable. Written once."""
     import torch
     import transformers
 
     if (path / "model.safetensors").exists():
         return path
     torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
+    cfg = transformers.LlamaConfig(**(TINY_LLAMA | config))
     transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
     return path
 
