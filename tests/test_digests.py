@@ -196,3 +196,17 @@ def test_random_lengths_and_offsets_match_hashlib(lengths, offset):
         bufs.append(pool[at : at + n])
         at += n
     assert weight_checker.sha256_many(bufs) == [hashlib.sha256(b.tobytes()).hexdigest() for b in bufs]
+
+
+class PlainSubclass(torch.Tensor):
+    """Not torch.Tensor/Parameter exactly: read through the attribute fallback
+    instead of torch's DLPack exchange API."""
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.bool, torch.int64], ids=str)
+def test_both_torch_paths_agree(dtype):
+    base = random_tensor((40, 24), dtype, seed=5)
+    views = [base, base.t(), base[3:, ::2], base[7], torch.nn.Parameter(base, requires_grad=False)]
+    fast = weight_checker.sha256_many(views)
+    slow = weight_checker.sha256_many([v.as_subclass(PlainSubclass) for v in views])
+    assert fast == slow == [vllm_digest(v) for v in views]
