@@ -34,11 +34,6 @@ def vllm_digest(t) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-@pytest.fixture
-def torch():
-    return pytest.importorskip("torch")
-
-
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory):
     """A tiny Llama checkpoint written at test time with a fixed seed."""

@@ -49,15 +49,6 @@ def _plain_types() -> tuple[type, ...]:
     return (torch.nn.Parameter, torch.Tensor)
 
 
-def iter_weights(source: Any) -> Iterator[tuple[str, Any]]:
-    """``(name, leaf tensor)`` pairs of an ``nn.Module``, a mapping name → tensor,
-    or an iterable of ``(name, tensor)`` pairs, in walk order."""
-    for item in _pairs(source):
-        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
-            raise TypeError(f"expected (name, tensor) pairs, got {item!r:.80}")
-        yield from expand(*item)
-
-
 def _pairs(source: Any) -> Iterable[Any]:
     if hasattr(source, "named_parameters") and callable(source.named_parameters):
         pairs: Iterable[tuple[str, Any]] = source.named_parameters()
@@ -74,7 +65,9 @@ def _pairs(source: Any) -> Iterable[Any]:
 
 
 def collect(source: Any) -> tuple[list[str], list[Any]]:
-    """Names and leaf tensors of the walk; rejects repeated names and non-tensors."""
+    """Names and leaf tensors, in walk order, of an ``nn.Module``, a mapping
+    name → tensor, or an iterable of ``(name, tensor)`` pairs. Rejects
+    malformed pairs and repeated names."""
     names: list[str] = []
     tensors: list[Any] = []
     plain = _plain_types() if _torch_loaded() else ()
