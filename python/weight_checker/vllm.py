@@ -79,7 +79,7 @@ def weight_checker_checksums(self: Any) -> dict[str, str]:
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     logger.info(
         "weight_checker: %d tensors, %d bytes in %.4f s (%.2f GB/s) on %s by the Rust core "
-        "(weight_checker %s, backend %s, %d threads)",
+        "(weight_checker %s, backend %s, threads=%d)",
         len(names),
         nbytes,
         seconds,
