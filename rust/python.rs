@@ -231,8 +231,14 @@ fn acquire_tensor<'py>(t: &Bound<'py, PyAny>, names: Names<'_, '_>, index: usize
             _owner: t.clone(),
         });
     }
-    // Non-contiguous or tricky: a DLPack-exportable view prepared in Python
-    // (uint8 reinterpretation for dtypes DLPack refuses, resolved conj bits).
+    // Non-contiguous: DLPack describes the strides. If torch refuses to
+    // export (a conjugate bit, a dtype DLPack lacks), a view prepared in
+    // Python (resolved conj bits, uint8 reinterpretation) is exported instead.
+    if !tricky {
+        if let Ok(held) = acquire_dlpack(t, names, index) {
+            return Ok(held);
+        }
+    }
     let helper = py.import(intern!(py, "weight_checker._tensors"))?;
     let exportable = helper.call_method1(intern!(py, "dlpack_exportable"), (t,))?;
     acquire_dlpack(&exportable, names, index)

@@ -8,22 +8,17 @@ from typing import Any
 def dlpack_exportable(t: Any) -> Any:
     """A view of ``t`` with the same C-order bytes that DLPack can export.
 
-    The core reads contiguous CPU tensors directly; it calls this only for the
-    rest. Conjugate/negative bits are resolved (their logical bytes differ from
+    The core calls this only after torch refused to export ``t`` itself.
+    Conjugate/negative bits are resolved (their logical bytes differ from
     memory; this copies, as vLLM's ``.contiguous()`` would). Dtypes DLPack
     refuses on some torch versions (bool, float8 variants, unsigned ints) are
     reinterpreted as bytes, which keeps strides and so stays zero-copy.
     """
     import torch
 
+    t = t.detach()
     if t.is_complex() and (t.is_conj() or t.is_neg()):
         t = t.resolve_conj().resolve_neg()
-    t = t.detach()
-    try:
-        t.__dlpack__()
-        return t
-    except (RuntimeError, BufferError, TypeError, ValueError):
-        pass
     if t.element_size() == 1 or t.dim() == 0 or t.stride(-1) == 1:
         if t.dim() == 0:
             t = t.reshape(1)
