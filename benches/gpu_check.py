@@ -10,7 +10,10 @@ Steps:
    every dtype, contiguous and not;
 3. time an 8B-shaped bf16 parameter set (Llama-3-8B, vLLM-fused: ~16 GB)
    against vLLM's per-tensor `.cpu()` + hashlib routine, side by side, and
-   print GB/s, the ratio and the peak pinned memory.
+   print GB/s, the ratio and the peak pinned memory;
+4. where the time goes: K (streams in flight), slots and streams per slot,
+   time issuing copies, the hashing thread's time waiting for copies vs
+   hashing; and staged vs direct hashing of pinned host tensors.
 Results are printed and written as JSON to $OUT/gpu_check.json (or ./).
 """
 
@@ -149,6 +152,37 @@ def time_model(device: str, smoke: bool, results: dict) -> None:
     stats = staging.StagingStats()
     if device == "cuda":
         staging.digest_staged(list(params.values()), engine=staging.CudaCopyEngine(device), stats=stats)
+    else:
+        staging.digest_staged(list(params.values()), engine=staging.HostCopyEngine(), stats=stats)
+    results["phases"] = {
+        "streams_K": stats.streams,
+        "slots": len(stats.slot_streams),
+        "slot_bytes": stats.slot_bytes,
+        "streams_per_slot_min": min(stats.slot_streams, default=0),
+        "copy_issue_s": stats.copy_seconds,
+        "hash_thread_waiting_for_copies_s": stats.wait_seconds,
+        "hash_thread_hashing_s": stats.hash_seconds,
+    }
+    print(json.dumps(results["phases"], indent=2), flush=True)
+    # Staged vs direct on pinned host tensors (a ~4 GB subset): what the
+    # staging scheduler itself costs when the copy is a host memcpy.
+    from weight_checker import _core
+
+    subset, size = [], 0
+    for t in params.values():
+        if size > (4e9 if not smoke else 1e7):
+            break
+        subset.append(t.cpu().pin_memory() if device == "cuda" else t.clone())
+        size += t.numel() * t.element_size()
+    s = time.perf_counter()
+    direct = _core.digest_many(subset)
+    t_direct = time.perf_counter() - s
+    s = time.perf_counter()
+    staged = staging.digest_staged(subset, engine=staging.HostCopyEngine(pin=device == "cuda"))
+    t_staged = time.perf_counter() - s
+    assert staged == direct, "staged digests differ from direct ones"
+    results["pinned_host"] = {"bytes": size, "direct_s": t_direct, "staged_s": t_staged, "ratio": t_staged / t_direct}
+    print(json.dumps(results["pinned_host"], indent=2), flush=True)
     results["timing"] = {
         "tensors": len(params),
         "bytes": nbytes,

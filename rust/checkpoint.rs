@@ -10,10 +10,10 @@ use std::collections::HashMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
-use memmap2::{Mmap, UncheckedAdvice};
+use memmap2::{Advice, Mmap, UncheckedAdvice};
 use serde_json::Value;
 
-use crate::engine::Engine;
+use crate::engine::{ChunkSource, Engine};
 use crate::error::Error;
 use crate::sha256::Digest;
 
@@ -187,7 +187,7 @@ pub fn parse_header(path: &Path, prefix: &[u8], file_len: u64) -> Result<Vec<Ten
 pub struct CheckpointFile {
     pub path: PathBuf,
     pub tensors: Vec<TensorEntry>,
-    map: Option<Mmap>,
+    map: Mmap,
 }
 
 impl CheckpointFile {
@@ -210,35 +210,30 @@ impl CheckpointFile {
         Ok(CheckpointFile {
             path: path.to_path_buf(),
             tensors,
-            map: Some(map),
+            map,
         })
     }
 
-    fn bytes(&self, t: &TensorEntry) -> &[u8] {
-        let map = self.map.as_ref().expect("mapped");
-        &map[t.start as usize..t.end as usize]
-    }
-
-    /// Drops the pages of `piece` (a slice of this mapping) from our page
-    /// tables; the page cache keeps them. Whole pages inside `piece` only.
-    fn release(&self, piece: &[u8]) {
-        let Some(map) = &self.map else { return };
-        let base = map.as_ptr() as usize;
-        let start = piece.as_ptr() as usize;
-        if start < base || start + piece.len() > base + map.len() {
-            return;
-        }
+    /// Drops the whole pages inside bytes `[start, end)` of the mapping from
+    /// our page tables; the page cache keeps them.
+    fn release(&self, start: usize, end: usize) {
         let page = page_size();
-        let lo = (start - base).div_ceil(page) * page;
-        let hi = (start - base + piece.len()) / page * page;
+        let (lo, hi) = (start.div_ceil(page) * page, end / page * page);
         if hi > lo {
             // SAFETY: MADV_DONTNEED on a read-only shared file mapping only
             // drops page-table entries: a later read of the same pages faults
             // them back in from the page cache with identical contents, so no
             // reader (including other threads hashing neighbouring tensors)
             // can observe a change.
-            let _ = unsafe { map.unchecked_advise_range(UncheckedAdvice::DontNeed, lo, hi - lo) };
+            let _ = unsafe { self.map.unchecked_advise_range(UncheckedAdvice::DontNeed, lo, hi - lo) };
         }
+    }
+
+    /// Starts reading bytes `[start, end)` into the page cache in the
+    /// background (a hint: errors are ignored, reads then fault as usual).
+    fn will_need(&self, start: usize, end: usize) {
+        let lo = start / page_size() * page_size();
+        let _ = self.map.advise_range(Advice::WillNeed, lo, end - lo);
     }
 }
 
@@ -248,15 +243,90 @@ fn page_size() -> usize {
     *PAGE.get_or_init(|| usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096))
 }
 
-/// The digest of every tensor of `files`, keyed by tensor name. A tensor
-/// name found in two files is an error naming both. Tensors are hashed in
-/// batches of about `batch_bytes`, after each of which `progress(done, total)`
-/// is called; it returns false to cancel (e.g. on Ctrl-C).
+/// Bytes a lane hashes from one tensor before its pages are dropped: bounds
+/// what the mapping keeps resident at about `streams x CHUNK_BYTES`.
+pub const CHUNK_BYTES: usize = 4 << 20;
+
+/// How far ahead of each lane the kernel is asked to read the file
+/// (`MADV_WILLNEED`), so that a cold checkpoint is read while it is hashed.
+pub const READ_AHEAD_BYTES: usize = 32 << 20;
+
+/// Tensors smaller than this get no explicit read-ahead: the kernel's own
+/// fault-around covers them, and a syscall each would cost more.
+const READ_AHEAD_MIN_BYTES: usize = 1 << 20;
+
+/// One tensor of a mapped file as a stream of [`CHUNK_BYTES`] windows, with
+/// read-ahead in front and page release behind.
+struct MappedTensor<'a> {
+    file: &'a CheckpointFile,
+    map: &'a [u8],
+    /// Absolute byte range of the tensor in the file.
+    end: usize,
+    /// The current window is `map[pos..window_end]`.
+    pos: usize,
+    window_end: usize,
+    /// Read-ahead has been requested up to here.
+    prefetched: usize,
+    total: u64,
+}
+
+impl<'a> MappedTensor<'a> {
+    fn new(file: &'a CheckpointFile, t: &TensorEntry) -> MappedTensor<'a> {
+        let (start, end) = (t.start as usize, t.end as usize);
+        MappedTensor {
+            file,
+            map: &file.map,
+            end,
+            pos: start,
+            window_end: start,
+            prefetched: start,
+            total: t.nbytes(),
+        }
+    }
+}
+
+impl ChunkSource for MappedTensor<'_> {
+    fn total_bytes(&self) -> u64 {
+        self.total
+    }
+
+    fn chunk(&self) -> &[u8] {
+        &self.map[self.pos..self.window_end]
+    }
+
+    fn advance(&mut self) -> Result<bool, Error> {
+        if self.window_end > self.pos {
+            self.file.release(self.pos, self.window_end);
+        }
+        self.pos = self.window_end;
+        if self.pos == self.end {
+            return Ok(false);
+        }
+        self.window_end = (self.pos + CHUNK_BYTES).min(self.end);
+        let want = (self.pos + READ_AHEAD_BYTES).min(self.end);
+        let from = self.prefetched.max(self.pos);
+        // Ask in large steps (half a window, or the rest of the tensor), not per chunk.
+        let worth_it = self.total >= READ_AHEAD_MIN_BYTES as u64;
+        if worth_it && want > from && (want - from >= READ_AHEAD_BYTES / 2 || want == self.end) {
+            self.file.will_need(from, want);
+            self.prefetched = want;
+        }
+        Ok(true)
+    }
+}
+
+/// The digest of every tensor of `files`, keyed by tensor name, in file
+/// order. A tensor name found in two files is an error naming both.
+///
+/// Every tensor is one message of the engine's streaming feeder, so
+/// `threads x lanes` tensors are hashed at once whatever their sizes, each
+/// read through the mapping in [`CHUNK_BYTES`] windows with read-ahead, its
+/// pages dropped once hashed. `progress(done, total)` is called on this
+/// thread about every 100 ms; it returns false to cancel (e.g. on Ctrl-C).
 pub fn checksum_files(
     files: &[CheckpointFile],
     engine: &Engine,
-    batch_bytes: u64,
-    mut progress: impl FnMut(u64, u64) -> bool,
+    progress: Option<&mut dyn FnMut(u64, u64) -> bool>,
 ) -> Result<Vec<(String, Digest)>, Error> {
     let mut owner: HashMap<&str, &Path> = HashMap::new();
     for f in files {
@@ -270,40 +340,9 @@ pub fn checksum_files(
         .iter()
         .flat_map(|f| f.tensors.iter().map(move |t| (f, t)))
         .collect();
-    let total: u64 = all.iter().map(|(_, t)| t.nbytes()).sum();
-    let release = |piece: &[u8]| {
-        for f in files {
-            f.release(piece);
-        }
-    };
-    let mut out = Vec::with_capacity(all.len());
-    let mut done = 0u64;
-    let mut start = 0;
-    if !progress(0, total) {
-        return Err(Error::Cancelled);
-    }
-    while start < all.len() {
-        let mut end = start;
-        let mut bytes = 0u64;
-        while end < all.len() && (end == start || bytes + all[end].1.nbytes() <= batch_bytes) {
-            bytes += all[end].1.nbytes();
-            end += 1;
-        }
-        let slices: Vec<&[u8]> = all[start..end].iter().map(|(f, t)| f.bytes(t)).collect();
-        let digests = engine.hash_many_releasing(&slices, &release);
-        out.extend(
-            all[start..end]
-                .iter()
-                .zip(digests)
-                .map(|((_, t), d)| (t.name.clone(), d)),
-        );
-        done += bytes;
-        if !progress(done, total) {
-            return Err(Error::Cancelled);
-        }
-        start = end;
-    }
-    Ok(out)
+    let sources: Vec<MappedTensor<'_>> = all.iter().map(|&(f, t)| MappedTensor::new(f, t)).collect();
+    let digests = engine.hash_sources(sources, progress)?;
+    Ok(all.iter().zip(digests).map(|((_, t), d)| (t.name.clone(), d)).collect())
 }
 
 #[cfg(test)]

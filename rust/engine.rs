@@ -1,39 +1,139 @@
 //! The parallel scheduler: many messages, all cores, several streams per core.
 //!
-//! Every message (a whole buffer, or the chunks one update feeds to one
-//! digest of a [`MultiHasher`]) is a task. Tasks are queued largest first,
-//! so one big tensor never starts last and runs alone at the end. Each worker
-//! thread keeps `lanes` tasks open and advances them together, block for
-//! block, through the backend's multi-stream kernel; the moment a task ends
-//! (its padding included) its lane takes the next one from the shared queue.
+//! SHA-256 of one message is one sequential chain, so all parallelism comes
+//! from having many messages in flight. The scheduler is a *streaming
+//! feeder*: every message is a [`ChunkSource`] that yields its bytes in
+//! order, one bounded chunk at a time (a slice of memory, a window of a
+//! memory-mapped file, a staged copy). Messages are queued largest first, so
+//! one big tensor never starts last and runs alone at the end. Each worker
+//! thread keeps `lanes` messages open and advances them together, block for
+//! block, through the kernel's multi-stream compression; the moment a message
+//! ends (its padding included) its lane takes the next one from the shared
+//! queue. So `threads x lanes` messages are in flight at any time, and memory
+//! is bounded by that many chunks, whatever the size of the work.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Condvar, Mutex, OnceLock};
+use std::time::Duration;
 
 use crate::error::Error;
-use crate::sha256::{Backend, Digest, Sha256, BLOCK_LEN};
+use crate::sha256::{Backend, Digest, Sha256, BLOCK_LEN, STEP_BYTES};
 
-/// Bytes each lane advances per kernel call. Small enough that the zero
-/// check and the hash read the same bytes while they sit in L2, large enough
-/// that per-call overhead vanishes.
-pub const STEP_BYTES: usize = 64 * 1024;
-
-/// Called with each hashed piece of a buffer (see `hash_many_releasing`).
-pub type ReleaseHook<'a> = &'a (dyn Fn(&[u8]) + Sync);
-
-/// How much of a buffer is hashed before `hash_many_releasing` hands it back.
-pub const RELEASE_BYTES: usize = 8 << 20;
+/// Environment variable that sets the worker threads of every engine in this
+/// process (overrides [`set_default_threads`]).
+pub const THREADS_ENV: &str = "WEIGHT_CHECKER_THREADS";
 
 /// Below this many bytes in total, threads cost more than they save.
-const PARALLEL_MIN_BYTES: usize = 256 * 1024;
+const PARALLEL_MIN_BYTES: u64 = 256 * 1024;
+
+/// A digest slot not yet written (every slot is written before a run returns Ok).
+const UNSET: Digest = Digest {
+    bytes: [0; 32],
+    all_zero: true,
+};
+
+/// How often a progress callback is called while a run is in flight.
+const PROGRESS_EVERY: Duration = Duration::from_millis(100);
+
+static DEFAULT_THREADS: AtomicUsize = AtomicUsize::new(0);
+
+/// Sets the worker threads an [`Engine::default`] uses (0: all cores), unless
+/// [`THREADS_ENV`] is set, which always wins. A vLLM worker sets its share of
+/// the host here, so that eight workers on one host do not each start one
+/// thread per core.
+pub fn set_default_threads(threads: usize) {
+    DEFAULT_THREADS.store(threads, Ordering::Relaxed);
+}
+
+fn env_threads() -> Option<usize> {
+    static ENV: OnceLock<Option<usize>> = OnceLock::new();
+    *ENV.get_or_init(|| {
+        std::env::var(THREADS_ENV)
+            .ok()
+            .and_then(|v| v.trim().parse::<usize>().ok())
+            .filter(|&n| n > 0)
+    })
+}
+
+/// The worker threads a default engine runs: [`THREADS_ENV`], else what
+/// [`set_default_threads`] set, else rayon's pool size (the cores in this
+/// process's CPU affinity).
+pub fn default_threads() -> usize {
+    if let Some(n) = env_threads() {
+        return n;
+    }
+    match DEFAULT_THREADS.load(Ordering::Relaxed) {
+        0 => rayon::current_num_threads(),
+        n => n,
+    }
+}
+
+/// One message whose bytes arrive in order, a chunk at a time.
+///
+/// The engine calls [`advance`](ChunkSource::advance) to make the first chunk
+/// current, reads [`chunk`](ChunkSource::chunk) (possibly over several steps),
+/// then calls `advance` again, until it returns `Ok(false)`. A source may
+/// reuse or release a chunk's memory once `advance` is called again.
+pub trait ChunkSource: Send {
+    /// Total bytes of the message: the scheduling order and progress.
+    fn total_bytes(&self) -> u64;
+    /// The current chunk (empty before the first `advance`).
+    fn chunk(&self) -> &[u8];
+    /// Done with the current chunk: makes the next one current. `Ok(false)`
+    /// when the message has no more bytes; an error stops the whole run.
+    fn advance(&mut self) -> Result<bool, Error>;
+}
+
+/// A message already in memory, as consecutive slices.
+pub struct Slices<'a> {
+    chunks: &'a [&'a [u8]],
+    next: usize,
+    current: &'a [u8],
+    total: u64,
+}
+
+impl<'a> Slices<'a> {
+    pub fn new(chunks: &'a [&'a [u8]]) -> Slices<'a> {
+        Slices {
+            chunks,
+            next: 0,
+            current: &[],
+            total: chunks.iter().map(|c| c.len() as u64).sum(),
+        }
+    }
+}
+
+impl ChunkSource for Slices<'_> {
+    fn total_bytes(&self) -> u64 {
+        self.total
+    }
+
+    fn chunk(&self) -> &[u8] {
+        self.current
+    }
+
+    fn advance(&mut self) -> Result<bool, Error> {
+        match self.chunks.get(self.next) {
+            Some(c) => {
+                self.current = c;
+                self.next += 1;
+                Ok(true)
+            }
+            None => {
+                self.current = &[];
+                Ok(false)
+            }
+        }
+    }
+}
 
 /// How to hash: which kernel, how many streams per thread, how many threads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Engine {
     pub backend: Backend,
-    /// Streams advanced together per thread (1, 2 or 4; capped by the backend).
+    /// Streams advanced together per thread (1, 2 or 4; capped by the kernel).
     pub lanes: usize,
-    /// Worker threads: 0 means rayon's pool size (all cores).
+    /// Worker threads: 0 means [`default_threads`].
     pub threads: usize,
 }
 
@@ -64,41 +164,51 @@ impl Engine {
         }
     }
 
+    /// Worker threads this engine runs.
+    pub fn effective_threads(&self) -> usize {
+        if self.threads == 0 {
+            default_threads()
+        } else {
+            self.threads
+        }
+    }
+
+    /// Messages in flight at once: threads x lanes.
+    pub fn streams(&self) -> usize {
+        self.effective_threads() * self.effective_lanes()
+    }
+
     /// SHA-256 of each buffer, in input order.
     pub fn hash_many(&self, buffers: &[&[u8]]) -> Vec<Digest> {
-        self.hash_many_with(buffers, None)
+        let sources: Vec<Slices<'_>> = buffers.iter().map(std::slice::from_ref).map(Slices::new).collect();
+        self.hash_sources(sources, None)
+            .expect("in-memory sources cannot fail and nothing can cancel")
     }
 
-    /// Like [`Engine::hash_many`], calling `release` with consecutive pieces
-    /// of each buffer (about [`RELEASE_BYTES`] each) once they are hashed.
-    /// Hashing a memory-mapped checkpoint uses it to drop pages already read,
-    /// so resident memory stays bounded however large the file.
-    pub fn hash_many_releasing(&self, buffers: &[&[u8]], release: ReleaseHook<'_>) -> Vec<Digest> {
-        self.hash_many_with(buffers, Some(release))
-    }
-
-    fn hash_many_with(&self, buffers: &[&[u8]], release: Option<ReleaseHook<'_>>) -> Vec<Digest> {
-        let mut states: Vec<Sha256> = vec![Sha256::new(); buffers.len()];
-        let mut digests = vec![
-            Digest {
-                bytes: [0; 32],
-                all_zero: true
-            };
-            buffers.len()
-        ];
+    /// SHA-256 of each streamed message, in input order. `progress(done,
+    /// total)` (bytes) is called on the calling thread about every 100 ms and
+    /// once at the end; returning false cancels the run ([`Error::Cancelled`]).
+    /// The first error a source returns stops every worker and is returned.
+    pub fn hash_sources<S: ChunkSource>(
+        &self,
+        mut sources: Vec<S>,
+        progress: Option<&mut dyn FnMut(u64, u64) -> bool>,
+    ) -> Result<Vec<Digest>, Error> {
+        let mut states: Vec<Sha256> = vec![Sha256::new(); sources.len()];
+        let mut digests = vec![UNSET; sources.len()];
         let tasks = states
             .iter_mut()
             .zip(digests.iter_mut())
-            .zip(buffers)
-            .map(|((state, out), buf)| Task {
+            .zip(sources.drain(..))
+            .map(|((state, out), source)| Task {
+                bytes: source.total_bytes(),
                 state,
-                chunks: std::slice::from_ref(buf),
+                source,
                 digest_out: Some(out),
-                bytes: buf.len(),
             })
             .collect();
-        self.run(tasks, release);
-        digests
+        self.run(tasks, progress)?;
+        Ok(digests)
     }
 
     /// An incremental hasher of `n` digests driven by this engine.
@@ -109,208 +219,252 @@ impl Engine {
         }
     }
 
-    fn run(&self, mut tasks: Vec<Task<'_>>, release: Option<ReleaseHook<'_>>) {
+    fn run<S: ChunkSource>(
+        &self,
+        mut tasks: Vec<Task<'_, S>>,
+        mut progress: Option<&mut dyn FnMut(u64, u64) -> bool>,
+    ) -> Result<(), Error> {
         if tasks.is_empty() {
-            return;
+            if let Some(p) = progress {
+                if !p(0, 0) {
+                    return Err(Error::Cancelled);
+                }
+            }
+            return Ok(());
         }
         let lanes = self.effective_lanes();
-        let backend = self.backend;
         // Stable sort: equal sizes keep input order, which keeps runs repeatable.
         tasks.sort_by_key(|t| std::cmp::Reverse(t.bytes));
-        let total: usize = tasks.iter().map(|t| t.bytes).sum();
-        let threads = if self.threads == 0 {
-            rayon::current_num_threads()
-        } else {
-            self.threads
-        };
-        let workers = threads.min(tasks.len().div_ceil(lanes)).max(1);
-        let queue = Queue {
-            release,
+        let total: u64 = tasks.iter().map(|t| t.bytes).sum();
+        let workers = self.effective_threads().min(tasks.len().div_ceil(lanes)).max(1);
+        let shared = Shared {
+            backend: self.backend,
+            lanes,
             slots: tasks.into_iter().map(|t| Mutex::new(Some(t))).collect(),
             cursor: AtomicUsize::new(0),
+            stop: AtomicBool::new(false),
+            error: Mutex::new(None),
+            count_progress: progress.is_some(),
+            done: AtomicU64::new(0),
+            finished: Mutex::new(0),
+            finished_cv: Condvar::new(),
         };
-        if workers == 1 || total < PARALLEL_MIN_BYTES {
-            worker(backend, lanes, &queue);
-            return;
+        if total < PARALLEL_MIN_BYTES || (workers == 1 && progress.is_none()) {
+            worker(&shared);
+        } else {
+            rayon::in_place_scope(|scope| {
+                for _ in 0..workers {
+                    scope.spawn(|_| worker(&shared));
+                }
+                if let Some(p) = progress.as_deref_mut() {
+                    // The calling thread is not one of the workers: it reports
+                    // progress until they are all done, and cancels on request.
+                    let mut finished = shared.finished.lock().unwrap_or_else(|e| e.into_inner());
+                    while *finished < workers {
+                        let (guard, _) = shared
+                            .finished_cv
+                            .wait_timeout(finished, PROGRESS_EVERY)
+                            .unwrap_or_else(|e| e.into_inner());
+                        finished = guard;
+                        let running = *finished < workers && !shared.stop.load(Ordering::Relaxed);
+                        if running && !p(shared.done.load(Ordering::Relaxed), total) {
+                            shared.fail(Error::Cancelled);
+                        }
+                    }
+                }
+            });
         }
-        rayon::scope(|scope| {
-            for _ in 0..workers {
-                scope.spawn(|_| worker(backend, lanes, &queue));
+        if let Some(e) = shared.error.into_inner().unwrap_or_else(|e| e.into_inner()) {
+            return Err(e);
+        }
+        if let Some(p) = progress {
+            if !p(total, total) {
+                return Err(Error::Cancelled);
             }
-        });
+        }
+        Ok(())
     }
 }
 
-/// SHA-256 of each buffer with the default engine (all cores, best backend).
+/// SHA-256 of each buffer with the default engine (all cores, best kernel).
 pub fn hash_many(buffers: &[&[u8]]) -> Vec<Digest> {
     Engine::default().hash_many(buffers)
 }
 
-/// One message for one lane: chunks hashed in order into `state`.
-struct Task<'a> {
+/// One message for one lane: its bytes hashed in order into `state`.
+struct Task<'a, S> {
     state: &'a mut Sha256,
-    chunks: &'a [&'a [u8]],
+    source: S,
     /// Where to put the digest when the message is complete; `None` leaves
     /// the state open for further updates.
     digest_out: Option<&'a mut Digest>,
-    bytes: usize,
+    bytes: u64,
 }
 
-struct Lane<'a> {
-    task: Task<'a>,
-    chunk: usize,
+struct Lane<'a, S> {
+    task: Task<'a, S>,
+    /// How far into the source's current chunk the state has absorbed.
     pos: usize,
-    /// How far into the current chunk `release` has been called.
-    released: usize,
 }
 
-impl<'a> Lane<'a> {
-    /// Hands the hashed-but-unreleased part of the current chunk to the
-    /// queue's `release` hook once it is at least `min` bytes.
-    fn release_hashed(&mut self, queue: &Queue<'_>, min: usize) {
-        if let Some(release) = queue.release {
-            if self.pos - self.released >= min.max(1) {
-                release(&self.task.chunks[self.chunk][self.released..self.pos]);
-                self.released = self.pos;
-            }
+impl<S: ChunkSource> Lane<'_, S> {
+    /// The hash state and the unhashed rest of the current chunk, borrowed
+    /// together (they are different fields).
+    fn parts(&mut self) -> (&mut [u32; 8], &[u8]) {
+        (&mut self.task.state.h, &self.task.source.chunk()[self.pos..])
+    }
+
+    fn pending_len(&self) -> usize {
+        self.task.source.chunk().len() - self.pos
+    }
+}
+
+/// What the workers of one run share.
+struct Shared<'a, S> {
+    backend: Backend,
+    lanes: usize,
+    /// Tasks in scheduling order; each is taken exactly once by whichever
+    /// worker bumps the cursor to it. The per-slot locks are never contended
+    /// (the cursor hands each slot to one worker); they only make the
+    /// hand-over safe without `unsafe`.
+    slots: Vec<Mutex<Option<Task<'a, S>>>>,
+    cursor: AtomicUsize,
+    /// Set on the first error or a cancel: every worker returns at its next step.
+    stop: AtomicBool,
+    error: Mutex<Option<Error>>,
+    count_progress: bool,
+    done: AtomicU64,
+    finished: Mutex<usize>,
+    finished_cv: Condvar,
+}
+
+impl<'a, S> Shared<'a, S> {
+    fn next_task(&self) -> Option<Task<'a, S>> {
+        let i = self.cursor.fetch_add(1, Ordering::Relaxed);
+        // A poisoned lock means another worker panicked; the scope re-raises
+        // that panic, so taking the data is fine here.
+        self.slots.get(i)?.lock().unwrap_or_else(|e| e.into_inner()).take()
+    }
+
+    /// Records the first error and stops every worker.
+    fn fail(&self, e: Error) {
+        self.stop.store(true, Ordering::Relaxed);
+        let mut slot = self.error.lock().unwrap_or_else(|e| e.into_inner());
+        if slot.is_none() {
+            *slot = Some(e);
         }
     }
-
-    /// The unhashed rest of the current chunk.
-    fn pending(&self) -> &'a [u8] {
-        &self.task.chunks[self.chunk][self.pos..]
-    }
-}
-
-/// Tasks in scheduling order; each is taken exactly once by whichever
-/// worker bumps the cursor to it. The per-slot locks are never contended
-/// (the cursor hands each slot to one worker); they only make the hand-over
-/// safe without `unsafe`.
-struct Queue<'a> {
-    /// Called with each hashed piece of a buffer (see `hash_many_releasing`).
-    release: Option<ReleaseHook<'a>>,
-    slots: Vec<Mutex<Option<Task<'a>>>>,
-    cursor: AtomicUsize,
-}
-
-fn next_task<'a>(queue: &Queue<'a>) -> Option<Task<'a>> {
-    let i = queue.cursor.fetch_add(1, Ordering::Relaxed);
-    // A poisoned lock means another worker panicked; the scope re-raises
-    // that panic, so taking the data is fine here.
-    queue.slots.get(i)?.lock().unwrap_or_else(|e| e.into_inner()).take()
 }
 
 /// Brings a lane to a state where its current chunk has at least one whole
-/// block ready and its partial-block buffer is empty, finishing tasks and
-/// pulling new ones on the way. Leaves `None` when the queue is drained.
-fn prepare<'a>(backend: Backend, lane: &mut Option<Lane<'a>>, queue: &Queue<'a>) {
+/// block ready and its partial-block buffer is empty, finishing messages and
+/// pulling new ones on the way. Leaves `None` when the queue is drained (or
+/// a source failed).
+fn prepare<'a, S: ChunkSource>(shared: &Shared<'a, S>, lane: &mut Option<Lane<'a, S>>) {
+    let backend = shared.backend;
     loop {
         let Some(l) = lane else {
-            match next_task(queue) {
-                Some(task) => {
-                    *lane = Some(Lane {
-                        task,
-                        chunk: 0,
-                        pos: 0,
-                        released: 0,
-                    })
-                }
+            match shared.next_task() {
+                Some(task) => *lane = Some(Lane { task, pos: 0 }),
                 None => return,
             }
             continue;
         };
-        if l.chunk == l.task.chunks.len() {
-            let done = lane.take().unwrap();
-            if let Some(out) = done.task.digest_out {
-                *out = std::mem::take(done.task.state).finalize_with(backend);
+        let pending = l.pending_len();
+        if pending == 0 {
+            match l.task.source.advance() {
+                Ok(true) => l.pos = 0,
+                Ok(false) => {
+                    let done = lane.take().unwrap();
+                    if let Some(out) = done.task.digest_out {
+                        *out = std::mem::take(done.task.state).finalize_with(backend);
+                    }
+                }
+                Err(e) => {
+                    *lane = None;
+                    shared.fail(e);
+                    return;
+                }
             }
-            continue;
-        }
-        let data = l.pending();
-        if data.is_empty() {
-            l.release_hashed(queue, 0);
-            l.chunk += 1;
-            l.pos = 0;
-            l.released = 0;
-        } else if l.task.state.buf_len > 0 || data.len() < BLOCK_LEN {
-            l.pos += l.task.state.absorb_into_buffer(backend, data);
+        } else if l.task.state.buf_len > 0 || pending < BLOCK_LEN {
+            let took = l
+                .task
+                .state
+                .absorb_into_buffer(backend, &l.task.source.chunk()[l.pos..]);
+            l.pos += took;
+            if shared.count_progress {
+                shared.done.fetch_add(took as u64, Ordering::Relaxed);
+            }
         } else {
             return;
         }
     }
 }
 
-fn worker(backend: Backend, lanes: usize, queue: &Queue<'_>) {
-    let mut slots: [Option<Lane<'_>>; 4] = [None, None, None, None];
-    let slots = &mut slots[..lanes];
-    loop {
+fn worker<S: ChunkSource>(shared: &Shared<'_, S>) {
+    let mut slots: [Option<Lane<'_, S>>; 4] = [None, None, None, None];
+    let slots = &mut slots[..shared.lanes];
+    while !shared.stop.load(Ordering::Relaxed) {
         for slot in slots.iter_mut() {
-            prepare(backend, slot, queue);
+            prepare(shared, slot);
         }
         // Open lanes first (a stable partition of at most four slots: no
         // allocation in this loop, which runs once per small tensor).
         slots.sort_by_key(Option::is_none);
         let n = slots.iter().take_while(|l| l.is_some()).count();
         if n == 0 {
-            return;
+            break;
         }
         let active = &mut slots[..n];
         // Advance every open lane by the same number of whole blocks.
         let step = active
             .iter()
             .flatten()
-            .map(|l| l.pending().len() / BLOCK_LEN * BLOCK_LEN)
+            .map(|l| l.pending_len() / BLOCK_LEN * BLOCK_LEN)
             .min()
             .unwrap()
             .min(STEP_BYTES);
         for l in active.iter_mut().flatten() {
-            let bytes = &l.pending()[..step];
+            let bytes = &l.task.source.chunk()[l.pos..l.pos + step];
             l.task.state.observe(bytes);
         }
-        compress_lanes(backend, active, step);
+        compress_lanes(shared.backend, active, step);
         for l in active.iter_mut().flatten() {
             l.task.state.note_blocks(step);
             l.pos += step;
-            l.release_hashed(queue, RELEASE_BYTES);
+        }
+        if shared.count_progress {
+            shared.done.fetch_add((step * n) as u64, Ordering::Relaxed);
         }
     }
+    let mut finished = shared.finished.lock().unwrap_or_else(|e| e.into_inner());
+    *finished += 1;
+    shared.finished_cv.notify_all();
 }
 
 /// Runs the `step` bytes ahead of each lane through the widest kernel that
 /// fits. Every slot passed in is open.
-fn compress_lanes(backend: Backend, lanes: &mut [Option<Lane<'_>>], step: usize) {
+fn compress_lanes<S: ChunkSource>(backend: Backend, lanes: &mut [Option<Lane<'_, S>>], step: usize) {
     match lanes {
         [] => {}
         [Some(a)] => {
-            let d = &a.pending()[..step];
-            backend.compress1(&mut a.task.state.h, d);
+            let (h, d) = a.parts();
+            backend.compress1(h, &d[..step]);
         }
         [Some(a), Some(b)] => {
-            let (da, db) = (&a.pending()[..step], &b.pending()[..step]);
-            backend.compress2([&mut a.task.state.h, &mut b.task.state.h], [da, db]);
+            let ((ha, da), (hb, db)) = (a.parts(), b.parts());
+            backend.compress2([ha, hb], [&da[..step], &db[..step]]);
         }
         [Some(a), Some(b), Some(c), Some(d)] => {
-            let data = [a.pending(), b.pending(), c.pending(), d.pending()].map(|p| &p[..step]);
-            backend.compress4(
-                [
-                    &mut a.task.state.h,
-                    &mut b.task.state.h,
-                    &mut c.task.state.h,
-                    &mut d.task.state.h,
-                ],
-                data,
-            );
+            let ((ha, da), (hb, db), (hc, dc), (hd, dd)) = (a.parts(), b.parts(), c.parts(), d.parts());
+            backend.compress4([ha, hb, hc, hd], [&da[..step], &db[..step], &dc[..step], &dd[..step]]);
         }
-        [first @ .., last] if lanes_open(first) && last.is_some() => {
+        [first @ .., last] if first.iter().all(Option::is_some) && last.is_some() => {
             compress_lanes(backend, first, step);
             compress_lanes(backend, std::slice::from_mut(last), step);
         }
         _ => unreachable!("compress_lanes is only given open lanes"),
     }
-}
-
-fn lanes_open(lanes: &[Option<Lane<'_>>]) -> bool {
-    lanes.iter().all(Option::is_some)
 }
 
 /// Several digests open at once, each fed its bytes in order over many
@@ -357,17 +511,16 @@ impl MultiHasher {
                 end += 1;
             }
             let state = states.find(|(i, _)| *i == index).unwrap().1;
-            let group = &chunks[start..end];
+            let source = Slices::new(&chunks[start..end]);
             tasks.push(Task {
+                bytes: source.total_bytes(),
                 state,
-                chunks: group,
+                source,
                 digest_out: None,
-                bytes: group.iter().map(|c| c.len()).sum(),
             });
             start = end;
         }
-        self.engine.run(tasks, None);
-        Ok(())
+        self.engine.run(tasks, None)
     }
 
     /// Pads and finishes every digest, in index order.

@@ -12,6 +12,6 @@ pub mod strided;
 #[cfg(feature = "python")]
 mod python;
 
-pub use engine::{hash_many, Engine, MultiHasher};
+pub use engine::{hash_many, ChunkSource, Engine, MultiHasher, Slices};
 pub use error::Error;
 pub use sha256::{Backend, Digest, Sha256};

@@ -702,6 +702,38 @@ impl MultiHasher {
         py.detach(|| inner.update(&feeds)).map_err(to_py_err)
     }
 
+    /// Feeds `(index, offset, length)` slices of one contiguous buffer (a
+    /// staging slot): one acquisition for any number of pieces. Pieces for
+    /// one digest apply in the order given.
+    fn update_at(
+        &mut self,
+        py: Python<'_>,
+        buffer: &Bound<'_, PyAny>,
+        feeds: Vec<(usize, usize, usize)>,
+    ) -> PyResult<()> {
+        let held = acquire(buffer, Names(None), 0)?;
+        let Source::Slice(bytes) = held.source() else {
+            return Err(PyBufferError::new_err(
+                "MultiHasher.update_at needs a contiguous buffer",
+            ));
+        };
+        let mut slices = Vec::with_capacity(feeds.len());
+        for (i, &(index, offset, len)) in feeds.iter().enumerate() {
+            let piece = offset
+                .checked_add(len)
+                .and_then(|end| bytes.get(offset..end))
+                .ok_or_else(|| {
+                    PyIndexError::new_err(format!(
+                        "feed #{i}: bytes [{offset}, {offset}+{len}) outside a buffer of {} bytes",
+                        bytes.len()
+                    ))
+                })?;
+            slices.push((index, piece));
+        }
+        let inner = self.open()?;
+        py.detach(|| inner.update(&slices)).map_err(to_py_err)
+    }
+
     /// Finishes every digest: `(hex digests, all-zero flags)`, in index order.
     fn finish(&mut self, py: Python<'_>) -> PyResult<(Vec<String>, Vec<bool>)> {
         let inner = self
@@ -716,17 +748,17 @@ impl MultiHasher {
     }
 }
 
-/// Per-tensor digests of safetensors files (memory-mapped, hashed in
-/// parallel, pages dropped once hashed): `[(name, hex, all_zero)]` in file
-/// order. `progress(done_bytes, total_bytes)` is called between batches with
-/// the GIL held; an exception from it (e.g. KeyboardInterrupt) stops the run.
+/// Per-tensor digests of safetensors files (memory-mapped, every tensor a
+/// stream of the engine, pages dropped once hashed): `[(name, hex,
+/// all_zero)]` in file order. `progress(done_bytes, total_bytes)` is called
+/// about every 100 ms with the GIL held; an exception from it (or a signal
+/// such as Ctrl-C) stops the run.
 #[pyfunction]
-#[pyo3(signature = (paths, progress=None, batch_bytes=256 << 20))]
+#[pyo3(signature = (paths, progress=None))]
 fn checksum_safetensors(
     py: Python<'_>,
     paths: Vec<PathBuf>,
     progress: Option<Py<PyAny>>,
-    batch_bytes: u64,
 ) -> PyResult<Vec<(String, String, bool)>> {
     let engine = Engine::default();
     let mut callback_error: Option<PyErr> = None;
@@ -735,16 +767,22 @@ fn checksum_safetensors(
             .iter()
             .map(|p| CheckpointFile::open(p))
             .collect::<Result<Vec<_>, Error>>()?;
-        checkpoint::checksum_files(&files, &engine, batch_bytes, |done, total| {
-            let Some(cb) = &progress else { return true };
-            Python::attach(|py| match cb.call1(py, (done, total)) {
-                Ok(_) => true,
-                Err(e) => {
-                    callback_error = Some(e);
-                    false
+        let mut report = |done: u64, total: u64| {
+            Python::attach(|py| {
+                let outcome = py.check_signals().and_then(|()| match &progress {
+                    Some(cb) => cb.call1(py, (done, total)).map(drop),
+                    None => Ok(()),
+                });
+                match outcome {
+                    Ok(()) => true,
+                    Err(e) => {
+                        callback_error.get_or_insert(e);
+                        false
+                    }
                 }
             })
-        })
+        };
+        checkpoint::checksum_files(&files, &engine, Some(&mut report))
     });
     if let Some(e) = callback_error {
         return Err(e);
@@ -767,6 +805,44 @@ fn safetensors_tensors(path: PathBuf) -> PyResult<Vec<TensorInfo>> {
         .collect())
 }
 
+/// Copies `src`'s C-order bytes into `dst`, a writable contiguous buffer of
+/// the same size, on this thread with the GIL released: the host copy engine
+/// of the staging pipeline (one thread, as a DMA engine takes none, where
+/// torch's `copy_` would fan out over the cores the hashing needs).
+#[pyfunction]
+fn copy_into(py: Python<'_>, dst: &Bound<'_, PyAny>, src: &Bound<'_, PyAny>) -> PyResult<()> {
+    let held = acquire(src, Names(None), 0)?;
+    let Source::Slice(from) = held.source() else {
+        return Err(PyBufferError::new_err("copy_into: the source must be contiguous"));
+    };
+    let mut view: Box<ffi::Py_buffer> = Box::new(unsafe { std::mem::zeroed() });
+    // SAFETY: `view` is writable storage for a Py_buffer; on success it is
+    // released exactly once below.
+    let flags = ffi::PyBUF_WRITABLE | ffi::PyBUF_C_CONTIGUOUS;
+    if unsafe { ffi::PyObject_GetBuffer(dst.as_ptr(), view.as_mut(), flags) } != 0 {
+        return Err(PyErr::fetch(py));
+    }
+    let len = view.len.max(0) as usize;
+    let result = if len != from.len() {
+        Err(PyValueError::new_err(format!(
+            "copy_into: destination has {len} bytes, source {}",
+            from.len()
+        )))
+    } else {
+        let to = view.buf as usize;
+        let from_ptr = from.as_ptr() as usize;
+        // SAFETY: the exporter guarantees `len` writable, contiguous bytes at
+        // `buf` until PyBuffer_Release (below, after the copy); the source's
+        // bytes are kept alive by `held`. `copy` (memmove) is used, so even
+        // overlapping ranges are sound.
+        py.detach(|| unsafe { std::ptr::copy(from_ptr as *const u8, to as *mut u8, len) });
+        Ok(())
+    };
+    // SAFETY: released exactly once, attached to Python.
+    unsafe { ffi::PyBuffer_Release(view.as_mut()) };
+    result
+}
+
 /// The compression backend in use (`sha-ni` or `portable`).
 #[pyfunction]
 fn backend() -> &'static str {
@@ -776,7 +852,20 @@ fn backend() -> &'static str {
 /// Worker threads the engine uses.
 #[pyfunction]
 fn threads() -> usize {
-    rayon::current_num_threads()
+    Engine::default().effective_threads()
+}
+
+/// Messages the engine keeps in flight: threads x lanes.
+#[pyfunction]
+fn streams() -> usize {
+    Engine::default().streams()
+}
+
+/// Sets the engine's default worker threads for this process (0: all cores
+/// in the CPU affinity). `WEIGHT_CHECKER_THREADS`, when set, wins.
+#[pyfunction]
+fn set_threads(threads: usize) {
+    crate::engine::set_default_threads(threads)
 }
 
 #[pymodule]
@@ -786,6 +875,9 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(digest_many, m)?)?;
     m.add_function(wrap_pyfunction!(backend, m)?)?;
     m.add_function(wrap_pyfunction!(threads, m)?)?;
+    m.add_function(wrap_pyfunction!(streams, m)?)?;
+    m.add_function(wrap_pyfunction!(copy_into, m)?)?;
+    m.add_function(wrap_pyfunction!(set_threads, m)?)?;
     m.add_function(wrap_pyfunction!(checksum_safetensors, m)?)?;
     m.add_function(wrap_pyfunction!(safetensors_tensors, m)?)?;
     m.add_class::<MultiHasher>()?;

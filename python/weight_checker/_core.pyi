@@ -1,6 +1,6 @@
 """Type stubs for the compiled core (rust/python.rs)."""
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 class SafetensorsError(ValueError):
@@ -24,7 +24,31 @@ def backend() -> str:
     """The compression backend in use: ``"sha-ni"`` or ``"portable"``."""
 
 def threads() -> int:
-    """Worker threads the engine uses."""
+    """Worker threads the engine uses (``WEIGHT_CHECKER_THREADS``, else
+    :func:`set_threads`, else the cores in this process's CPU affinity)."""
+
+def streams() -> int:
+    """Messages the engine keeps in flight: threads x lanes."""
+
+def set_threads(threads: int) -> None:
+    """Sets the engine's default threads for this process (0: all cores)."""
+
+def copy_into(dst: Any, src: Any) -> None:
+    """Copies ``src``'s C-order bytes into the writable contiguous buffer
+    ``dst`` of the same size, on this thread, with the GIL released."""
+
+def checksum_safetensors(
+    paths: Sequence[str], progress: Callable[[int, int], object] | None = None
+) -> list[tuple[str, str, bool]]:
+    """``[(name, hex, all_zero)]`` of every tensor of the files, in file order.
+
+    Every tensor is a stream of the engine (memory-mapped, read ahead, pages
+    dropped once hashed). ``progress(done, total)`` is called about every
+    100 ms; an exception from it (or a signal) stops the run.
+    """
+
+def safetensors_tensors(path: str) -> list[tuple[str, str, list[int], int]]:
+    """``[(name, dtype, shape, nbytes)]`` of one file, after validating its header."""
 
 class MultiHasher:
     """Several digests open at once, each fed its bytes in order."""
@@ -34,5 +58,7 @@ class MultiHasher:
     def bytes_fed(self, index: int) -> int: ...
     def update(self, feeds: Iterable[tuple[int, Any]]) -> None:
         """Feed contiguous buffers; pairs for one digest apply in order."""
+    def update_at(self, buffer: Any, feeds: Sequence[tuple[int, int, int]]) -> None:
+        """Feed ``(index, offset, length)`` slices of one contiguous buffer."""
     def finish(self) -> tuple[list[str], list[bool]]:
         """Finish every digest: (hex digests, all-zero flags) in index order."""

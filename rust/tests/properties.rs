@@ -2,7 +2,7 @@
 
 use proptest::prelude::*;
 use sha2::Digest as _;
-use weight_checker::{Backend, Engine};
+use weight_checker::{Backend, ChunkSource, Engine};
 
 fn oracle(data: &[u8]) -> [u8; 32] {
     sha2::Sha256::digest(data).into()
@@ -152,4 +152,113 @@ proptest! {
             }
         }
     }
+}
+
+/// A streamed message that hands its bytes out in the given chunk sizes,
+/// failing instead of yielding chunk `fail_at` when set.
+struct Chunked<'a> {
+    data: &'a [u8],
+    sizes: Vec<usize>,
+    next: usize,
+    pos: usize,
+    end: usize,
+    fail_at: Option<usize>,
+}
+
+impl<'a> Chunked<'a> {
+    fn new(data: &'a [u8], cut: usize, fail_at: Option<usize>) -> Chunked<'a> {
+        let mut sizes = Vec::new();
+        let mut left = data.len();
+        let mut k = 0usize;
+        while left > 0 {
+            let n = (1 + (cut * (k + 3)) % 70_000).min(left);
+            sizes.push(n);
+            left -= n;
+            k += 1;
+        }
+        Chunked {
+            data,
+            sizes,
+            next: 0,
+            pos: 0,
+            end: 0,
+            fail_at,
+        }
+    }
+}
+
+impl ChunkSource for Chunked<'_> {
+    fn total_bytes(&self) -> u64 {
+        self.data.len() as u64
+    }
+
+    fn chunk(&self) -> &[u8] {
+        &self.data[self.pos..self.end]
+    }
+
+    fn advance(&mut self) -> Result<bool, weight_checker::Error> {
+        if self.fail_at == Some(self.next) {
+            return Err(weight_checker::Error::Io {
+                path: "failing-source".into(),
+                source: std::io::Error::other("injected read failure"),
+            });
+        }
+        self.pos = self.end;
+        match self.sizes.get(self.next) {
+            Some(&n) => {
+                self.end += n;
+                self.next += 1;
+                Ok(true)
+            }
+            None => Ok(false),
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 32, ..ProptestConfig::default() })]
+
+    /// The streaming feeder: any chunking of any messages, any lanes and
+    /// threads, digests equal sha2's; progress ends at the total.
+    #[test]
+    fn streamed_sources_match_sha2((pool, ranges) in buffers(), cut in 1usize..100_000) {
+        let bufs: Vec<&[u8]> = ranges.iter().map(|&(s, l)| &pool[s..s + l]).collect();
+        let total: u64 = bufs.iter().map(|b| b.len() as u64).sum();
+        for engine in engines() {
+            let sources: Vec<Chunked<'_>> = bufs.iter().map(|b| Chunked::new(b, cut, None)).collect();
+            let mut last = (0, 0);
+            let mut report = |done: u64, all: u64| { last = (done, all); true };
+            let got = engine.hash_sources(sources, Some(&mut report)).unwrap();
+            for (b, d) in bufs.iter().zip(&got) {
+                prop_assert_eq!(d.bytes, oracle(b), "{:?} len {}", engine, b.len());
+            }
+            prop_assert_eq!(last, (total, total));
+        }
+    }
+}
+
+#[test]
+fn a_failing_source_stops_the_run_with_its_error() {
+    let data = vec![7u8; 8 << 20];
+    for engine in engines() {
+        let mut sources: Vec<Chunked<'_>> = (0..6).map(|_| Chunked::new(&data, 50_000, None)).collect();
+        sources[3].fail_at = Some(5);
+        let err = engine.hash_sources(sources, None).unwrap_err();
+        assert!(err.to_string().contains("injected read failure"), "{err}");
+    }
+}
+
+#[test]
+fn progress_can_cancel_a_run() {
+    let data = vec![1u8; 64 << 20];
+    let engine = Engine::default();
+    let sources: Vec<Chunked<'_>> = (0..4).map(|_| Chunked::new(&data, 60_000, None)).collect();
+    let mut calls = 0;
+    let mut cancel = |_: u64, _: u64| {
+        calls += 1;
+        false
+    };
+    let err = engine.hash_sources(sources, Some(&mut cancel)).unwrap_err();
+    assert!(matches!(err, weight_checker::Error::Cancelled), "{err}");
+    assert!(calls >= 1);
 }

@@ -1,0 +1,182 @@
+"""The streaming feeder on real model shapes, side by side in one run.
+
+    .venv/bin/python benches/bench_feeders.py [--repeat 3] [--no-cold]
+
+(a) Checkpoints: a 70B-shaped checkpoint (2 shards x 2 tensors of
+    8192 x 28672 bf16, 1.88 GB; written once under .bench/feeders/).
+    warm: `weight_checker.checkpoint.checksum_checkpoint` with the files in
+          the page cache, against `weight_checker.sha256_many` on tensors of
+          the same shapes already in memory (the engine's ceiling here);
+    cold: the same after dropping the page cache (needs root), against a
+          plain sequential read of the files after dropping it (the disk's
+          ceiling here).
+(b) GPU staging, CPU proxy: `staging.digest_staged(..., engine=HostCopyEngine())`
+    (the device-staging scheduler with host copies) against `_core.digest_many`
+    on the same tensors: a Llama-8B layer mix (3 layers, 1.31 GB bf16) and
+    5,000 tensors of 4 KiB.
+
+Each pair alternates, the median of each side is reported, with the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import weight_checker
+from weight_checker import _core, staging
+from weight_checker.checkpoint import checksum_checkpoint
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def random_bf16(shape: tuple[int, ...]) -> torch.Tensor:
+    t = torch.empty(shape, dtype=torch.bfloat16)
+    t.view(torch.int16).random_(-32768, 32767)
+    return t
+
+
+SHAPE_70B = (8192, 28672)
+
+
+def make_checkpoint(root: Path) -> list[Path]:
+    from safetensors.torch import save_file
+
+    root.mkdir(parents=True, exist_ok=True)
+    files = [root / f"model-{i:05d}-of-00002.safetensors" for i in (1, 2)]
+    stamp = root / "done"
+    if not stamp.exists():
+        torch.manual_seed(0)
+        for i, f in enumerate(files):
+            save_file({f"model.layers.{i}.mlp.{j}.weight": random_bf16(SHAPE_70B) for j in range(2)}, f)
+        stamp.touch()
+    return files
+
+
+def drop_caches() -> bool:
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def read_sequentially(files: list[Path]) -> None:
+    buf = bytearray(8 << 20)
+    view = memoryview(buf)
+    for f in files:
+        with open(f, "rb", buffering=0) as fh:
+            while fh.readinto(view):
+                pass
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def pair(label_a: str, fn_a, label_b: str, fn_b, repeat: int, nbytes: int, *, before=None) -> tuple[float, float]:
+    """Median seconds of ``fn_a`` and ``fn_b``, alternating."""
+    ta, tb = [], []
+    for _ in range(repeat):
+        if before:
+            before()
+        ta.append(timed(fn_a))
+        if before:
+            before()
+        tb.append(timed(fn_b))
+    a, b = statistics.median(ta), statistics.median(tb)
+    for label, t in ((label_a, a), (label_b, b)):
+        print(f"  {label:52} {t:8.3f} s {nbytes / t / 1e9:7.2f} GB/s")
+    return a, b
+
+
+def llama8b_layer_mix(layers: int = 3) -> list[torch.Tensor]:
+    h, inter, kv = 4096, 14336, 1024
+    out = []
+    for _ in range(layers):
+        out += [random_bf16((h, h)), random_bf16((kv, h)), random_bf16((kv, h)), random_bf16((h, h))]
+        out += [random_bf16((inter, h)), random_bf16((inter, h)), random_bf16((h, inter))]
+        out += [random_bf16((h,)), random_bf16((h,))]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--no-cold", action="store_true", help="skip the cold-cache checkpoint run")
+    args = ap.parse_args()
+    print(
+        f"engine: kernel {_core.backend()}, {_core.threads()} threads, {_core.streams()} streams in flight; "
+        f"{os.cpu_count()} cores"
+    )
+
+    files = make_checkpoint(ROOT / ".bench" / "feeders")
+    nbytes = sum(f.stat().st_size for f in files)
+    rows, cols = SHAPE_70B
+    print(f"\n(a) 70B-shaped checkpoint: 2 shards x 2 tensors of {rows} x {cols} bf16, {nbytes / 1e9:.2f} GB")
+    memory = [random_bf16(SHAPE_70B) for _ in range(4)]
+    read_sequentially(files)  # into the page cache
+    ckpt, mem = pair(
+        "checksum_checkpoint (page cache)",
+        lambda: checksum_checkpoint(files),
+        "sha256_many, same shapes in memory",
+        lambda: weight_checker.sha256_many(memory),
+        args.repeat,
+        nbytes,
+    )
+    print(f"  warm: checkpoint / in-memory throughput = {mem / ckpt:.3f}  (goal >= 0.8)")
+    memory.clear()
+    if args.no_cold:
+        pass
+    elif not drop_caches():
+        print("  cold: skipped (cannot write /proc/sys/vm/drop_caches; run as root)")
+    else:
+        ckpt, seq = pair(
+            "checksum_checkpoint (cold cache)",
+            lambda: checksum_checkpoint(files),
+            "plain sequential read (cold cache)",
+            lambda: read_sequentially(files),
+            args.repeat,
+            nbytes,
+            before=drop_caches,
+        )
+        print(f"  cold: checkpoint / sequential-read throughput = {seq / ckpt:.3f}  (goal >= 0.75)")
+
+    print("\n(b) GPU staging scheduler, CPU proxy (HostCopyEngine)")
+    for label, tensors, goal in (
+        ("Llama-8B layer mix x3", llama8b_layer_mix(), 1.5),
+        ("5,000 x 4 KiB", [random_bf16((2048,)) for _ in range(5000)], 4.0),
+    ):
+        size = sum(t.nbytes for t in tensors)
+        names = [f"t{i}" for i in range(len(tensors))]
+        print(f" {label}: {len(tensors)} tensors, {size / 1e9:.3f} GB")
+        staged_out = staging.digest_staged(tensors, names, engine=staging.HostCopyEngine())  # warm the slots
+        assert staged_out == _core.digest_many(tensors, names), "staged digests differ"
+        stats = staging.StagingStats()
+        st, direct = pair(
+            "staging.digest_staged(engine=HostCopyEngine())",
+            lambda t=tensors, n=names: staging.digest_staged(t, n, engine=staging.HostCopyEngine()),
+            "_core.digest_many",
+            lambda t=tensors, n=names: _core.digest_many(t, n),
+            args.repeat,
+            size,
+        )
+        staging.digest_staged(tensors, names, engine=staging.HostCopyEngine(), stats=stats)
+        print(
+            f"  staged / direct time = {st / direct:.2f}  (goal <= {goal});  K={stats.streams}, "
+            f"{len(stats.slot_streams)} slots of {stats.slot_bytes >> 20} MiB carrying {stats.slot_streams[:4]}... "
+            f"streams; copies {stats.copy_seconds:.3f} s, hash thread waiting {stats.wait_seconds:.3f} s, "
+            f"hashing {stats.hash_seconds:.3f} s"
+        )
+
+
+if __name__ == "__main__":
+    main()
