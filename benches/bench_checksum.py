@@ -20,6 +20,7 @@ import time
 
 import torch
 import weight_checker
+from ceiling import describe
 from torch import nn
 from weight_checker import _core
 
@@ -70,7 +71,7 @@ def many_small(n=10_000, nbytes=4096) -> nn.Module:
     return m
 
 
-def bench(label, model, ref, repeat):
+def bench(label, model, ref, repeat, ceiling):
     nbytes = sum(p.nbytes for p in model.parameters())
     count = sum(1 for _ in model.parameters())
     t_ref, t_ours = [], []
@@ -89,6 +90,7 @@ def bench(label, model, ref, repeat):
     print(f"  {'reference':28} {r:9.4f} {nbytes / r / 1e9:7.2f} {r / count * 1e6:10.2f}")
     print(f"  {'weight_checker.checksum':28} {o:9.4f} {nbytes / o / 1e9:7.2f} {o / count * 1e6:10.2f}")
     print(f"  ratio ours / reference: {o / r:.3f}   (speed-up {r / o:.2f}x)")
+    print(f"  ours = {nbytes / o / 1e9 / ceiling:.2f} of the machine's hashing ceiling ({ceiling:.2f} GB/s)")
 
 
 def main():
@@ -98,10 +100,12 @@ def main():
     args = ap.parse_args()
     ref, ref_name = reference_digests()
     print(f"reference: {ref_name}; ours: backend {_core.backend()}, {_core.threads()} threads")
+    line, ceiling = describe()
+    print(line)
     if args.only in (None, "llama"):
-        bench("llama-shaped bf16", llama_like(), ref, args.repeat)
+        bench("llama-shaped bf16", llama_like(), ref, args.repeat, ceiling)
     if args.only in (None, "small"):
-        bench("10,000 x 4 KiB", many_small(), ref, args.repeat)
+        bench("10,000 x 4 KiB", many_small(), ref, args.repeat, ceiling)
 
 
 if __name__ == "__main__":

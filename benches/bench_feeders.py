@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 import weight_checker
+from ceiling import describe
 from weight_checker import _core, staging
 from weight_checker.checkpoint import checksum_checkpoint
 
@@ -118,6 +119,8 @@ def main() -> None:
         f"{os.cpu_count()} cores"
     )
 
+    line, ceiling = describe()
+    print(line)
     files = make_checkpoint(ROOT / ".bench" / "feeders")
     nbytes = sum(f.stat().st_size for f in files)
     rows, cols = SHAPE_70B
@@ -133,6 +136,7 @@ def main() -> None:
         nbytes,
     )
     print(f"  warm: checkpoint / in-memory throughput = {mem / ckpt:.3f}  (goal >= 0.8)")
+    print(f"  warm checkpoint = {nbytes / ckpt / 1e9 / ceiling:.2f} of the machine's hashing ceiling")
     memory.clear()
     if args.no_cold:
         pass

@@ -157,7 +157,8 @@ impl Engine {
         }
     }
 
-    fn effective_lanes(&self) -> usize {
+    /// Streams each thread interleaves (the kernel's widest fit to `lanes`).
+    pub fn effective_lanes(&self) -> usize {
         match self.lanes.clamp(1, self.backend.max_lanes()) {
             3 => 2,
             n => n,

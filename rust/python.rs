@@ -410,14 +410,47 @@ fn exchange_view<'py>(t: &Bound<'py, PyAny>, names: Names<'_, '_>, index: usize)
         // The export ignores a conjugate bit; the fallback resolves it.
         return None;
     }
+    // The common case, a contiguous tensor, becomes a plain byte range with
+    // no allocation (this path runs once per parameter).
     // SAFETY: `dl` was filled by torch for `t`: shape and strides point into
-    // its TensorImpl, and the data into its storage, both alive while `t` is
-    // (kept in `Held`), and the view is built before anything can resize it.
+    // its TensorImpl, both alive while `t` is and read before anything can
+    // resize it.
+    if let Some(len) = unsafe { contiguous_len(&dl) } {
+        return Some(Held::Slice {
+            ptr: (dl.data as *const u8).wrapping_add(dl.byte_offset as usize),
+            len,
+            _owner: t.clone(),
+        });
+    }
+    // SAFETY: as above; the data stays in `t`'s storage, kept alive in `Held`.
     let view = unsafe { view_of(&dl, names, index).ok()? };
     Some(Held::Strided {
         view,
         _owner: t.clone(),
     })
+}
+
+/// The byte length of a C-contiguous DLTensor of whole bytes, or `None`
+/// when it is strided (or has sub-byte elements).
+///
+/// # Safety
+/// `t.shape` (and `t.strides` when non-null) must point to `t.ndim` integers.
+unsafe fn contiguous_len(t: &DLTensor) -> Option<usize> {
+    let bits = t.dtype.bits as usize * t.dtype.lanes as usize;
+    if bits == 0 || !bits.is_multiple_of(8) {
+        return None;
+    }
+    let ndim = t.ndim.max(0) as usize;
+    let mut expected: i64 = 1;
+    for d in (0..ndim).rev() {
+        // SAFETY: d < ndim, per this function's contract.
+        let n = unsafe { *t.shape.add(d) };
+        if !t.strides.is_null() && n != 1 && unsafe { *t.strides.add(d) } != expected {
+            return None;
+        }
+        expected = expected.checked_mul(n)?;
+    }
+    usize::try_from(expected).ok()?.checked_mul(bits / 8)
 }
 
 fn acquire_buffer<'py>(obj: &Bound<'py, PyAny>, names: Names<'_, '_>, index: usize) -> PyResult<Held<'py>> {
@@ -855,6 +888,22 @@ fn threads() -> usize {
     Engine::default().effective_threads()
 }
 
+/// Streams each engine thread interleaves (measured at first use, or
+/// `WEIGHT_CHECKER_LANES`).
+#[pyfunction]
+fn lanes() -> usize {
+    Engine::default().effective_lanes()
+}
+
+/// This core's SHA-256 throughput with 1, 2 and 4 interleaved streams, as
+/// the lane calibration measures it: `{lanes: GB/s}`. Its best figure times
+/// the threads is the machine's hashing ceiling, which benchmarks report
+/// their figures against.
+#[pyfunction]
+fn calibrate(py: Python<'_>) -> Vec<(usize, f64)> {
+    py.detach(|| Backend::active().calibrate_lanes().1.to_vec())
+}
+
 /// Messages the engine keeps in flight: threads x lanes.
 #[pyfunction]
 fn streams() -> usize {
@@ -876,6 +925,8 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(backend, m)?)?;
     m.add_function(wrap_pyfunction!(threads, m)?)?;
     m.add_function(wrap_pyfunction!(streams, m)?)?;
+    m.add_function(wrap_pyfunction!(lanes, m)?)?;
+    m.add_function(wrap_pyfunction!(calibrate, m)?)?;
     m.add_function(wrap_pyfunction!(copy_into, m)?)?;
     m.add_function(wrap_pyfunction!(set_threads, m)?)?;
     m.add_function(wrap_pyfunction!(checksum_safetensors, m)?)?;

@@ -81,3 +81,16 @@ def test_multihasher_errors():
     m.finish()
     with pytest.raises(RuntimeError, match="finished"):
         m.update([(0, b"x")])
+
+
+def test_lanes_are_calibrated_and_the_env_var_overrides():
+    assert _core.lanes() in (1, 2, 4)
+    figures = dict(_core.calibrate())
+    assert set(figures) == {1, 2, 4} and all(v > 0 for v in figures.values())
+    code = "from weight_checker import _core; print(_core.lanes(), _core.streams(), _core.threads())"
+    for want in ("1", "2", "4"):
+        env = dict(os.environ, WEIGHT_CHECKER_LANES=want)
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        lanes, streams, threads = map(int, out.stdout.split())
+        expect = 1 if _core.backend() == "portable" else int(want)
+        assert lanes == expect and streams == lanes * threads

@@ -27,6 +27,13 @@ def threads() -> int:
     """Worker threads the engine uses (``WEIGHT_CHECKER_THREADS``, else
     :func:`set_threads`, else the cores in this process's CPU affinity)."""
 
+def lanes() -> int:
+    """Streams each engine thread interleaves: 1, 2 or 4, the fastest on this
+    CPU as measured at first use (``WEIGHT_CHECKER_LANES`` overrides)."""
+
+def calibrate() -> list[tuple[int, float]]:
+    """This core's GB/s with 1, 2 and 4 interleaved streams (best of 5 short runs)."""
+
 def streams() -> int:
     """Messages the engine keeps in flight: threads x lanes."""
 

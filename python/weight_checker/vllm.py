@@ -116,7 +116,7 @@ def weight_checker_checksums(self: Any) -> dict[str, str]:
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     logger.info(
         "weight_checker: %d tensors, %d bytes in %.4f s (%.2f GB/s) on %s by the Rust core "
-        "(weight_checker %s, backend %s, threads=%d, streams=%d)",
+        "(weight_checker %s, backend %s, lanes=%d, threads=%d, streams=%d)",
         len(names),
         nbytes,
         seconds,
@@ -124,6 +124,7 @@ def weight_checker_checksums(self: Any) -> dict[str, str]:
         prefix.rstrip(":"),
         weight_checker.__version__,
         weight_checker.backend(),
+        _core.lanes(),
         _core.threads(),
         _core.streams(),
     )

@@ -38,34 +38,41 @@ fn round_constants(group: usize) -> __m128i {
     unsafe { _mm_load_si128(K.0.as_ptr().add(4 * group).cast()) }
 }
 
-/// Four rounds of every lane, each half-step issued for all lanes before
-/// the next, so independent `sha256rnds2` sit next to each other.
+/// One 4-round group `g` of every lane, in the instruction order of Intel's
+/// reference (and of the C probe in `shared/shani-probe`): the first
+/// `sha256rnds2` of every lane, then `sha256msg2` for the next group, the
+/// second `sha256rnds2`, then `sha256msg1` for the group after. Each step is
+/// issued for all lanes back to back, so independent instructions sit next
+/// to each other, and the schedule is spread over the rounds instead of
+/// computed in one burst (which kept more registers live and spilled with
+/// four lanes). `w[l][g % 4]` holds the message words of group `g`.
 #[inline(always)]
-fn rounds4_lanes<const N: usize>(abef: &mut [__m128i; N], cdgh: &mut [__m128i; N], w: [__m128i; N], group: usize) {
+fn group<const N: usize>(abef: &mut [__m128i; N], cdgh: &mut [__m128i; N], w: &mut [[__m128i; 4]; N], g: usize) {
+    let (mc, mn, mp) = (g % 4, (g + 1) % 4, (g + 3) % 4);
     // SAFETY (whole block): the SSE2/SHA intrinsics are available because
     // every caller is a `#[target_feature(enable = "sha,...")]` function
     // reached only after `is_supported()`.
     unsafe {
-        let k = round_constants(group);
-        let t1: [__m128i; N] = core::array::from_fn(|l| _mm_add_epi32(w[l], k));
+        let k = round_constants(g);
+        let mut msg = [_mm_setzero_si128(); N];
         for l in 0..N {
-            cdgh[l] = _mm_sha256rnds2_epu32(cdgh[l], abef[l], t1[l]);
+            msg[l] = _mm_add_epi32(w[l][mc], k);
+            cdgh[l] = _mm_sha256rnds2_epu32(cdgh[l], abef[l], msg[l]);
+        }
+        if (3..=14).contains(&g) {
+            for wl in w.iter_mut() {
+                let t = _mm_add_epi32(wl[mn], _mm_alignr_epi8(wl[mc], wl[mp], 4));
+                wl[mn] = _mm_sha256msg2_epu32(t, wl[mc]);
+            }
         }
         for l in 0..N {
-            abef[l] = _mm_sha256rnds2_epu32(abef[l], cdgh[l], _mm_shuffle_epi32(t1[l], 0x0E));
+            abef[l] = _mm_sha256rnds2_epu32(abef[l], cdgh[l], _mm_shuffle_epi32(msg[l], 0x0E));
         }
-    }
-}
-
-/// Next four message-schedule words from the previous sixteen.
-#[inline(always)]
-fn schedule(w0: __m128i, w1: __m128i, w2: __m128i, w3: __m128i) -> __m128i {
-    // SAFETY: as in `rounds4_lanes`.
-    unsafe {
-        let t1 = _mm_sha256msg1_epu32(w0, w1);
-        let t2 = _mm_alignr_epi8(w3, w2, 4);
-        let t3 = _mm_add_epi32(t1, t2);
-        _mm_sha256msg2_epu32(t3, w3)
+        if (1..=12).contains(&g) {
+            for wl in w.iter_mut() {
+                wl[mp] = _mm_sha256msg1_epu32(wl[mp], wl[mc]);
+            }
+        }
     }
 }
 
@@ -111,39 +118,24 @@ pub(super) unsafe fn compress<const N: usize>(states: [&mut [u32; 8]; N], blocks
                 *wj = _mm_shuffle_epi8(v, mask);
             }
         }
-        // Rounds 0..16 use the message words as loaded; rounds 16..64 extend
-        // the schedule four words at a time. Written out group by group so
-        // the schedule stays in registers (a loop with `% 4` indexing was
-        // not unrolled and spilled `w` to the stack).
-        macro_rules! group {
-            ($g:expr, $j:expr) => {
-                rounds4_lanes(&mut abef, &mut cdgh, core::array::from_fn(|l| w[l][$j]), $g);
-            };
-        }
-        macro_rules! sched_group {
-            ($g:expr, $j0:expr, $j1:expr, $j2:expr, $j3:expr) => {
-                for l in 0..N {
-                    w[l][$j0] = schedule(w[l][$j0], w[l][$j1], w[l][$j2], w[l][$j3]);
-                }
-                group!($g, $j0);
-            };
-        }
-        group!(0, 0);
-        group!(1, 1);
-        group!(2, 2);
-        group!(3, 3);
-        sched_group!(4, 0, 1, 2, 3);
-        sched_group!(5, 1, 2, 3, 0);
-        sched_group!(6, 2, 3, 0, 1);
-        sched_group!(7, 3, 0, 1, 2);
-        sched_group!(8, 0, 1, 2, 3);
-        sched_group!(9, 1, 2, 3, 0);
-        sched_group!(10, 2, 3, 0, 1);
-        sched_group!(11, 3, 0, 1, 2);
-        sched_group!(12, 0, 1, 2, 3);
-        sched_group!(13, 1, 2, 3, 0);
-        sched_group!(14, 2, 3, 0, 1);
-        sched_group!(15, 3, 0, 1, 2);
+        // Written out group by group (constant `g`) so that the register
+        // indices are constants and the schedule stays in registers.
+        group(&mut abef, &mut cdgh, &mut w, 0);
+        group(&mut abef, &mut cdgh, &mut w, 1);
+        group(&mut abef, &mut cdgh, &mut w, 2);
+        group(&mut abef, &mut cdgh, &mut w, 3);
+        group(&mut abef, &mut cdgh, &mut w, 4);
+        group(&mut abef, &mut cdgh, &mut w, 5);
+        group(&mut abef, &mut cdgh, &mut w, 6);
+        group(&mut abef, &mut cdgh, &mut w, 7);
+        group(&mut abef, &mut cdgh, &mut w, 8);
+        group(&mut abef, &mut cdgh, &mut w, 9);
+        group(&mut abef, &mut cdgh, &mut w, 10);
+        group(&mut abef, &mut cdgh, &mut w, 11);
+        group(&mut abef, &mut cdgh, &mut w, 12);
+        group(&mut abef, &mut cdgh, &mut w, 13);
+        group(&mut abef, &mut cdgh, &mut w, 14);
+        group(&mut abef, &mut cdgh, &mut w, 15);
         for l in 0..N {
             abef[l] = _mm_add_epi32(abef[l], abef_save[l]);
             cdgh[l] = _mm_add_epi32(cdgh[l], cdgh_save[l]);

@@ -33,15 +33,18 @@ fn nist_vectors_one_shot_every_backend() {
 fn nist_vectors_batched_every_lane_width() {
     let vectors = vectors();
     let messages: Vec<&[u8]> = vectors.iter().map(|(m, _)| m.as_slice()).collect();
+    let mut engines = vec![Engine::default()]; // the calibrated lane count
     for backend in Backend::all_available() {
         for lanes in [1, 2, 3, 4] {
             for threads in [1, 0] {
-                let engine = Engine::new(backend, lanes, threads);
-                let got = engine.hash_many(&messages);
-                for ((_, want), d) in vectors.iter().zip(&got) {
-                    assert_eq!(&d.hex(), want, "{engine:?}");
-                }
+                engines.push(Engine::new(backend, lanes, threads));
             }
+        }
+    }
+    for engine in engines {
+        let got = engine.hash_many(&messages);
+        for ((_, want), d) in vectors.iter().zip(&got) {
+            assert_eq!(&d.hex(), want, "{engine:?}");
         }
     }
 }
@@ -71,5 +74,20 @@ fn all_zero_flag() {
             d.iter().map(|d| d.all_zero).collect::<Vec<_>>(),
             [true, false, true, true]
         );
+    }
+}
+
+#[test]
+fn calibration_measures_every_lane_count_and_picks_the_fastest() {
+    for backend in Backend::all_available() {
+        let (chosen, figures) = backend.calibrate_lanes();
+        assert_eq!(figures.map(|f| f.0), [1, 2, 4]);
+        assert!(figures.iter().all(|f| f.1 > 0.0), "{figures:?}");
+        assert!(chosen <= backend.max_lanes());
+        let best = figures.iter().map(|f| f.1).fold(0.0, f64::max);
+        if backend.max_lanes() == 4 {
+            assert!(figures.iter().find(|f| f.0 == chosen).unwrap().1 >= 0.98 * best);
+        }
+        assert!([1, 2, 4].contains(&backend.default_lanes()));
     }
 }
