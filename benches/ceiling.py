@@ -22,7 +22,7 @@ def per_core_gbps() -> tuple[float, int]:
 def describe() -> tuple[str, float]:
     """A one-line description and the machine ceiling in GB/s."""
     figures = dict(_core.calibrate())
-    core, lanes = max((v, k) for k, v in figures.items())
+    core = max(figures.values())
     threads = _core.threads()
     line = (
         f"ceiling: one core {core:.2f} GB/s (best of 1/2/4 streams: "

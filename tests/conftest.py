@@ -40,3 +40,15 @@ def tiny_llama(tmp_path_factory):
     from weight_checker.launch import write_tiny_llama
 
     return write_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def vllm031_python() -> str | None:
+    """The interpreter of the vLLM 0.31 environment (scripts/dev-env.sh makes
+    .venv-vllm031), or None when there is none."""
+    from pathlib import Path
+
+    path = Path(
+        os.environ.get("WEIGHT_CHECKER_VLLM031_PYTHON", Path(__file__).parent.parent / ".venv-vllm031/bin/python")
+    )
+    return str(path) if path.exists() else None

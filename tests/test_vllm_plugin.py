@@ -64,7 +64,8 @@ def test_plugin_switch_and_lazy_patch_in_a_fresh_process():
 import sys, types
 from weight_checker import vllm as plugin
 plugin.register()
-assert any(type(f).__name__ == "_PatchAfterImport" for f in sys.meta_path), "hook installed"
+hooks = [f for f in sys.meta_path if type(f).__name__ == "_PatchAfterImport"]
+assert hooks and plugin.WORKER_MODULE in hooks[0].patches, "hook installed"
 assert plugin.WORKER_MODULE not in sys.modules, "the worker module is not imported by register()"
 """
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -73,7 +74,8 @@ import os, sys
 os.environ["WEIGHT_CHECKER_VLLM_PLUGIN"] = "0"
 from weight_checker import vllm as plugin
 plugin.register()
-assert not any(type(f).__name__ == "_PatchAfterImport" for f in sys.meta_path)
+hooks = [f for f in sys.meta_path if type(f).__name__ == "_PatchAfterImport"]
+assert all(plugin.WORKER_MODULE not in h.patches for h in hooks)
 """
     subprocess.run([sys.executable, "-c", off], check=True)
 

@@ -53,10 +53,7 @@ def vllm_reference(server: Server) -> dict[str, str]:
     """vLLM's own compute_tensor_digests, run in the workers (first engine)."""
     status, body = server.post("/collective_rpc", {"method": "weight_checker_vllm_reference"})
     assert status == 200, body
-    merged: dict[str, str] = {}
-    for worker in body["results"]:
-        merged.update(worker)
-    return merged
+    return merge_results(body)
 
 
 def check_seed_flow(server: Server) -> None:
@@ -86,3 +83,11 @@ def check_rust_core_served(server: Server, workers: int) -> None:
     assert lines, "no weight_checker INFO line in the server log"
     ranks = {re.search(r" on (dp\d+:pp\d+:pcp\d+:tp\d+) ", line).group(1) for line in lines}
     assert len(ranks) == workers, ranks
+
+
+def merge_results(body: dict) -> dict[str, str]:
+    """One map from a ``/collective_rpc`` answer's per-worker results."""
+    merged: dict[str, str] = {}
+    for worker in body["results"]:
+        merged.update(worker)
+    return merged

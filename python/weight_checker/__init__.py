@@ -4,19 +4,40 @@ Per-tensor SHA-256 digests, byte-identical to vLLM's built-in weight
 checker, computed by a parallel multi-stream Rust core.
 """
 
-from weight_checker._core import backend
+from weight_checker._core import DeviceTensorError, SafetensorsError, backend
 from weight_checker.digests import CompareResult, checksum, compare, reset, sha256_many
-from weight_checker.keys import rank_prefix
+from weight_checker.keys import DuplicateKeysError, rank_prefix
+from weight_checker.verify import (
+    ReplicaResult,
+    VerifyError,
+    VerifyResult,
+    WeightCheckerError,
+    WeightMismatchError,
+    replicas,
+    verify,
+    verify_async,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CompareResult",
+    "DeviceTensorError",
+    "DuplicateKeysError",
+    "ReplicaResult",
+    "SafetensorsError",
+    "VerifyError",
+    "VerifyResult",
+    "WeightCheckerError",
+    "WeightMismatchError",
     "__version__",
     "backend",
     "checksum",
     "compare",
     "rank_prefix",
+    "replicas",
     "reset",
     "sha256_many",
+    "verify",
+    "verify_async",
 ]

@@ -3,11 +3,12 @@ RL weight update.
 
     weight-checker checksum PATH... [--prefix P | --no-prefix] [-o FILE]
     weight-checker compare BASELINE CURRENT [--json]
-    weight-checker verify --url URL [--url URL ...]
+    weight-checker verify --url URL [--url URL ...] [--api-key KEY]
                           (--transfer reload | --transfer-cmd CMD | --wait | --baseline FILE)
+    weight-checker replicas --url URL [--url URL ...] [--api-key KEY]
 
 Exit codes: 0 match / success, 1 mismatch, 2 bad input or a failed step,
-130 interrupted.
+130 interrupted. Never a traceback (``WEIGHT_CHECKER_DEBUG=1`` shows one).
 """
 
 from __future__ import annotations
@@ -19,12 +20,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 from weight_checker.keys import rank_prefix
 
 EXIT_OK, EXIT_MISMATCH, EXIT_BAD, EXIT_INTERRUPTED = 0, 1, 2, 130
 DEFAULT_PREFIX = rank_prefix(0, 0, 0, 0)
+DEBUG_ENV = "WEIGHT_CHECKER_DEBUG"
 
 
 class UsageError(Exception):
@@ -120,43 +121,35 @@ def load_manifest(path: str, stdin_used: list[bool]) -> dict[str, str]:
     else:
         try:
             text, where = Path(path).read_text(), path
-        except (OSError, UnicodeDecodeError) as e:
-            raise UsageError(f"{path}: {e.strerror if isinstance(e, OSError) else e}") from None
+        except (OSError, ValueError) as e:  # incl. UnicodeDecodeError, an embedded NUL in the path
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else e
+            raise UsageError(f"{path}: cannot read: {reason}") from None
     try:
         data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise UsageError(f"{where}: invalid JSON: {e}") from None
+    except RecursionError:
+        raise UsageError(f"{where}: invalid JSON: nested too deeply") from None
+    except ValueError as e:  # JSONDecodeError, or a number too long to convert
+        raise UsageError(f"{where}: invalid JSON: {str(e)[:200]}") from None
     if isinstance(data, dict) and set(data) == {"checksums"}:
         data = data["checksums"]
     if not isinstance(data, dict):
         raise UsageError(f'{where}: expected {{key: sha256 hex}} or {{"checksums": {{...}}}}')
     for k, v in data.items():
         if not isinstance(v, str):
-            raise UsageError(f"{where}: key {k!r}: digest must be a string, got {v!r:.40}")
+            raise UsageError(f"{where}: key {k!r:.80}: digest must be a string, got {str(v)[:40]!r}")
     return data
 
 
 def classify(baseline: dict[str, str], current: dict[str, str], post_reset: dict[str, str] | None = None) -> dict:
-    """Every mismatching key (vLLM's union semantics) with its class: missing
-    (baseline only), unexpected (current only), untouched-since-reset (still
-    its post-reset digest) or changed."""
-    from weight_checker.digests import compare
+    """vLLM's compare with every mismatching key classed (see
+    :func:`weight_checker.verify.classify`), grouped by class."""
+    from weight_checker.verify import classify as classes_of
 
-    result = compare(baseline, current)
-    classes: dict[str, str] = {}
-    for k in result["mismatches"]:
-        if k not in current:
-            classes[k] = "missing"
-        elif k not in baseline:
-            classes[k] = "unexpected"
-        elif post_reset is not None and post_reset.get(k) == current[k]:
-            classes[k] = "untouched-since-reset"
-        else:
-            classes[k] = "changed"
+    classes = classes_of(baseline, current, post_reset)
     by_class: dict[str, list[str]] = {}
-    for k, c in classes.items():
-        by_class.setdefault(c, []).append(k)
-    return {"match": result["match"], "mismatches": result["mismatches"], "classes": by_class}
+    for k in sorted(classes):
+        by_class.setdefault(classes[k], []).append(k)
+    return {"match": not classes, "mismatches": sorted(classes), "classes": by_class}
 
 
 def print_mismatches(result: dict, out=sys.stdout) -> None:
@@ -186,138 +179,88 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return EXIT_OK if result["match"] else EXIT_MISMATCH
 
 
-# --- verify --------------------------------------------------------------------
+# --- verify and replicas ----------------------------------------------------------
 
 
-class StepError(Exception):
-    def __init__(self, step: str, server: str | None, message: str):
-        where = f" on {server}" if server else ""
-        super().__init__(f"step '{step}'{where}: {message}")
+def http_target(args: argparse.Namespace):
+    """The HTTP target of ``--url``s, validated before anything is sent."""
+    from weight_checker.verify import HttpTarget
 
-
-def http_post(url: str, path: str, body: Any, timeout: float, step: str) -> Any:
-    import urllib.error
-    import urllib.request
-
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url.rstrip("/") + path, data=data, method="POST")
-    if data is not None:
-        req.add_header("Content-Type", "application/json")
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            raw = r.read()
-    except urllib.error.HTTPError as e:
-        detail = e.read().decode(errors="replace").strip()
-        raise StepError(step, url, f"HTTP {e.code}: {detail[:300]}") from None
-    except (urllib.error.URLError, OSError) as e:
-        reason = getattr(e, "reason", e)
-        raise StepError(step, url, f"cannot connect: {reason}") from None
-    try:
-        return json.loads(raw) if raw else None
-    except json.JSONDecodeError:
-        raise StepError(step, url, f"answer is not JSON: {raw[:200]!r}") from None
+        return HttpTarget(args.url, api_key=args.api_key, timeout=args.timeout)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
-class Verifier:
-    def __init__(self, urls: list[str], timeout: float):
-        self.urls = urls
-        self.timeout = timeout
-        self.steps: list[dict] = []
+def transfer_for(args: argparse.Namespace, target) -> tuple:
+    """The transfer callable and how to describe it."""
+    from weight_checker.httpclient import HttpError, post_json
+    from weight_checker.verify import VerifyError
 
-    def step(self, name: str, fn, detail: str = ""):
-        start = time.perf_counter()
-        try:
-            value = fn()
-        except BaseException:
-            self.steps.append(
-                {
-                    "step": name,
-                    "ok": False,
-                    "seconds": time.perf_counter() - start,
-                    "detail": detail,
-                }
-            )
-            raise
-        self.steps.append({"step": name, "ok": True, "seconds": time.perf_counter() - start, "detail": detail})
-        return value
-
-    def each(self, path: str, body: Any, step: str) -> list[Any]:
-        return [http_post(u, path, body, self.timeout, step) for u in self.urls]
-
-    def checksum(self, step: str) -> dict[str, str]:
-        merged: dict[str, str] = {}
-        for url in self.urls:
-            answer = http_post(url, "/weight_checker", {"action": "checksum"}, self.timeout, step)
-            sums = answer.get("checksums") if isinstance(answer, dict) else None
-            if not isinstance(sums, dict):
-                raise StepError(step, url, f"unexpected answer {str(answer)[:200]}")
-            if dup := merged.keys() & sums.keys():
-                raise StepError(step, url, f"keys also served by another server: {sorted(dup)[:5]}")
-            merged.update(sums)
-        return merged
-
-
-def run_transfer(args: argparse.Namespace, v: Verifier) -> str:
     if args.transfer == "reload":
-        v.each("/collective_rpc", {"method": "reload_weights"}, "transfer")
-        return "collective_rpc reload_weights"
-    if args.transfer_cmd is not None:
-        import subprocess
 
-        env = dict(os.environ, WEIGHT_CHECKER_URLS=" ".join(v.urls))
-        rc = subprocess.run(args.transfer_cmd, shell=True, env=env).returncode
-        if rc != 0:
-            raise StepError("transfer", None, f"--transfer-cmd exited with {rc}")
-        return f"ran {args.transfer_cmd!r}"
-    sys.stderr.write("weight-checker: transfer the weights now, then press Enter... ")
-    sys.stderr.flush()
-    if not sys.stdin.readline():
-        raise StepError("transfer", None, "--wait: standard input closed before Enter")
-    return "waited for Enter"
+        def reload() -> None:
+            for url in target.urls:
+                try:
+                    post_json(
+                        url,
+                        "/collective_rpc",
+                        {"method": "reload_weights"},
+                        timeout=target.timeout,
+                        api_key=target.api_key,
+                    )
+                except HttpError as e:
+                    raise VerifyError("transfer", url, e.message) from None
+
+        return reload
+    if args.transfer_cmd is not None:
+
+        def run_cmd() -> None:
+            import subprocess
+
+            env = dict(os.environ, WEIGHT_CHECKER_URLS=" ".join(target.urls))
+            rc = subprocess.run(args.transfer_cmd, shell=True, env=env).returncode
+            if rc != 0:
+                raise VerifyError("transfer", None, f"--transfer-cmd exited with {rc}")
+
+        return run_cmd
+
+    def wait() -> None:
+        sys.stderr.write("weight-checker: transfer the weights now, then press Enter... ")
+        sys.stderr.flush()
+        if not sys.stdin.readline():
+            raise VerifyError("transfer", None, "--wait: standard input closed before Enter")
+
+    return wait
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    v = Verifier(args.url, args.timeout)
-    report: dict[str, Any] = {"servers": args.url, "steps": v.steps}
-    post_reset: dict[str, str] | None = None
-    paused = False
-    error: str | None = None
+    from weight_checker.verify import VerifyError, VerifyResult, verify
+
+    target = http_target(args)
+    baseline = load_manifest(args.baseline, [False]) if args.baseline is not None else None
     interrupted = False
     try:
-        if args.baseline is not None:
-            baseline = load_manifest(args.baseline, [False])
-        else:
-            v.step("pause", lambda: v.each("/pause?mode=abort", None, "pause"))
-            paused = True
-            baseline = v.step("checksum (baseline)", lambda: v.checksum("checksum (baseline)"))
-            v.step("reset", lambda: v.each("/weight_checker", {"action": "reset"}, "reset"))
-            post_reset = v.step("checksum (post-reset)", lambda: v.checksum("checksum (post-reset)"))
-            v.step("transfer", lambda: run_transfer(args, v))
-        current = v.step("checksum (current)", lambda: v.checksum("checksum (current)"))
-        result = v.step("compare", lambda: classify(baseline, current, post_reset))
-        report |= result | {"keys": len(baseline)}
-    except StepError as e:
-        error = str(e)
-    except KeyboardInterrupt:
-        error, interrupted = "interrupted", True
-    finally:
-        if paused:
-            try:
-                v.step("resume", lambda: v.each("/resume", None, "resume"))
-            except StepError as e:
-                error = error or str(e)
-    if error is not None:
-        report["error"] = error
+        result = verify(target, transfer_for(args, target) if baseline is None else None, baseline=baseline)
+    except VerifyError as e:
+        result = e.result or VerifyResult(servers=target.urls, error=str(e))
+    except KeyboardInterrupt as e:
+        interrupted = True
+        result = getattr(e, "weight_checker_result", None) or VerifyResult(servers=target.urls)
+        result.error = "interrupted"
+    report = result.to_json()
     if args.json:
         print(json.dumps(report, indent=2))
     else:
         print_verify_report(report)
+    for w in result.warnings:
+        print(f"weight-checker verify: warning: {w}", file=sys.stderr)
     if interrupted:
         return EXIT_INTERRUPTED
-    if error is not None:
-        print(f"weight-checker verify: {error}", file=sys.stderr)
+    if result.error is not None:
+        print(f"weight-checker verify: {result.error}", file=sys.stderr)
         return EXIT_BAD
-    return EXIT_OK if report["match"] else EXIT_MISMATCH
+    return EXIT_OK if result.match else EXIT_MISMATCH
 
 
 def print_verify_report(report: dict) -> None:
@@ -325,8 +268,10 @@ def print_verify_report(report: dict) -> None:
     for i, s in enumerate(report["steps"], 1):
         status = "ok" if s["ok"] else "FAILED"
         print(f"  {i}. {s['step']:<24} {status:<6} {s['seconds']:8.3f} s")
-    if "match" not in report:
-        print(f"result: ERROR: {report.get('error')}")
+    for w in report.get("warnings", []):
+        print(f"warning: {w}")
+    if report.get("error") and not report.get("keys"):
+        print(f"result: ERROR: {report['error']}")
         return
     if report["match"]:
         print(f"result: MATCH: {report['keys']} keys, every digest equals the baseline")
@@ -334,8 +279,29 @@ def print_verify_report(report: dict) -> None:
         counts = ", ".join(f"{len(v)} {c}" for c, v in sorted(report["classes"].items()))
         print(f"result: MISMATCH: {len(report['mismatches'])} keys ({counts})")
         print_mismatches(report)
-    if "error" in report:
+    if report.get("error"):
         print(f"error: {report['error']}")
+
+
+def cmd_replicas(args: argparse.Namespace) -> int:
+    from weight_checker.verify import VerifyError, replicas
+
+    target = http_target(args)
+    try:
+        result = replicas(target)
+    except VerifyError as e:
+        raise UsageError(str(e)) from None
+    if args.json:
+        print(json.dumps(result.to_json(), indent=2))
+    elif result.consistent:
+        print(f"consistent: {len(result.replicas)} replicas ({', '.join(result.replicas)}), {result.groups} keys each")
+    else:
+        print(f"INCONSISTENT: {len(result.inconsistent)} of {result.groups} keys differ between replicas")
+        for key, held in result.inconsistent.items():
+            print(f"  {key}")
+            for replica, digest in held.items():
+                print(f"    {replica:<40} {digest}")
+    return EXIT_OK if result.consistent else EXIT_MISMATCH
 
 
 # --- entry point -------------------------------------------------------------------
@@ -374,7 +340,15 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--baseline", metavar="FILE", help="skip pause/checksum/reset: compare to this manifest")
     v.add_argument("--json", action="store_true", help="machine-readable report")
     v.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default 600)")
+    v.add_argument("--api-key", metavar="KEY", help="the servers' API key (default: $VLLM_API_KEY)")
     v.set_defaults(func=cmd_verify)
+
+    r = sub.add_parser("replicas", help="check that the replicas of a model hold the same weights (no pause, no reset)")
+    r.add_argument("--url", action="append", required=True, help="API server (repeat for several)")
+    r.add_argument("--json", action="store_true", help="machine-readable report")
+    r.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default 600)")
+    r.add_argument("--api-key", metavar="KEY", help="the servers' API key (default: $VLLM_API_KEY)")
+    r.set_defaults(func=cmd_replicas)
     return p
 
 
@@ -391,6 +365,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"weight-checker {args.command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except Exception as e:  # never a traceback, unless asked for
+        if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+            raise
+        message = " ".join(str(e).split())[:300] or type(e).__name__
+        print(f"weight-checker {args.command}: error: {type(e).__name__}: {message}", file=sys.stderr)
+        return EXIT_BAD
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+
 
 def rank_prefix(dp: int, pp: int, pcp: int, tp: int) -> str:
     """The key prefix of one worker: ``"dp{dp}:pp{pp}:pcp{pcp}:tp{tp}:"``.
@@ -13,3 +15,34 @@ def rank_prefix(dp: int, pp: int, pcp: int, tp: int) -> str:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"rank_prefix: {label} must be a non-negative int, got {value!r}")
     return f"dp{dp}:pp{pp}:pcp{pcp}:tp{tp}:"
+
+
+class DuplicateKeysError(ValueError):
+    """Two sources (workers, servers) produced the same key."""
+
+    def __init__(self, keys: list[str], source: object = None):
+        where = f" (also from {source})" if source is not None else ""
+        super().__init__(f"duplicate keys{where}: {keys[:5]}{' ...' if len(keys) > 5 else ''}")
+        self.keys = keys
+        self.source = source
+
+
+def merge_digests(maps: Iterable[Mapping[str, str]], sources: Iterable[object] | None = None) -> dict[str, str]:
+    """One ``{key: hex}`` from several (every worker's, every server's). A key
+    found twice is an error naming the duplicates (and the source that
+    repeated them, when ``sources`` names them)."""
+    merged: dict[str, str] = {}
+    names = iter(sources) if sources is not None else None
+    for m in maps:
+        source = next(names, None) if names is not None else None
+        if duplicates := merged.keys() & m.keys():
+            raise DuplicateKeysError(sorted(duplicates), source)
+        merged.update(m)
+    return merged
+
+
+def split_key(key: str) -> tuple[str, str]:
+    """``("dp0", "pp0:pcp0:tp0:name")`` of a key: the data-parallel replica
+    and everything else (what replicas of one model share)."""
+    dp, _, rest = key.partition(":")
+    return dp, rest

@@ -12,18 +12,17 @@ group's id, also when the caller fails, so no stray engine or worker survives.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from weight_checker.httpclient import HttpError, request
 
 STARTUP_TIMEOUT_S = float(os.environ.get("WEIGHT_CHECKER_VLLM_STARTUP_S", "300"))
 
@@ -73,41 +72,40 @@ class Server:
     model: str
     log: Path
     proc: subprocess.Popen
+    #: Sent as ``Authorization: Bearer`` unless a call passes its own.
+    api_key: str | None = None
 
-    def post(self, path: str, body=None, timeout: float = 300) -> tuple[int, object]:
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.url + path, data=data, method="POST")
-        if data is not None:
-            req.add_header("Content-Type", "application/json")
-        return _send(req, timeout)
+    def post(self, path: str, body=None, timeout: float = 300, api_key: str | None = "") -> tuple[int, object]:
+        """``(status, JSON or text)``; ``api_key=None`` sends no token."""
+        key = self.api_key if api_key == "" else api_key
+        return request("POST", self.url, path, body, timeout=timeout, api_key=key)
 
-    def get(self, path: str, timeout: float = 30) -> tuple[int, object]:
-        return _send(urllib.request.Request(self.url + path), timeout)
+    def get(self, path: str, timeout: float = 30, api_key: str | None = "") -> tuple[int, object]:
+        key = self.api_key if api_key == "" else api_key
+        return request("GET", self.url, path, timeout=timeout, api_key=key)
 
     def log_text(self) -> str:
         return self.log.read_text(errors="replace")
 
 
-def _send(req, timeout) -> tuple[int, object]:
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            raw = r.read()
-            return r.status, (json.loads(raw) if raw else None)
-    except urllib.error.HTTPError as e:
-        raw = e.read()
-        try:
-            return e.code, json.loads(raw)
-        except json.JSONDecodeError:
-            return e.code, raw.decode(errors="replace")
-
-
 @contextlib.contextmanager
 def vllm_server(
-    model: Path, log: Path, *, extra_args: list[str] = (), env: dict[str, str] | None = None
+    model: Path,
+    log: Path,
+    *,
+    extra_args: list[str] = (),
+    env: dict[str, str] | None = None,
+    python: str | None = None,
+    api_key: str | None = None,
 ) -> Iterator[Server]:
+    """A vLLM API server on a free port, stopped (whole process group) on exit.
+    ``python``: the interpreter of another vLLM environment (e.g. vLLM 0.31);
+    ``api_key``: started with ``--api-key``, and sent by ``Server.post``."""
     port = free_port()
+    if api_key:
+        extra_args = [*extra_args, "--api-key", api_key]
     cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        python or sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model), "--skip-tokenizer-init", "--enforce-eager",
         "--dtype", "bfloat16", "--max-model-len", "256",
         "--host", "127.0.0.1", "--port", str(port), *extra_args,
@@ -119,7 +117,7 @@ def vllm_server(
     full_env.update(env or {})
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
-    server = Server(f"http://127.0.0.1:{port}", str(model), log, proc)
+    server = Server(f"http://127.0.0.1:{port}", str(model), log, proc, api_key)
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while True:
@@ -128,7 +126,7 @@ def vllm_server(
             try:
                 if server.get("/health", timeout=2)[0] == 200:
                     break
-            except OSError:
+            except HttpError:
                 pass
             if time.monotonic() > deadline:
                 raise RuntimeError(f"vLLM not healthy after {STARTUP_TIMEOUT_S}s:\n{server.log_text()[-4000:]}")

@@ -26,6 +26,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from weight_checker.digests import compare
+from weight_checker.keys import DuplicateKeysError, merge_digests
 
 ACTIONS = ("checksum", "reset", "compare")
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
@@ -102,6 +103,20 @@ def error_response(status: HTTPStatus, message: str, param: str | None = None) -
     return JSONResponse(body, status_code=status.value)
 
 
+class _DuplicateKey(Exception):
+    pass
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    """``json.loads`` hook: an object that names a key twice is ambiguous
+    (which ``action``?), so it is refused rather than last-one-wins."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        raise _DuplicateKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
+    return out
+
+
 def parse_request(content_type: str | None, raw: bytes) -> tuple[str, dict[str, str] | None]:
     """Validates a request body exactly as strictly as vLLM's route does
     (plus a JSON content type); returns ``(action, baseline)``."""
@@ -111,9 +126,13 @@ def parse_request(content_type: str | None, raw: bytes) -> tuple[str, dict[str, 
     if media != "application/json" and not media.endswith("+json"):
         raise BadRequest(f"Content-Type must be application/json, got {content_type!r}", "body")
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadRequest(f"Invalid JSON: {e}", "body") from None
+        body = json.loads(raw, object_pairs_hook=_no_duplicate_keys)
+    except _DuplicateKey as e:
+        raise BadRequest(f"Invalid JSON: duplicate key {e.args[0]!r:.80}", "body") from None
+    except RecursionError:
+        raise BadRequest("Invalid JSON: nested too deeply", "body") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, a number too long to convert
+        raise BadRequest(f"Invalid JSON: {str(e)[:200]}", "body") from None
     if not isinstance(body, dict):
         raise BadRequest(f"The body must be a JSON object, got {type(body).__name__}", "body")
     if "action" not in body:
@@ -139,19 +158,11 @@ def parse_request(content_type: str | None, raw: bytes) -> tuple[str, dict[str, 
     return action, baseline
 
 
-def merge_worker_checksums(per_worker: list[dict[str, str]]) -> dict[str, str]:
-    """One dict from every worker's; raises ``KeyError`` listing duplicate keys."""
-    merged: dict[str, str] = {}
-    for worker in per_worker:
-        if duplicates := merged.keys() & worker.keys():
-            raise KeyError(sorted(duplicates))
-        merged.update(worker)
-    return merged
-
-
+# vLLM compares digest strings as they are (a wrong one is a mismatch, not a
+# bad request), so the schema asks for strings and nothing more.
 _DIGEST_MAP = {
     "type": "object",
-    "additionalProperties": {"type": "string", "pattern": "^[0-9a-f]{64}$"},
+    "additionalProperties": {"type": "string"},
 }
 _ERROR = {
     "type": "object",
@@ -267,9 +278,9 @@ def create_router(get_backend: Callable[[Request], WeightCheckerBackend]) -> API
         async with backend.lock.shared():
             per_worker = await backend.checksums()
         try:
-            checksums = merge_worker_checksums(per_worker)
-        except KeyError as e:
-            return error_response(HTTPStatus.INTERNAL_SERVER_ERROR, f"Duplicate weight checksum keys: {e.args[0]}")
+            checksums = merge_digests(per_worker)
+        except DuplicateKeysError as e:
+            return error_response(HTTPStatus.INTERNAL_SERVER_ERROR, f"Duplicate weight checksum keys: {e.keys}")
         if action == "checksum":
             return JSONResponse({"checksums": checksums})
         assert baseline is not None

@@ -173,32 +173,41 @@ def patch_worker_class(worker_cls: type) -> None:
 
 
 class _PatchAfterImport(importlib.abc.MetaPathFinder):
-    """Patches the worker class right after its module is imported, so that
-    processes that never import it (the API server) do not pay for it."""
+    """Patches a vLLM module right after it is imported (the worker class in
+    workers, the auth middleware in the API server), so that processes that
+    never import it do not pay for it."""
+
+    def __init__(self, patches: dict[str, Any]):
+        self.patches = patches
 
     def find_spec(self, fullname, path, target=None):
-        if fullname != WORKER_MODULE:
+        patch = self.patches.get(fullname)
+        if patch is None:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
                 continue
             spec = finder.find_spec(fullname, path, target)
             if spec is not None and spec.loader is not None:
-                spec.loader = _PatchingLoader(spec.loader)
+                spec.loader = _PatchingLoader(spec.loader, patch)
                 return spec
         return None
 
 
 class _PatchingLoader(importlib.abc.Loader):
-    def __init__(self, inner: Any):
+    def __init__(self, inner: Any, patch: Any):
         self.inner = inner
+        self.patch = patch
 
     def create_module(self, spec):
         return self.inner.create_module(spec)
 
     def exec_module(self, module):
         self.inner.exec_module(module)
-        _patch_module(module)
+        try:
+            self.patch(module)
+        except Exception:  # a plugin must never take vLLM down
+            logger.exception("weight_checker: patching %s failed; left as is", module.__name__)
 
 
 def _patch_module(module: Any) -> None:
@@ -219,14 +228,26 @@ def register() -> None:
         if _registered:
             return
         _registered = True
-    if not plugin_enabled():
-        logger.info("weight_checker: plugin disabled by %s", PLUGIN_ENV)
-        return
-    module = sys.modules.get(WORKER_MODULE)
-    if module is not None:
-        _patch_module(module)
+    from weight_checker import guard
+
+    patches: dict[str, Any] = {}
+    if plugin_enabled():
+        patches[WORKER_MODULE] = _patch_module
     else:
-        sys.meta_path.insert(0, _PatchAfterImport())
+        logger.info("weight_checker: plugin disabled by %s", PLUGIN_ENV)
+    if guard.guard_enabled():
+        patches[guard.AUTH_MODULE] = guard.patch_module
+    else:
+        logger.info("weight_checker: dev-mode route guard disabled by %s", guard.GUARD_ENV)
+    pending = {}
+    for name, patch in patches.items():
+        module = sys.modules.get(name)
+        if module is not None:
+            patch(module)
+        else:
+            pending[name] = patch
+    if pending:
+        sys.meta_path.insert(0, _PatchAfterImport(pending))
 
 
 # --- API server side ---------------------------------------------------------
@@ -289,8 +310,3 @@ class WeightCheckerEndpoint:
     async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
         if engine_client is not None:
             state.weight_checker_backend = backend_for(engine_client)
-
-
-def attach_router(app: Any) -> None:
-    """Function form of :meth:`WeightCheckerEndpoint.attach_router`."""
-    WeightCheckerEndpoint().attach_router(app)

@@ -1,0 +1,109 @@
+"""The one HTTP client of the package: JSON over urllib, no dependencies.
+
+Used by the verify workflow, the CLI and the local-server launcher. URLs are
+validated before anything is sent; an API key is sent as
+``Authorization: Bearer``; every failure becomes an :class:`HttpError` that
+names the server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.error
+import urllib.parse
+import urllib.request
+from typing import Any
+
+API_KEY_ENV = "VLLM_API_KEY"
+
+
+class HttpError(Exception):
+    """A request that failed: connection, HTTP status or a non-JSON answer."""
+
+    def __init__(self, url: str, message: str, status: int | None = None):
+        super().__init__(f"{url}: {message}")
+        self.url = url
+        self.status = status
+        self.message = message
+
+    @property
+    def unauthorized(self) -> bool:
+        return self.status in (401, 403)
+
+
+def validate_url(url: object) -> str:
+    """``url`` without a trailing slash, if it is an ``http(s)://host[:port]``
+    URL; else ``ValueError`` saying what is wrong."""
+    if not isinstance(url, str) or not url.strip():
+        raise ValueError(f"invalid URL {url!r}: empty")
+    try:
+        parts = urllib.parse.urlsplit(url.strip())
+        port = parts.port  # raises on a bad port
+        host = parts.hostname
+    except ValueError as e:
+        raise ValueError(f"invalid URL {url!r}: {e}") from None
+    if parts.scheme not in ("http", "https"):
+        raise ValueError(f"invalid URL {url!r}: the scheme must be http or https")
+    if not host:
+        raise ValueError(f"invalid URL {url!r}: no host")
+    if port == 0:
+        raise ValueError(f"invalid URL {url!r}: port 0")
+    if parts.query or parts.fragment:
+        raise ValueError(f"invalid URL {url!r}: no query or fragment expected")
+    if any(c.isspace() or ord(c) < 32 for c in url.strip()):
+        raise ValueError(f"invalid URL {url!r}: control or space characters")
+    return url.strip().rstrip("/")
+
+
+def api_key_from_env(explicit: str | None = None) -> str | None:
+    """``explicit`` if given, else ``VLLM_API_KEY`` (as vLLM's server reads it)."""
+    if explicit:
+        return explicit
+    return os.environ.get(API_KEY_ENV) or None
+
+
+def request(
+    method: str,
+    url: str,
+    path: str,
+    body: Any = None,
+    *,
+    timeout: float = 600.0,
+    api_key: str | None = None,
+) -> tuple[int, Any]:
+    """``(status, decoded JSON or text)`` of one request. HTTP error statuses
+    are returned, not raised; connection failures raise :class:`HttpError`."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url + path, data=data, method=method)
+    if data is not None:
+        req.add_header("Content-Type", "application/json")
+    if api_key:
+        req.add_header("Authorization", f"Bearer {api_key}")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            status, raw = r.status, r.read()
+    except urllib.error.HTTPError as e:
+        status, raw = e.code, e.read()
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        reason = getattr(e, "reason", e)
+        raise HttpError(url, f"cannot connect: {reason}") from None
+    try:
+        return status, (json.loads(raw) if raw else None)
+    except ValueError:
+        return status, raw.decode(errors="replace")
+
+
+def post_json(url: str, path: str, body: Any = None, *, timeout: float = 600.0, api_key: str | None = None) -> Any:
+    """The JSON answer of a POST that must succeed (2xx), else :class:`HttpError`."""
+    status, answer = request("POST", url, path, body, timeout=timeout, api_key=api_key)
+    if status == 401 or status == 403:
+        raise HttpError(
+            url, f"unauthorized (HTTP {status}): pass the server's API key (--api-key or VLLM_API_KEY)", status
+        )
+    if not 200 <= status < 300:
+        detail = answer if isinstance(answer, str) else json.dumps(answer)
+        raise HttpError(url, f"HTTP {status}: {detail[:300]}", status)
+    if isinstance(answer, str):
+        raise HttpError(url, f"answer is not JSON: {answer[:200]!r}", status)
+    return answer

@@ -1,0 +1,550 @@
+"""The RL weight-update check as a library: from a trainer, over HTTP or in process.
+
+    result = weight_checker.verify(llm, transfer=lambda: llm.collective_rpc("reload_weights"))
+    result.raise_for_mismatch()
+
+The workflow is vLLM's seed flow: pause, checksum (the baseline), reset (zero
+every weight), checksum (post-reset), transfer (the trainer pushes the
+weights), checksum (current), compare, resume. Every mismatching key is
+classed ``missing`` (baseline only), ``unexpected`` (current only),
+``untouched-since-reset`` (still its post-reset digest: the update never
+reached it) or ``changed``.
+
+Targets, each an adapter with the same four operations:
+
+- HTTP: one URL or several (external load balancing: keys merged, a key
+  served twice is an error), optional API key (``Authorization: Bearer``);
+- an in-process ``vllm.LLM``: ``collective_rpc`` to the plugin's worker
+  methods; an offline engine serves no requests during the call, so there
+  is nothing to pause;
+- an in-process ``vllm.AsyncLLM`` (:func:`verify_async`): pause and resume
+  through ``pause_generation`` / ``resume_generation``.
+
+Whatever fails, every server that was paused is resumed, and each failure
+to resume is reported. :func:`replicas` compares the replicas of a model
+(the ``dp`` ranks of one server, or several independent servers) with no
+pause and no reset.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from weight_checker.digests import compare
+from weight_checker.httpclient import HttpError, api_key_from_env, post_json, validate_url
+from weight_checker.keys import DuplicateKeysError, merge_digests, split_key
+
+EMPTY_DIGEST = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
+CLASSES = ("missing", "unexpected", "untouched-since-reset", "changed")
+
+
+class WeightCheckerError(Exception):
+    """Base class of the verify workflow's errors."""
+
+
+class WeightMismatchError(WeightCheckerError):
+    """The weights after the transfer differ from the baseline."""
+
+    def __init__(self, mismatches: Mapping[str, str]):
+        counts: dict[str, int] = {}
+        for c in mismatches.values():
+            counts[c] = counts.get(c, 0) + 1
+        summary = ", ".join(f"{n} {c}" for c, n in sorted(counts.items()))
+        first = ", ".join(sorted(mismatches)[:5])
+        more = " ..." if len(mismatches) > 5 else ""
+        super().__init__(f"{len(mismatches)} keys differ from the baseline ({summary}): {first}{more}")
+        self.mismatches = dict(mismatches)
+
+
+class VerifyError(WeightCheckerError):
+    """A step of the workflow failed (not a mismatch): names the step and the server."""
+
+    def __init__(self, step: str, server: str | None, message: str):
+        where = f" on {server}" if server else ""
+        super().__init__(f"step '{step}'{where}: {message}")
+        self.step = step
+        self.server = server
+        self.message = message
+        self.result: VerifyResult | None = None
+
+
+@dataclass
+class Step:
+    name: str
+    seconds: float
+    ok: bool
+    detail: str = ""
+
+
+@dataclass
+class VerifyResult:
+    """What one run of the workflow found."""
+
+    match: bool = False
+    #: key -> class, for every mismatching key (vLLM's union semantics).
+    mismatches: dict[str, str] = field(default_factory=dict)
+    steps: list[Step] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    keys: int = 0
+    servers: list[str] = field(default_factory=list)
+    error: str | None = None
+
+    def raise_for_mismatch(self) -> None:
+        if self.mismatches:
+            raise WeightMismatchError(self.mismatches)
+
+    def classes(self) -> dict[str, list[str]]:
+        """class -> sorted keys."""
+        out: dict[str, list[str]] = {}
+        for k in sorted(self.mismatches):
+            out.setdefault(self.mismatches[k], []).append(k)
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "servers": self.servers,
+            "steps": [{"step": s.name, "ok": s.ok, "seconds": s.seconds, "detail": s.detail} for s in self.steps],
+            "match": self.match,
+            "mismatches": sorted(self.mismatches),
+            "classes": self.classes(),
+            "keys": self.keys,
+            "warnings": self.warnings,
+            **({"error": self.error} if self.error else {}),
+        }
+
+
+def classify(
+    baseline: Mapping[str, str], current: Mapping[str, str], post_reset: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """key -> class for every key whose digests differ (missing and extra keys included)."""
+    out: dict[str, str] = {}
+    for k in compare(baseline, current)["mismatches"]:
+        if k not in current:
+            out[k] = "missing"
+        elif k not in baseline:
+            out[k] = "unexpected"
+        elif post_reset is not None and post_reset.get(k) == current[k]:
+            out[k] = "untouched-since-reset"
+        else:
+            out[k] = "changed"
+    return out
+
+
+def already_zeroed_warning(baseline: Mapping[str, str], post_reset: Mapping[str, str]) -> str | None:
+    """The diagnosis when the baseline equals the post-reset digests: the
+    engine was zeroed before this run started (an earlier update failed?)."""
+    if baseline == post_reset and any(v != EMPTY_DIGEST for v in baseline.values()):
+        return (
+            "the baseline digests equal the post-reset digests: the engine's weights were already "
+            "zeroed (reset) before this run, so the baseline is not the model you loaded; "
+            "reload the model, then verify again"
+        )
+    return None
+
+
+# --- targets -------------------------------------------------------------------
+
+
+class HttpTarget:
+    """One API server or several (``--data-parallel-external-lb``)."""
+
+    def __init__(self, urls: str | Iterable[str], *, api_key: str | None = None, timeout: float | None = None):
+        urls = [urls] if isinstance(urls, str) else list(urls)
+        if not urls:
+            raise ValueError("no server URL given")
+        self.urls = [validate_url(u) for u in urls]
+        self.api_key = api_key_from_env(api_key)
+        self.timeout = 600.0 if timeout is None else timeout
+        self.paused: list[str] = []
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.urls)
+
+    def _post(self, url: str, path: str, body: Any, step: str) -> Any:
+        try:
+            return post_json(url, path, body, timeout=self.timeout, api_key=self.api_key)
+        except HttpError as e:
+            raise VerifyError(step, url, e.message) from None
+
+    def pause(self) -> None:
+        for url in self.urls:
+            self._post(url, "/pause?mode=abort", None, "pause")
+            self.paused.append(url)
+
+    def resume(self) -> list[str]:
+        """Resumes every server paused so far; returns one message per failure."""
+        failures = []
+        for url in list(self.paused):
+            try:
+                self._post(url, "/resume", None, "resume")
+                self.paused.remove(url)
+            except VerifyError as e:
+                failures.append(str(e))
+        return failures
+
+    def checksums_by_server(self, step: str) -> list[dict[str, str]]:
+        out = []
+        for url in self.urls:
+            answer = self._post(url, "/weight_checker", {"action": "checksum"}, step)
+            sums = answer.get("checksums") if isinstance(answer, dict) else None
+            if not isinstance(sums, dict) or not all(isinstance(v, str) for v in sums.values()):
+                raise VerifyError(step, url, f"unexpected answer {str(answer)[:200]}")
+            out.append(sums)
+        return out
+
+    def checksum(self, step: str) -> dict[str, str]:
+        per_server = self.checksums_by_server(step)
+        try:
+            return merge_digests(per_server, self.urls)
+        except DuplicateKeysError as e:
+            raise VerifyError(step, str(e.source), f"keys also served by another server: {e.keys[:5]}") from None
+
+    def reset(self, step: str) -> None:
+        for url in self.urls:
+            self._post(url, "/weight_checker", {"action": "reset"}, step)
+
+
+def _merge_workers(results: list[Any], step: str, name: str) -> dict[str, str]:
+    if not isinstance(results, list) or not all(isinstance(r, dict) for r in results):
+        raise VerifyError(step, name, f"unexpected answer {str(results)[:200]}")
+    try:
+        return merge_digests(results)
+    except DuplicateKeysError as e:
+        raise VerifyError(step, name, f"two workers produced the same keys: {e.keys[:5]}") from None
+
+
+class LLMTarget:
+    """An in-process ``vllm.LLM``: the plugin's worker methods over ``collective_rpc``."""
+
+    def __init__(self, llm: Any, *, timeout: float | None = None):
+        self.llm = llm
+        self.timeout = timeout
+        self.name = f"in-process {type(llm).__name__}"
+        self.names = [self.name]
+
+    def _rpc(self, method: str, step: str) -> Any:
+        try:
+            return self.llm.collective_rpc(method, timeout=self.timeout)
+        except Exception as e:
+            raise VerifyError(step, self.name, f"collective_rpc({method!r}) failed: {e}") from None
+
+    def pause(self) -> None:  # an offline engine serves nothing during the call
+        pass
+
+    def resume(self) -> list[str]:
+        return []
+
+    def checksum(self, step: str) -> dict[str, str]:
+        return _merge_workers(self._rpc("weight_checker_checksums", step), step, self.name)
+
+    def reset(self, step: str) -> None:
+        self._rpc("weight_checker_reset", step)
+
+
+class AsyncLLMTarget:
+    """An in-process ``vllm.AsyncLLM`` (or any engine client with an async
+    ``collective_rpc``); paused with ``pause_generation``."""
+
+    def __init__(self, engine: Any, *, timeout: float | None = None):
+        self.engine = engine
+        self.timeout = timeout
+        self.name = f"in-process {type(engine).__name__}"
+        self.names = [self.name]
+        self.paused = False
+
+    async def _rpc(self, method: str, step: str) -> Any:
+        try:
+            return await self.engine.collective_rpc(method, timeout=self.timeout)
+        except Exception as e:
+            raise VerifyError(step, self.name, f"collective_rpc({method!r}) failed: {e}") from None
+
+    async def pause(self) -> None:
+        if hasattr(self.engine, "pause_generation"):
+            try:
+                await self.engine.pause_generation(mode="abort")
+            except Exception as e:
+                raise VerifyError("pause", self.name, str(e)) from None
+            self.paused = True
+
+    async def resume(self) -> list[str]:
+        if not self.paused:
+            return []
+        try:
+            await self.engine.resume_generation()
+            self.paused = False
+            return []
+        except Exception as e:
+            return [str(VerifyError("resume", self.name, str(e)))]
+
+    async def checksum(self, step: str) -> dict[str, str]:
+        return _merge_workers(await self._rpc("weight_checker_checksums", step), step, self.name)
+
+    async def reset(self, step: str) -> None:
+        await self._rpc("weight_checker_reset", step)
+
+
+def target_for(target: Any, *, api_key: str | None = None, timeout: float | None = None) -> Any:
+    """The adapter for ``target``: a URL or list of URLs, an ``LLM``, an
+    ``AsyncLLM``, or an adapter already."""
+    if isinstance(target, (HttpTarget, LLMTarget, AsyncLLMTarget)):
+        return target
+    if isinstance(target, str) or (
+        isinstance(target, (list, tuple)) and target and all(isinstance(t, str) for t in target)
+    ):
+        return HttpTarget(target, api_key=api_key, timeout=timeout)
+    rpc = getattr(target, "collective_rpc", None)
+    if rpc is not None and inspect.iscoroutinefunction(rpc):
+        return AsyncLLMTarget(target, timeout=timeout)
+    if rpc is not None:
+        return LLMTarget(target, timeout=timeout)
+    raise TypeError(f"cannot verify a {type(target).__name__}: expected URL(s), a vllm.LLM or a vllm.AsyncLLM")
+
+
+# --- the workflow --------------------------------------------------------------------
+
+
+class _Run:
+    """Bookkeeping shared by the sync and async workflows."""
+
+    def __init__(self, target: Any):
+        self.target = target
+        self.result = VerifyResult(servers=list(getattr(target, "names", [])))
+
+    def begin(self) -> float:
+        return time.perf_counter()
+
+    def end(self, name: str, start: float, ok: bool, detail: str = "") -> None:
+        self.result.steps.append(Step(name, time.perf_counter() - start, ok, detail))
+
+    def finish(self, baseline, current, post_reset) -> None:
+        start = self.begin()
+        self.result.mismatches = classify(baseline, current, post_reset)
+        self.result.match = not self.result.mismatches
+        self.result.keys = len(baseline)
+        if post_reset is not None and (w := already_zeroed_warning(baseline, post_reset)):
+            self.result.warnings.append(w)
+        self.end("compare", start, True)
+
+
+def _load_baseline(baseline: Mapping[str, str] | None) -> dict[str, str] | None:
+    if baseline is None:
+        return None
+    if not isinstance(baseline, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in baseline.items()
+    ):
+        raise TypeError("baseline must be a mapping key -> sha256 hex")
+    return dict(baseline)
+
+
+def verify(
+    target: Any,
+    transfer: Callable[[], Any] | None = None,
+    *,
+    baseline: Mapping[str, str] | None = None,
+    timeout: float | None = None,
+    api_key: str | None = None,
+) -> VerifyResult:
+    """Runs the weight-update check against ``target`` (URL(s) or an in-process
+    ``vllm.LLM``; use :func:`verify_async` for an ``AsyncLLM``).
+
+    ``transfer`` pushes the weights (a callable; a coroutine function is run
+    to completion). With ``baseline``, only the current checksum and the
+    comparison run. A mismatch is in the result (``.match``,
+    ``.raise_for_mismatch()``); a failed step raises :class:`VerifyError`
+    (with ``.result`` holding the steps so far), after every paused server
+    was resumed.
+    """
+    t = target_for(target, api_key=api_key, timeout=timeout)
+    if isinstance(t, AsyncLLMTarget):
+        raise TypeError("an AsyncLLM is verified with `await weight_checker.verify_async(...)`")
+    baseline = _load_baseline(baseline)
+    if baseline is None and transfer is None:
+        raise TypeError("verify needs a transfer callable (or a baseline to compare with)")
+    run = _Run(t)
+
+    def step(name: str, fn: Callable[[], Any]) -> Any:
+        start = run.begin()
+        try:
+            value = fn()
+        except BaseException:
+            run.end(name, start, False)
+            raise
+        run.end(name, start, True)
+        return value
+
+    post_reset = None
+    error: BaseException | None = None
+    try:
+        if baseline is None:
+            step("pause", t.pause)
+            baseline = step("checksum (baseline)", lambda: t.checksum("checksum (baseline)"))
+            step("reset", lambda: t.reset("reset"))
+            post_reset = step("checksum (post-reset)", lambda: t.checksum("checksum (post-reset)"))
+            step("transfer", lambda: _call_transfer(transfer))
+        current = step("checksum (current)", lambda: t.checksum("checksum (current)"))
+        run.finish(baseline, current, post_reset)
+    except BaseException as e:
+        error = e
+    finally:
+        if getattr(t, "paused", None):
+            start = run.begin()
+            failures = t.resume()
+            _note_resume(run, failures, run.begin() - start, True)
+    return _conclude(run, error)
+
+
+async def verify_async(
+    target: Any,
+    transfer: Callable[[], Any] | None = None,
+    *,
+    baseline: Mapping[str, str] | None = None,
+    timeout: float | None = None,
+    api_key: str | None = None,
+) -> VerifyResult:
+    """:func:`verify` for an in-process ``vllm.AsyncLLM`` (paused with
+    ``pause_generation``); also accepts URL(s) and an ``LLM``, run in a thread."""
+    t = target_for(target, api_key=api_key, timeout=timeout)
+    if not isinstance(t, AsyncLLMTarget):
+        return await asyncio.to_thread(verify, t, transfer, baseline=baseline, timeout=timeout)
+    baseline = _load_baseline(baseline)
+    if baseline is None and transfer is None:
+        raise TypeError("verify_async needs a transfer callable (or a baseline to compare with)")
+    run = _Run(t)
+
+    async def step(name: str, fn: Callable[[], Awaitable[Any]]) -> Any:
+        start = run.begin()
+        try:
+            value = await fn()
+        except BaseException:
+            run.end(name, start, False)
+            raise
+        run.end(name, start, True)
+        return value
+
+    post_reset = None
+    error: BaseException | None = None
+    try:
+        if baseline is None:
+            await step("pause", t.pause)
+            baseline = await step("checksum (baseline)", lambda: t.checksum("checksum (baseline)"))
+            await step("reset", lambda: t.reset("reset"))
+            post_reset = await step("checksum (post-reset)", lambda: t.checksum("checksum (post-reset)"))
+            await step("transfer", lambda: _call_transfer_async(transfer))
+        current = await step("checksum (current)", lambda: t.checksum("checksum (current)"))
+        run.finish(baseline, current, post_reset)
+    except BaseException as e:
+        error = e
+    finally:
+        if t.paused:
+            start = run.begin()
+            failures = await t.resume()
+            _note_resume(run, failures, run.begin() - start, True)
+    return _conclude(run, error)
+
+
+def _call_transfer(transfer: Callable[[], Any] | None) -> Any:
+    try:
+        value = transfer()  # type: ignore[misc]
+        if inspect.isawaitable(value):
+            value = asyncio.run(_await(value))
+    except (KeyboardInterrupt, VerifyError):
+        raise
+    except Exception as e:
+        raise VerifyError("transfer", None, f"the transfer failed: {type(e).__name__}: {e}") from e
+    return value
+
+
+async def _call_transfer_async(transfer: Callable[[], Any] | None) -> Any:
+    try:
+        value = transfer()  # type: ignore[misc]
+        if inspect.isawaitable(value):
+            value = await value
+    except (KeyboardInterrupt, VerifyError):
+        raise
+    except Exception as e:
+        raise VerifyError("transfer", None, f"the transfer failed: {type(e).__name__}: {e}") from e
+    return value
+
+
+async def _await(value: Awaitable[Any]) -> Any:
+    return await value
+
+
+def _note_resume(run: _Run, failures: list[str], seconds: float, attempted: bool) -> None:
+    if not attempted:
+        return
+    run.result.steps.append(Step("resume", seconds, not failures, "; ".join(failures)))
+    if failures:
+        run.result.warnings.extend(f"could not resume: {f}" for f in failures)
+
+
+def _conclude(run: _Run, error: BaseException | None) -> VerifyResult:
+    resume_failures = [s for s in run.result.steps if s.name == "resume" and not s.ok]
+    if error is None and resume_failures:
+        error = VerifyError("resume", None, resume_failures[0].detail)
+    if error is None:
+        return run.result
+    if isinstance(error, VerifyError):
+        run.result.error = str(error)
+        error.result = run.result
+    # Any error (Ctrl-C too) carries the steps so far, for the report.
+    error.weight_checker_result = run.result  # type: ignore[union-attr]
+    raise error
+
+
+# --- replicas ---------------------------------------------------------------------
+
+
+@dataclass
+class ReplicaResult:
+    """Replica consistency: every key group whose replicas disagree."""
+
+    consistent: bool
+    replicas: list[str]
+    groups: int
+    #: group key (``pp..:pcp..:tp..:name``) -> replica -> digest, for groups
+    #: with more than one distinct digest.
+    inconsistent: dict[str, dict[str, str]]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "consistent": self.consistent,
+            "replicas": self.replicas,
+            "groups": self.groups,
+            "inconsistent": self.inconsistent,
+        }
+
+
+def replicas(target: Any, *, timeout: float | None = None, api_key: str | None = None) -> ReplicaResult:
+    """One checksum of every replica (no pause, no reset), keys grouped by
+    everything but the replica: the ``dp`` rank inside one server, and the
+    server itself when several are given."""
+    t = target_for(target, api_key=api_key, timeout=timeout)
+    if isinstance(t, AsyncLLMTarget):
+        raise TypeError("replicas() of an AsyncLLM: run it in process with an LLM or over HTTP")
+    if isinstance(t, HttpTarget):
+        per_source = list(zip(t.urls, t.checksums_by_server("checksum"), strict=True))
+    else:
+        per_source = [(t.name, t.checksum("checksum"))]
+    several = len(per_source) > 1
+    groups: dict[str, dict[str, str]] = {}
+    names: list[str] = []
+    for source, sums in per_source:
+        for key, digest in sums.items():
+            dp, rest = split_key(key)
+            replica = f"{source} {dp}" if several else dp
+            groups.setdefault(rest, {})[replica] = digest
+            if replica not in names:
+                names.append(replica)
+    inconsistent = {g: dict(sorted(r.items())) for g, r in sorted(groups.items()) if len(set(r.values())) > 1}
+    # A group that some replica lacks is inconsistent too: that replica holds nothing.
+    for g, r in groups.items():
+        if len(r) < len(names) and g not in inconsistent:
+            inconsistent[g] = dict(sorted({**dict.fromkeys(names, "(missing)"), **r}.items()))
+    return ReplicaResult(not inconsistent, sorted(names), len(groups), dict(sorted(inconsistent.items())))
