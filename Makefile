@@ -3,13 +3,13 @@
 
 PY := .venv/bin/python
 
-.PHONY: env test test-rust test-python lint bench demo clean
+.PHONY: env test test-rust test-python lint wheel bench demo clean
 
 env:
 	scripts/dev-env.sh
 
-## Everything CI runs: lint, Rust tests, the Python suite with both backends.
-test: env lint test-rust test-python
+## Everything CI runs: lint, Rust tests, the wheel, the Python suite with both kernels.
+test: env lint test-rust wheel test-python
 
 lint:
 	cargo fmt --check
@@ -17,15 +17,23 @@ lint:
 	cargo clippy --features python -- -D warnings
 	.venv/bin/ruff check .
 	.venv/bin/ruff format --check .
+	.venv/bin/python -m mypy.stubtest weight_checker._core
+
+## A release build: the abi3 manylinux wheel (maturin's compliance check on)
+## and the sdist, into dist/. Installs without Rust (tests/test_wheel.py).
+wheel:
+	rm -rf dist
+	.venv/bin/maturin build --release --auditwheel check -o dist
+	.venv/bin/maturin sdist -o dist
 
 test-rust:
 	cargo test --release
 
-# The whole suite with the best backend, then the digest suites again with the
-# portable fallback forced, so both backends are checked against hashlib.
+# The whole suite with the best kernel, then the digest suites again with the
+# portable fallback forced, so both kernels are checked against hashlib.
 test-python:
 	$(PY) -m pytest
-	WEIGHT_CHECKER_BACKEND=portable $(PY) -m pytest -q tests/test_digests.py tests/test_core.py tests/test_walk.py
+	WEIGHT_CHECKER_KERNEL=portable $(PY) -m pytest -q tests/test_digests.py tests/test_core.py tests/test_walk.py
 
 bench: env
 	$(PY) benches/bench_checksum.py

@@ -99,7 +99,7 @@ def main():
     ap.add_argument("--only", choices=["llama", "small"])
     args = ap.parse_args()
     ref, ref_name = reference_digests()
-    print(f"reference: {ref_name}; ours: backend {_core.backend()}, {_core.threads()} threads")
+    print(f"reference: {ref_name}; ours: kernel {_core.kernel()}, {_core.threads()} threads")
     line, ceiling = describe()
     print(line)
     if args.only in (None, "llama"):

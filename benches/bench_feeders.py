@@ -115,7 +115,7 @@ def main() -> None:
     ap.add_argument("--no-cold", action="store_true", help="skip the cold-cache checkpoint run")
     args = ap.parse_args()
     print(
-        f"engine: kernel {_core.backend()}, {_core.threads()} threads, {_core.streams()} streams in flight; "
+        f"engine: kernel {_core.kernel()}, {_core.threads()} threads, {_core.streams()} streams in flight; "
         f"{os.cpu_count()} cores"
     )
 

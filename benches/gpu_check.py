@@ -212,7 +212,7 @@ def main() -> None:
     results = {
         "date": time.strftime("%Y-%m-%d"),
         "card": torch.cuda.get_device_name() if device == "cuda" else platform.processor(),
-        "backend": weight_checker.backend(),
+        "kernel": weight_checker.kernel(),
         "torch": torch.__version__,
     }
     check_digests(device, results)

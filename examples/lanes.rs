@@ -4,24 +4,24 @@
 //!
 //!     cargo run --release --example lanes
 
-use weight_checker::{Backend, Engine};
+use weight_checker::{Kernel, Scheduler};
 
 fn main() {
-    let backend = Backend::best_available();
-    let (chosen, figures) = backend.calibrate_lanes();
+    let kernel = Kernel::best_available();
+    let (chosen, figures) = kernel.calibrate_lanes();
     println!("calibration (L2-hot, GB/s per lane count): {figures:?}; chosen {chosen}");
     let pool: Vec<u8> = (0..4 * (64usize << 20))
         .map(|i| (i as u32).wrapping_mul(2654435761) as u8)
         .collect();
     let bufs: Vec<&[u8]> = pool.chunks(64 << 20).collect();
     for lanes in [1, 2, 4] {
-        let engine = Engine::new(backend, lanes, 1);
+        let scheduler = Scheduler::new(kernel, lanes, 1);
         let mut best = 0f64;
         for _ in 0..3 {
             let start = std::time::Instant::now();
-            std::hint::black_box(engine.hash_many(&bufs));
+            std::hint::black_box(scheduler.hash_many(&bufs));
             best = best.max(pool.len() as f64 / start.elapsed().as_secs_f64() / 1e9);
         }
-        println!("{backend} {lanes} lanes, one thread, 4 x 64 MiB: {best:.2} GB/s");
+        println!("{kernel} {lanes} lanes, one thread, 4 x 64 MiB: {best:.2} GB/s");
     }
 }

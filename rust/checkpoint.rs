@@ -11,10 +11,11 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use memmap2::{Advice, Mmap, UncheckedAdvice};
+use safetensors::SafeTensors;
 use serde_json::Value;
 
-use crate::engine::{ChunkSource, Engine};
 use crate::error::Error;
+use crate::scheduler::{ChunkSource, Scheduler};
 use crate::sha256::Digest;
 
 /// Headers larger than this are refused (as the safetensors crate does).
@@ -37,24 +38,18 @@ impl TensorEntry {
     }
 }
 
-/// Bits per element of each safetensors dtype.
+/// Bits per element of each safetensors dtype (the `safetensors` crate's
+/// list), for the diagnosis of a rejected header.
 fn dtype_bits(dtype: &str) -> Option<u64> {
     Some(match dtype {
-        "BOOL" | "U8" | "I8" | "F8_E5M2" | "F8_E4M3" | "F8_E8M0" => 8,
-        "F4" | "F6_E2M3" | "F6_E3M2" => return dtype_bits_subbyte(dtype),
+        "F4" => 4,
+        "F6_E2M3" | "F6_E3M2" => 6,
+        "BOOL" | "U8" | "I8" | "F8_E5M2" | "F8_E4M3" | "F8_E8M0" | "F8_E4M3FNUZ" | "F8_E5M2FNUZ" => 8,
         "I16" | "U16" | "F16" | "BF16" => 16,
         "I32" | "U32" | "F32" => 32,
         "I64" | "U64" | "F64" | "C64" => 64,
         _ => return None,
     })
-}
-
-fn dtype_bits_subbyte(dtype: &str) -> Option<u64> {
-    match dtype {
-        "F4" => Some(4),
-        "F6_E2M3" | "F6_E3M2" => Some(6),
-        _ => None,
-    }
 }
 
 fn bad(path: &Path, tensor: Option<&str>, reason: impl Into<String>) -> Error {
@@ -65,18 +60,54 @@ fn bad(path: &Path, tensor: Option<&str>, reason: impl Into<String>) -> Error {
     }
 }
 
-/// Parses and validates a safetensors header against a file of `file_len`
-/// bytes whose first bytes are `prefix` (at least the header). Returns the
-/// tensors in file order.
-pub fn parse_header(path: &Path, prefix: &[u8], file_len: u64) -> Result<Vec<TensorEntry>, Error> {
-    if file_len < 8 || prefix.len() < 8 {
+/// Parses and validates the header of a whole safetensors file (`file`, all
+/// its bytes) and returns the tensors in file order.
+///
+/// The verdict is the `safetensors` crate's (`SafeTensors::read_metadata`,
+/// what Python's `safe_open` runs): tensors back to back from offset 0 with
+/// no gap or overlap, sizes exactly dtype x shape in whole bytes, the data
+/// covering the file to its last byte. When it refuses a file, [`diagnose`]
+/// words the reason and names the tensor at fault.
+pub fn parse_header(path: &Path, file: &[u8]) -> Result<Vec<TensorEntry>, Error> {
+    let (n, metadata) = match SafeTensors::read_metadata(file) {
+        Ok(ok) => ok,
+        Err(e) => {
+            return Err(diagnose(path, file)
+                .err()
+                .unwrap_or_else(|| bad(path, None, format!("invalid safetensors file: {e}"))))
+        }
+    };
+    let data_start = (8 + n) as u64;
+    Ok(metadata
+        .offset_keys()
+        .into_iter()
+        .filter_map(|name| {
+            let info = metadata.info(&name)?;
+            let (begin, end) = info.data_offsets;
+            Some(TensorEntry {
+                dtype: format!("{:?}", info.dtype),
+                shape: info.shape.iter().map(|&d| d as u64).collect(),
+                start: data_start + begin as u64,
+                end: data_start + end as u64,
+                name,
+            })
+        })
+        .collect())
+}
+
+/// The first defect of a file the crate refused, as one message naming the
+/// file and, where one is at fault, the tensor. Checks what the crate
+/// checks, in the order a reader would look.
+fn diagnose(path: &Path, file: &[u8]) -> Result<(), Error> {
+    let file_len = file.len() as u64;
+    if file_len < 8 {
         return Err(bad(
             path,
             None,
             format!("truncated: {file_len} bytes, shorter than the 8-byte header length"),
         ));
     }
-    let n = u64::from_le_bytes(prefix[..8].try_into().unwrap());
+    let n = u64::from_le_bytes(file[..8].try_into().unwrap());
     if n > MAX_HEADER_BYTES {
         return Err(bad(
             path,
@@ -91,19 +122,19 @@ pub fn parse_header(path: &Path, prefix: &[u8], file_len: u64) -> Result<Vec<Ten
             format!("header length {n} runs past the end of the file ({file_len} bytes)"),
         ));
     }
-    let header = prefix
-        .get(8..8 + n as usize)
-        .ok_or_else(|| bad(path, None, "truncated header"))?;
+    let header = &file[8..8 + n as usize];
     let json: Value =
         serde_json::from_slice(header).map_err(|e| bad(path, None, format!("invalid JSON header: {e}")))?;
     let map = json
         .as_object()
         .ok_or_else(|| bad(path, None, "header is not a JSON object"))?;
-    let data_start = 8 + n;
-    let data_len = file_len - data_start;
-    let mut entries = Vec::with_capacity(map.len());
+    let data_len = file_len - 8 - n;
+    let mut spans = Vec::with_capacity(map.len());
     for (name, info) in map {
         if name == "__metadata__" {
+            if !info.as_object().is_some_and(|m| m.values().all(Value::is_string)) {
+                return Err(bad(path, None, "__metadata__ must map strings to strings"));
+            }
             continue;
         }
         let t = Some(name.as_str());
@@ -148,39 +179,56 @@ pub fn parse_header(path: &Path, prefix: &[u8], file_len: u64) -> Result<Vec<Ten
             .iter()
             .try_fold(1u64, |acc, &d| acc.checked_mul(d))
             .ok_or_else(|| bad(path, t, "shape overflows"))?;
-        let expect = numel
-            .checked_mul(bits)
-            .map(|b| b.div_ceil(8))
-            .ok_or_else(|| bad(path, t, "shape overflows"))?;
-        if expect != end - begin {
+        let nbits = numel.checked_mul(bits).ok_or_else(|| bad(path, t, "shape overflows"))?;
+        if nbits % 8 != 0 {
+            return Err(bad(
+                path,
+                t,
+                format!("dtype {dtype} and shape {shape:?} make {nbits} bits, not whole bytes"),
+            ));
+        }
+        if nbits / 8 != end - begin {
             return Err(bad(
                 path,
                 t,
                 format!(
-                    "dtype {dtype} and shape {shape:?} need {expect} bytes, but data_offsets span {}",
+                    "dtype {dtype} and shape {shape:?} need {} bytes, but data_offsets span {}",
+                    nbits / 8,
                     end - begin
                 ),
             ));
         }
-        entries.push(TensorEntry {
-            name: name.clone(),
-            dtype: dtype.to_string(),
-            shape,
-            start: data_start + begin,
-            end: data_start + end,
-        });
+        spans.push((begin, end, name.as_str()));
     }
-    entries.sort_by_key(|e| (e.start, e.end));
-    for pair in entries.windows(2) {
-        if pair[1].start < pair[0].end {
+    spans.sort();
+    let mut at = 0;
+    let mut previous: Option<&str> = None;
+    for &(begin, end, name) in &spans {
+        if begin < at {
+            let other = previous.unwrap_or("?");
+            return Err(bad(path, Some(name), format!("data overlaps tensor {other:?}")));
+        }
+        if begin > at {
             return Err(bad(
                 path,
-                Some(&pair[1].name),
-                format!("data overlaps tensor {:?}", pair[0].name),
+                Some(name),
+                format!(
+                    "a gap of {} bytes before it (data must be back to back from 0)",
+                    begin - at
+                ),
             ));
         }
+        at = end;
+        previous = Some(name);
     }
-    Ok(entries)
+    if at != data_len {
+        return Err(bad(
+            path,
+            None,
+            format!("the tensors cover {at} of the {data_len} data bytes: the file has bytes no tensor owns"),
+        ));
+    }
+    Ok(())
 }
 
 /// An opened checkpoint file: its tensors and a read-only mapping.
@@ -206,7 +254,7 @@ impl CheckpointFile {
         // new end fault (SIGBUS) — the same hazard as every mmap-based
         // safetensors reader, documented in the CLI's README section.
         let map = unsafe { Mmap::map(&file) }.map_err(io)?;
-        let tensors = parse_header(path, &map, len)?;
+        let tensors = parse_header(path, &map)?;
         Ok(CheckpointFile {
             path: path.to_path_buf(),
             tensors,
@@ -318,14 +366,14 @@ impl ChunkSource for MappedTensor<'_> {
 /// The digest of every tensor of `files`, keyed by tensor name, in file
 /// order. A tensor name found in two files is an error naming both.
 ///
-/// Every tensor is one message of the engine's streaming feeder, so
+/// Every tensor is one message of the scheduler's streaming feeder, so
 /// `threads x lanes` tensors are hashed at once whatever their sizes, each
 /// read through the mapping in [`CHUNK_BYTES`] windows with read-ahead, its
 /// pages dropped once hashed. `progress(done, total)` is called on this
 /// thread about every 100 ms; it returns false to cancel (e.g. on Ctrl-C).
 pub fn checksum_files(
     files: &[CheckpointFile],
-    engine: &Engine,
+    scheduler: &Scheduler,
     progress: Option<&mut dyn FnMut(u64, u64) -> bool>,
 ) -> Result<Vec<(String, Digest)>, Error> {
     let mut owner: HashMap<&str, &Path> = HashMap::new();
@@ -341,7 +389,7 @@ pub fn checksum_files(
         .flat_map(|f| f.tensors.iter().map(move |t| (f, t)))
         .collect();
     let sources: Vec<MappedTensor<'_>> = all.iter().map(|&(f, t)| MappedTensor::new(f, t)).collect();
-    let digests = engine.hash_sources(sources, progress)?;
+    let digests = scheduler.hash_sources(sources, progress)?;
     Ok(all.iter().zip(digests).map(|((_, t), d)| (t.name.clone(), d)).collect())
 }
 
@@ -357,7 +405,7 @@ mod tests {
     }
 
     fn parse(bytes: &[u8]) -> Result<Vec<TensorEntry>, Error> {
-        parse_header(Path::new("x.safetensors"), bytes, bytes.len() as u64)
+        parse_header(Path::new("x.safetensors"), bytes)
     }
 
     #[test]

@@ -4,14 +4,14 @@
 //! `cargo test` and `cargo bench` need no interpreter.
 
 pub mod checkpoint;
-pub mod engine;
 pub mod error;
+pub mod scheduler;
 pub mod sha256;
 pub mod strided;
 
 #[cfg(feature = "python")]
 mod python;
 
-pub use engine::{hash_many, ChunkSource, Engine, MultiHasher, Slices};
 pub use error::Error;
-pub use sha256::{Backend, Digest, Sha256};
+pub use scheduler::{Batches, ChunkSource, MultiHasher, Scheduler, Slices};
+pub use sha256::{Digest, Kernel, Sha256};

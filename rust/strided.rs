@@ -5,7 +5,7 @@
 //! worth of memory), the elements are gathered in C order into a small
 //! scratch buffer, one bounded piece at a time, and streamed into SHA-256.
 
-use crate::sha256::{Backend, Digest, Sha256};
+use crate::sha256::{Digest, Kernel, Sha256};
 
 /// Scratch size for one gather: bounded memory, large enough to amortise calls.
 pub const GATHER_BYTES: usize = 1 << 20;
@@ -140,10 +140,10 @@ impl StridedView {
     }
 
     /// SHA-256 of the C-order bytes.
-    pub fn digest(&self, backend: Backend) -> Digest {
+    pub fn digest(&self, kernel: Kernel) -> Digest {
         let mut s = Sha256::new();
-        self.for_each_piece(|p| s.update_with(backend, p));
-        s.finalize_with(backend)
+        self.for_each_piece(|p| s.update_with(kernel, p));
+        s.finalize_with(kernel)
     }
 }
 
@@ -167,8 +167,8 @@ mod tests {
             }
         }
         let want: [u8; 32] = sha2::Sha256::digest(&expect).into();
-        for backend in Backend::all_available() {
-            assert_eq!(view.digest(backend).bytes, want);
+        for kernel in Kernel::all_available() {
+            assert_eq!(view.digest(kernel).bytes, want);
         }
     }
 
@@ -180,14 +180,14 @@ mod tests {
         let mut expect = data.clone();
         expect.reverse();
         assert_eq!(
-            rev.digest(Backend::Portable).bytes,
+            rev.digest(Kernel::Portable).bytes,
             <[u8; 32]>::from(sha2::Sha256::digest(&expect))
         );
         // Broadcast row: stride 0 in the outer dimension.
         let bc = unsafe { StridedView::new(data.as_ptr(), 1, vec![3, 256], vec![0, 1]) };
         let expect: Vec<u8> = data.iter().copied().cycle().take(768).collect();
         assert_eq!(
-            bc.digest(Backend::Portable).bytes,
+            bc.digest(Kernel::Portable).bytes,
             <[u8; 32]>::from(sha2::Sha256::digest(&expect))
         );
     }
@@ -196,7 +196,7 @@ mod tests {
     fn empty_view_is_never_read() {
         let v = unsafe { StridedView::new(std::ptr::null(), 4, vec![0, 5], vec![20, 4]) };
         assert_eq!(
-            v.digest(Backend::Portable).hex(),
+            v.digest(Kernel::Portable).hex(),
             "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
         );
     }

@@ -55,4 +55,4 @@ if [ "${WEIGHT_CHECKER_NO_VLLM031:-0}" != "1" ]; then
     .venv/bin/maturin build --release -q -o target/wheels-dev >/dev/null 2>&1 || { echo "dev-env: maturin build failed" >&2; exit 1; }
     "${pip031[@]}" install --no-deps --force-reinstall target/wheels-dev/*.whl
 fi
-.venv/bin/python -c "import weight_checker; print('dev-env: weight_checker', weight_checker.__version__, 'backend', weight_checker.backend())"
+.venv/bin/python -c "import weight_checker; print('dev-env: weight_checker', weight_checker.__version__, 'kernel', weight_checker.kernel(), 'lanes', weight_checker._core.lanes())"

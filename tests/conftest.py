@@ -21,7 +21,7 @@ def vllm_digest(t) -> str:
     import torch
 
     if t.numel() == 0:
-        # SPEC: an empty tensor hashes to the empty message. (vLLM's routine
+        # vLLM's contract: an empty tensor hashes to the empty message. (vLLM's routine
         # itself raises on some empty views, e.g. expand(0, ...) of int16.)
         return hashlib.sha256(b"").hexdigest()
     try:

@@ -18,11 +18,13 @@ from hypothesis import strategies as st
 from weight_checker import _core
 
 
-def test_backend_env_var_forces_the_fallback():
-    code = "from weight_checker import _core; print(_core.backend())"
-    env = dict(os.environ, WEIGHT_CHECKER_BACKEND="portable")
+@pytest.mark.parametrize("var", ["WEIGHT_CHECKER_KERNEL", "WEIGHT_CHECKER_BACKEND"])
+def test_kernel_env_var_forces_the_fallback(var):
+    code = "import weight_checker as w; print(w.kernel(), w.backend())"
+    env = {k: v for k, v in os.environ.items() if k not in ("WEIGHT_CHECKER_KERNEL", "WEIGHT_CHECKER_BACKEND")}
+    env[var] = "portable"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "portable"
+    assert out.stdout.split() == ["portable", "portable"]
 
 
 def test_gil_is_released_while_hashing():
@@ -92,5 +94,5 @@ def test_lanes_are_calibrated_and_the_env_var_overrides():
         env = dict(os.environ, WEIGHT_CHECKER_LANES=want)
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
         lanes, streams, threads = map(int, out.stdout.split())
-        expect = 1 if _core.backend() == "portable" else int(want)
+        expect = 1 if _core.kernel() == "portable" else int(want)
         assert lanes == expect and streams == lanes * threads

@@ -1,4 +1,4 @@
-"""The POST /weight_checker route against SPEC.md's contract.
+"""The POST /weight_checker route against vLLM's contract (as vLLM 0.32 implements it).
 
 The backend is two real "workers": small torch models hashed and zeroed by
 weight_checker itself, each under its own rank prefix.
@@ -19,7 +19,7 @@ from fastapi.testclient import TestClient
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
-from weight_checker.server import WeightCheckerBackend, mount
+from weight_checker.server import EngineAdapter, mount
 
 
 class Workers:
@@ -49,8 +49,8 @@ class Workers:
 
 def make_app(workers: Workers, dev_mode: bool = True) -> FastAPI:
     app = FastAPI()
-    backend = WeightCheckerBackend(checksums=workers.checksums, reset=workers.reset)
-    mount(app, lambda request: backend, dev_mode=dev_mode)
+    adapter = EngineAdapter(checksums=workers.checksums, reset=workers.reset)
+    mount(app, lambda request: adapter, enabled=dev_mode)
 
     @app.get("/health")
     async def health() -> dict:
@@ -193,14 +193,16 @@ def test_bad_requests_change_nothing(client, workers):
 
 
 def test_route_exists_only_in_dev_mode(workers, monkeypatch):
+    # The route is engine-neutral: the caller decides whether to mount it...
     assert TestClient(make_app(workers, dev_mode=False)).post("/weight_checker", json={}).status_code == 404
-    app = FastAPI()
-    backend = WeightCheckerBackend(checksums=workers.checksums, reset=workers.reset)
-    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "0")
-    assert mount(app, lambda r: backend) is False
-    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
-    assert mount(app, lambda r: backend) is True
-    assert post(TestClient(app), {"action": "checksum"}).status_code == 200
+    # ... and vLLM's glue mounts it only with VLLM_SERVER_DEV_MODE=1, as vLLM does.
+    from weight_checker.vllm import WeightCheckerEndpoint
+
+    for flag, present in (("0", False), ("1", True)):
+        monkeypatch.setenv("VLLM_SERVER_DEV_MODE", flag)
+        app = FastAPI()
+        WeightCheckerEndpoint().attach_router(app)
+        assert ("/weight_checker" in {r.path for r in app.routes}) is present
 
 
 def test_openapi_documents_the_three_actions(client):

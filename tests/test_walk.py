@@ -1,7 +1,8 @@
-"""The walk: which tensors are covered, under which names (SPEC.md "the walk").
+"""The walk: which tensors are covered, under which names (vLLM's walk:
+named_parameters, SharedWeightParameter partitions, wrapper subclasses).
 
 Each model is checked against two oracles: a straightforward rewrite of the
-walk SPEC.md describes, and vLLM's own `compute_tensor_digests` (vLLM is
+walk vLLM's checker does, and vLLM's own `compute_tensor_digests` (vLLM is
 installed in the development environment; the comparison is skipped without it).
 """
 
@@ -22,7 +23,7 @@ except ImportError:  # pragma: no cover - older torch
 
 
 def spec_walk(model: nn.Module) -> dict[str, str]:
-    """SPEC.md's walk, written out plainly (duck-typed SharedWeightParameter)."""
+    """vLLM's walk, written out plainly (duck-typed SharedWeightParameter)."""
 
     def leaves(name, t):
         if type(t).__name__ == "SharedWeightParameter" or any(

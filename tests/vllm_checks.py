@@ -57,7 +57,7 @@ def vllm_reference(server: Server) -> dict[str, str]:
 
 
 def check_seed_flow(server: Server) -> None:
-    """SPEC's flow: pause, checksum, reset, compare (every rank mismatches),
+    """vLLM's own test flow: pause, checksum, reset, compare (every rank mismatches),
     reload_weights, compare (exact match), resume, and generation works."""
     assert server.post("/pause?mode=abort") == (200, {"status": "paused"})
     baseline = checksum(server)

@@ -4,7 +4,8 @@ Per-tensor SHA-256 digests, byte-identical to vLLM's built-in weight
 checker, computed by a parallel multi-stream Rust core.
 """
 
-from weight_checker._core import DeviceTensorError, SafetensorsError, backend
+from weight_checker._core import DeviceTensorError, SafetensorsError, backend, kernel
+from weight_checker._core import __version__ as __version__
 from weight_checker.digests import CompareResult, checksum, compare, reset, sha256_many
 from weight_checker.keys import DuplicateKeysError, rank_prefix
 from weight_checker.verify import (
@@ -17,8 +18,6 @@ from weight_checker.verify import (
     verify,
     verify_async,
 )
-
-__version__ = "0.1.0"
 
 __all__ = [
     "CompareResult",
@@ -34,6 +33,7 @@ __all__ = [
     "backend",
     "checksum",
     "compare",
+    "kernel",
     "rank_prefix",
     "replicas",
     "reset",

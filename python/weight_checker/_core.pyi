@@ -1,7 +1,29 @@
-"""Type stubs for the compiled core (rust/python.rs)."""
+"""Type stubs for the compiled core (rust/python/mod.rs), checked against the
+module by ``python -m mypy.stubtest weight_checker._core`` in ``make lint``."""
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, final
+
+__all__ = [
+    "DeviceTensorError",
+    "MultiHasher",
+    "SafetensorsError",
+    "__version__",
+    "backend",
+    "calibrate",
+    "checksum_safetensors",
+    "copy_into",
+    "digest_many",
+    "kernel",
+    "lanes",
+    "safetensors_tensors",
+    "set_threads",
+    "sha256_many",
+    "streams",
+    "threads",
+]
+
+__version__: str
 
 class SafetensorsError(ValueError):
     """A malformed safetensors file or index."""
@@ -20,25 +42,28 @@ def sha256_many(buffers: Iterable[Any], names: Sequence[str] | None = None) -> l
 def digest_many(buffers: Iterable[Any], names: Sequence[str] | None = None) -> tuple[list[str], list[bool]]:
     """Like :func:`sha256_many`, plus whether each input was all zero bytes."""
 
+def kernel() -> str:
+    """The SHA-256 kernel in use: ``"sha-ni"`` or ``"portable"``."""
+
 def backend() -> str:
-    """The compression backend in use: ``"sha-ni"`` or ``"portable"``."""
+    """The former name of :func:`kernel`."""
 
 def threads() -> int:
-    """Worker threads the engine uses (``WEIGHT_CHECKER_THREADS``, else
+    """Worker threads the scheduler uses (``WEIGHT_CHECKER_THREADS``, else
     :func:`set_threads`, else the cores in this process's CPU affinity)."""
 
 def lanes() -> int:
-    """Streams each engine thread interleaves: 1, 2 or 4, the fastest on this
-    CPU as measured at first use (``WEIGHT_CHECKER_LANES`` overrides)."""
+    """Streams each scheduler thread interleaves: 1, 2 or 4, the fastest on
+    this CPU as measured at first use (``WEIGHT_CHECKER_LANES`` overrides)."""
 
 def calibrate() -> list[tuple[int, float]]:
     """This core's GB/s with 1, 2 and 4 interleaved streams (best of 5 short runs)."""
 
 def streams() -> int:
-    """Messages the engine keeps in flight: threads x lanes."""
+    """Messages the scheduler keeps in flight: threads x lanes."""
 
 def set_threads(threads: int) -> None:
-    """Sets the engine's default threads for this process (0: all cores)."""
+    """Sets the scheduler's default threads for this process (0: all cores)."""
 
 def copy_into(dst: Any, src: Any) -> None:
     """Copies ``src``'s C-order bytes into the writable contiguous buffer
@@ -49,18 +74,19 @@ def checksum_safetensors(
 ) -> list[tuple[str, str, bool]]:
     """``[(name, hex, all_zero)]`` of every tensor of the files, in file order.
 
-    Every tensor is a stream of the engine (memory-mapped, read ahead, pages
-    dropped once hashed). ``progress(done, total)`` is called about every
-    100 ms; an exception from it (or a signal) stops the run.
+    Every tensor is a stream of the scheduler (memory-mapped, read ahead,
+    pages dropped once hashed). ``progress(done, total)`` is called about
+    every 100 ms; an exception from it (or a signal) stops the run.
     """
 
 def safetensors_tensors(path: str) -> list[tuple[str, str, list[int], int]]:
     """``[(name, dtype, shape, nbytes)]`` of one file, after validating its header."""
 
+@final
 class MultiHasher:
     """Several digests open at once, each fed its bytes in order."""
 
-    def __init__(self, n: int) -> None: ...
+    def __new__(cls, n: int) -> MultiHasher: ...
     def __len__(self) -> int: ...
     def bytes_fed(self, index: int) -> int: ...
     def update(self, feeds: Iterable[tuple[int, Any]]) -> None:

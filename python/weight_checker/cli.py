@@ -306,7 +306,10 @@ def cmd_replicas(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from weight_checker import __version__
+
     p = argparse.ArgumentParser(prog="weight-checker", description=__doc__.split("\n\n")[0])
+    p.add_argument("--version", action="version", version=f"weight-checker {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     c = sub.add_parser("checksum", help="per-tensor SHA-256 of safetensors checkpoints")

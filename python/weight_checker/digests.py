@@ -38,13 +38,6 @@ def digest_tensors(names: list[str], tensors: list[Any]) -> tuple[list[str], lis
     return staging.digest_mixed(names, tensors)
 
 
-def checksum_with_flags(source: Any) -> tuple[list[str], list[str], list[bool]]:
-    """Names, digests and all-zero flags of every walked tensor of ``source``."""
-    names, tensors = collect(source)
-    digests, zero = digest_tensors(names, tensors)
-    return names, digests, zero
-
-
 def checksum(source: Any, prefix: str = "") -> dict[str, str]:
     """``{prefix + name: sha256 hex}`` for every tensor vLLM's checker covers.
 
@@ -56,7 +49,8 @@ def checksum(source: Any, prefix: str = "") -> dict[str, str]:
     """
     if not isinstance(prefix, str):
         raise TypeError(f"prefix must be a str, got {type(prefix).__name__}")
-    names, digests, _ = checksum_with_flags(source)
+    names, tensors = collect(source)
+    digests, _ = digest_tensors(names, tensors)
     return {prefix + n: d for n, d in zip(names, digests, strict=True)}
 
 

@@ -1,23 +1,24 @@
 """``POST /weight_checker``: vLLM's weight-checker route, contract for contract.
 
-The route is a FastAPI ``APIRouter`` over a small backend: an async callable
-returning one ``{key: hex}`` dict per worker, and an async callable that
-zeroes the weights. It merges the workers' digests (a key produced twice is
-an HTTP 500 naming the duplicates), compares with vLLM's union-and-sorted
+The route is a FastAPI ``APIRouter`` over an engine adapter: an async
+callable returning one ``{key: hex}`` dict per worker, and an async callable
+that zeroes the weights. Nothing here is specific to one inference engine.
+It merges the workers' digests (a key produced twice is an HTTP 500 naming
+the duplicates), compares with vLLM's union-and-sorted
 semantics, and answers every malformed request with HTTP 400 in vLLM's error
 shape ``{"error": {"message", "type", "param", "code"}}``.
 
     app = FastAPI()
-    mount(app, lambda request: WeightCheckerBackend(checksums=..., reset=...))
+    mount(app, lambda request: EngineAdapter(checksums=..., reset=...))
 
-The route exists only when ``VLLM_SERVER_DEV_MODE=1`` (as in vLLM).
+Whether to mount it is the caller's decision (vLLM's glue mounts it only
+when ``VLLM_SERVER_DEV_MODE=1``, as vLLM does).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -29,7 +30,6 @@ from weight_checker.digests import compare
 from weight_checker.keys import DuplicateKeysError, merge_digests
 
 ACTIONS = ("checksum", "reset", "compare")
-DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
 
 
 class _SharedExclusiveLock:
@@ -78,7 +78,7 @@ class _Held:
 
 
 @dataclass(eq=False)
-class WeightCheckerBackend:
+class EngineAdapter:
     """What the route needs from an inference engine.
 
     ``checksums`` returns one ``{key: hex}`` dict per worker, over every
@@ -251,8 +251,8 @@ OPENAPI = {
 }
 
 
-def create_router(get_backend: Callable[[Request], WeightCheckerBackend]) -> APIRouter:
-    """The ``POST /weight_checker`` router over the backend ``get_backend(request)``."""
+def create_router(get_adapter: Callable[[Request], EngineAdapter]) -> APIRouter:
+    """The ``POST /weight_checker`` router over the engine adapter ``get_adapter(request)``."""
     router = APIRouter()
 
     @router.post(
@@ -270,13 +270,13 @@ def create_router(get_backend: Callable[[Request], WeightCheckerBackend]) -> API
             action, baseline = parse_request(request.headers.get("content-type"), await request.body())
         except BadRequest as e:
             return error_response(HTTPStatus.BAD_REQUEST, e.message, e.param)
-        backend = get_backend(request)
+        adapter = get_adapter(request)
         if action == "reset":
-            async with backend.lock.exclusive():
-                await backend.reset()
+            async with adapter.lock.exclusive():
+                await adapter.reset()
             return JSONResponse({"status": "reset"})
-        async with backend.lock.shared():
-            per_worker = await backend.checksums()
+        async with adapter.lock.shared():
+            per_worker = await adapter.checksums()
         try:
             checksums = merge_digests(per_worker)
         except DuplicateKeysError as e:
@@ -289,19 +289,9 @@ def create_router(get_backend: Callable[[Request], WeightCheckerBackend]) -> API
     return router
 
 
-def dev_mode_enabled() -> bool:
-    return os.environ.get(DEV_MODE_ENV, "0") == "1"
-
-
-def mount(
-    app: FastAPI,
-    get_backend: Callable[[Request], WeightCheckerBackend],
-    *,
-    dev_mode: bool | None = None,
-) -> bool:
-    """Adds the route to ``app`` when dev mode is on (``VLLM_SERVER_DEV_MODE=1``
-    unless ``dev_mode`` says otherwise). Returns whether it was added."""
-    if not (dev_mode_enabled() if dev_mode is None else dev_mode):
+def mount(app: FastAPI, get_adapter: Callable[[Request], EngineAdapter], *, enabled: bool = True) -> bool:
+    """Adds the route to ``app`` if ``enabled``; returns whether it was added."""
+    if not enabled:
         return False
-    app.include_router(create_router(get_backend))
+    app.include_router(create_router(get_adapter))
     return True

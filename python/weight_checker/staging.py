@@ -409,7 +409,12 @@ def _fill_slot(
     """Queues the copies of one slot; returns the device temporaries, which
     must live until those copies have landed."""
     keep: list[Any] = []
-    for i, begin, stop, offset in plan.streamed:
+    packed = plan.packed
+    # Pieces of large tensors, and packed tensors big enough that one copy of
+    # their own costs nothing extra: copied as they are.
+    direct = list(plan.streamed)
+    direct += [(i, 0, tensors[i].nbytes, off) for i, off in packed if tensors[i].nbytes > GATHER_MAX_BYTES]
+    for i, begin, stop, offset in direct:
         try:
             for src in engine.run(lambda i=i, begin=begin, stop=stop: list(byte_pieces(tensors[i], begin, stop))):
                 n = src.numel()
@@ -421,48 +426,40 @@ def _fill_slot(
                 offset += n
         except Exception as e:
             raise type(e)(f"tensor '{names[i]}': staging copy failed: {e}") from e
+    # Runs of small tensors of one dtype, back to back in the slot: gathered
+    # on the device with one op, moved with one copy.
+    small = [(i, off) for i, off in packed if tensors[i].nbytes <= GATHER_MAX_BYTES]
     j = 0
-    packed = plan.packed
-    while j < len(packed):
-        i, offset = packed[j]
-        if tensors[i].nbytes > GATHER_MAX_BYTES:
-            # Big enough that one copy of its own costs nothing extra.
-            try:
-                for src in engine.run(lambda i=i: list(byte_pieces(tensors[i], 0, tensors[i].nbytes))):
-                    n = src.numel()
-                    engine.copy(slot[offset : offset + n], src)
-                    stats.copies += 1
-                    keep.append(src)
-                    offset += n
-            except Exception as e:
-                raise type(e)(f"tensor '{names[i]}': staging copy failed: {e}") from e
-            j += 1
-            continue
-        # A run of small tensors of one dtype: gathered on the device with
-        # one op, moved with one copy.
+    while j < len(small):
         end = j + 1
-        dtype = tensors[i].dtype
+        dtype = tensors[small[j][0]].dtype
         while (
-            end < len(packed)
-            and tensors[packed[end][0]].dtype == dtype
-            and tensors[packed[end][0]].nbytes <= GATHER_MAX_BYTES
+            end < len(small)
+            and tensors[small[end][0]].dtype == dtype
+            and small[end][1] == _end_of(small[end - 1], tensors)
         ):
             end += 1
-        run = [tensors[k] for k, _ in packed[j:end]]
+        run = [tensors[k] for k, _ in small[j:end]]
+        first = small[j][1]
         try:
             src = engine.run(lambda run=run: gather_bytes(run))
             n = src.numel()
             if n:
                 stats.max_temp_bytes = max(stats.max_temp_bytes, n)
-                engine.copy(slot[offset : offset + n], src)
+                engine.copy(slot[first : first + n], src)
                 stats.copies += 1
                 keep.append(src)
         except Exception as e:
-            which = ", ".join(f"'{names[k]}'" for k, _ in packed[j : min(end, j + 3)])
+            which = ", ".join(f"'{names[k]}'" for k, _ in small[j : min(end, j + 3)])
             more = f" and {end - j - 3} more" if end - j > 3 else ""
             raise type(e)(f"tensor {which}{more}: staging copy failed: {e}") from e
         j = end
     return keep
+
+
+def _end_of(entry: tuple[int, int], tensors: list[Any]) -> int:
+    """Where a packed tensor's bytes end in its slot."""
+    return entry[1] + tensors[entry[0]].nbytes
 
 
 def _hash_slot(

@@ -319,7 +319,7 @@ class _Run:
     def begin(self) -> float:
         return time.perf_counter()
 
-    def end(self, name: str, start: float, ok: bool, detail: str = "") -> None:
+    def end(self, name: str, start: float, *, ok: bool, detail: str = "") -> None:
         self.result.steps.append(Step(name, time.perf_counter() - start, ok, detail))
 
     def finish(self, baseline, current, post_reset) -> None:
@@ -329,7 +329,7 @@ class _Run:
         self.result.keys = len(baseline)
         if post_reset is not None and (w := already_zeroed_warning(baseline, post_reset)):
             self.result.warnings.append(w)
-        self.end("compare", start, True)
+        self.end("compare", start, ok=True)
 
 
 def _load_baseline(baseline: Mapping[str, str] | None) -> dict[str, str] | None:
@@ -367,28 +367,20 @@ def verify(
     if baseline is None and transfer is None:
         raise TypeError("verify needs a transfer callable (or a baseline to compare with)")
     run = _Run(t)
-
-    def step(name: str, fn: Callable[[], Any]) -> Any:
-        start = run.begin()
-        try:
-            value = fn()
-        except BaseException:
-            run.end(name, start, False)
-            raise
-        run.end(name, start, True)
-        return value
-
-    post_reset = None
+    values: dict[str, Any] = {"baseline": baseline}
     error: BaseException | None = None
     try:
-        if baseline is None:
-            step("pause", t.pause)
-            baseline = step("checksum (baseline)", lambda: t.checksum("checksum (baseline)"))
-            step("reset", lambda: t.reset("reset"))
-            post_reset = step("checksum (post-reset)", lambda: t.checksum("checksum (post-reset)"))
-            step("transfer", lambda: _call_transfer(transfer))
-        current = step("checksum (current)", lambda: t.checksum("checksum (current)"))
-        run.finish(baseline, current, post_reset)
+        for name, fn, key in _steps(t, transfer, baseline is None, _call_transfer):
+            start = run.begin()
+            try:
+                value = fn()
+            except BaseException:
+                run.end(name, start, ok=False)
+                raise
+            run.end(name, start, ok=True)
+            if key:
+                values[key] = value
+        run.finish(values["baseline"], values["current"], values.get("post_reset"))
     except BaseException as e:
         error = e
     finally:
@@ -416,28 +408,20 @@ async def verify_async(
     if baseline is None and transfer is None:
         raise TypeError("verify_async needs a transfer callable (or a baseline to compare with)")
     run = _Run(t)
-
-    async def step(name: str, fn: Callable[[], Awaitable[Any]]) -> Any:
-        start = run.begin()
-        try:
-            value = await fn()
-        except BaseException:
-            run.end(name, start, False)
-            raise
-        run.end(name, start, True)
-        return value
-
-    post_reset = None
+    values: dict[str, Any] = {"baseline": baseline}
     error: BaseException | None = None
     try:
-        if baseline is None:
-            await step("pause", t.pause)
-            baseline = await step("checksum (baseline)", lambda: t.checksum("checksum (baseline)"))
-            await step("reset", lambda: t.reset("reset"))
-            post_reset = await step("checksum (post-reset)", lambda: t.checksum("checksum (post-reset)"))
-            await step("transfer", lambda: _call_transfer_async(transfer))
-        current = await step("checksum (current)", lambda: t.checksum("checksum (current)"))
-        run.finish(baseline, current, post_reset)
+        for name, fn, key in _steps(t, transfer, baseline is None, _call_transfer_async):
+            start = run.begin()
+            try:
+                value = await fn()
+            except BaseException:
+                run.end(name, start, ok=False)
+                raise
+            run.end(name, start, ok=True)
+            if key:
+                values[key] = value
+        run.finish(values["baseline"], values["current"], values.get("post_reset"))
     except BaseException as e:
         error = e
     finally:
@@ -446,6 +430,24 @@ async def verify_async(
             failures = await t.resume()
             _note_resume(run, failures, run.begin() - start, True)
     return _conclude(run, error)
+
+
+def _steps(
+    t: Any, transfer: Callable[[], Any] | None, full: bool, call_transfer: Callable[[Any], Any]
+) -> list[tuple[str, Callable[[], Any], str | None]]:
+    """The workflow, once for both runners: ``(step, call, result key)``.
+    The calls return values (sync targets) or awaitables (async targets)."""
+    steps: list[tuple[str, Callable[[], Any], str | None]] = []
+    if full:
+        steps += [
+            ("pause", t.pause, None),
+            ("checksum (baseline)", lambda: t.checksum("checksum (baseline)"), "baseline"),
+            ("reset", lambda: t.reset("reset"), None),
+            ("checksum (post-reset)", lambda: t.checksum("checksum (post-reset)"), "post_reset"),
+            ("transfer", lambda: call_transfer(transfer), None),
+        ]
+    steps.append(("checksum (current)", lambda: t.checksum("checksum (current)"), "current"))
+    return steps
 
 
 def _call_transfer(transfer: Callable[[], Any] | None) -> Any:

@@ -32,11 +32,17 @@ from typing import Any
 logger = logging.getLogger("vllm.plugins.weight_checker")
 
 PLUGIN_ENV = "WEIGHT_CHECKER_VLLM_PLUGIN"
+DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
 WORKER_MODULE = "vllm.v1.worker.gpu_worker"
 
 _registered = False
 _threads_set = False
 _lock = threading.Lock()
+
+
+def dev_mode_enabled() -> bool:
+    """vLLM mounts its dev-mode routes (and so we mount ours) only with this."""
+    return os.environ.get(DEV_MODE_ENV, "0") == "1"
 
 
 def plugin_enabled() -> bool:
@@ -116,14 +122,14 @@ def weight_checker_checksums(self: Any) -> dict[str, str]:
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     logger.info(
         "weight_checker: %d tensors, %d bytes in %.4f s (%.2f GB/s) on %s by the Rust core "
-        "(weight_checker %s, backend %s, lanes=%d, threads=%d, streams=%d)",
+        "(weight_checker %s, kernel %s, lanes=%d, threads=%d, streams=%d)",
         len(names),
         nbytes,
         seconds,
         nbytes / seconds / 1e9 if seconds > 0 else 0.0,
         prefix.rstrip(":"),
         weight_checker.__version__,
-        weight_checker.backend(),
+        weight_checker.kernel(),
         _core.lanes(),
         _core.threads(),
         _core.streams(),
@@ -272,8 +278,10 @@ async def _all_engines(engine_client: Any, method: str) -> list[Any]:
     return [worker for workers in per_engine for worker in workers]
 
 
-def backend_for(engine_client: Any):
-    from weight_checker.server import WeightCheckerBackend
+def adapter_for(engine_client: Any):
+    """The route's engine adapter over vLLM's engine client: every worker of
+    every engine core."""
+    from weight_checker.server import EngineAdapter
 
     async def checksums() -> list[dict[str, str]]:
         return await _all_engines(engine_client, "weight_checker_checksums")
@@ -281,7 +289,7 @@ def backend_for(engine_client: Any):
     async def reset() -> None:
         await _all_engines(engine_client, "weight_checker_reset")
 
-    return WeightCheckerBackend(checksums=checksums, reset=reset)
+    return EngineAdapter(checksums=checksums, reset=reset)
 
 
 class WeightCheckerEndpoint:
@@ -295,18 +303,18 @@ class WeightCheckerEndpoint:
     def attach_router(self, app: Any) -> None:
         from weight_checker.server import mount
 
-        def get_backend(request: Any):
+        def get_adapter(request: Any):
             state = request.app.state
-            backend = getattr(state, "weight_checker_backend", None)
-            if backend is None:
-                backend = state.weight_checker_backend = backend_for(state.engine_client)
-            return backend
+            adapter = getattr(state, "weight_checker_adapter", None)
+            if adapter is None:
+                adapter = state.weight_checker_adapter = adapter_for(state.engine_client)
+            return adapter
 
-        if mount(app, get_backend):
+        if mount(app, get_adapter, enabled=dev_mode_enabled()):
             logger.info("weight_checker: POST /weight_checker served by weight_checker.server")
         else:
             logger.info("weight_checker: VLLM_SERVER_DEV_MODE is not 1; /weight_checker not mounted")
 
     async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
         if engine_client is not None:
-            state.weight_checker_backend = backend_for(engine_client)
+            state.weight_checker_adapter = adapter_for(engine_client)

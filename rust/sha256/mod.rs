@@ -1,9 +1,9 @@
-//! SHA-256 with pluggable compression backends.
+//! SHA-256 with pluggable compression kernels.
 //!
 //! The state machine (buffering, padding, length) lives here once; the
-//! backends only implement the compression function, for one stream or for
+//! kernels only implement the compression function, for one stream or for
 //! several independent streams advanced together. That split lets the
-//! scheduler in [`crate::engine`] pair unrelated messages block-for-block
+//! scheduler in [`crate::scheduler`] pair unrelated messages block-for-block
 //! without knowing which instruction set runs them.
 
 mod portable;
@@ -13,10 +13,12 @@ mod x86_shani;
 use std::fmt;
 use std::sync::OnceLock;
 
-/// Environment variable that selects the backend: `auto` (default),
+/// Environment variable that selects the kernel: `auto` (default),
 /// `portable` (the `sha2` crate, one stream) or `sha-ni` (fails over to
 /// `portable` when the CPU lacks the instructions).
-pub const BACKEND_ENV: &str = "WEIGHT_CHECKER_BACKEND";
+pub const KERNEL_ENV: &str = "WEIGHT_CHECKER_KERNEL";
+/// The same, under its first name (still honoured).
+pub const KERNEL_ENV_ALIAS: &str = "WEIGHT_CHECKER_BACKEND";
 
 /// Environment variable that fixes the streams interleaved per thread (1, 2
 /// or 4) instead of measuring them at first use.
@@ -44,7 +46,7 @@ const H0: [u32; 8] = [
 
 /// Which compression function runs the blocks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Backend {
+pub enum Kernel {
     /// `sha2::compress256`: one stream at a time (itself SHA-NI accelerated
     /// when available, detected at run time by `sha2`).
     Portable,
@@ -54,43 +56,45 @@ pub enum Backend {
     ShaNi,
 }
 
-impl Backend {
-    /// The fastest backend this CPU supports.
-    pub fn best_available() -> Backend {
+impl Kernel {
+    /// The fastest kernel this CPU supports.
+    pub fn best_available() -> Kernel {
         #[cfg(target_arch = "x86_64")]
         {
             if x86_shani::is_supported() {
-                return Backend::ShaNi;
+                return Kernel::ShaNi;
             }
         }
-        Backend::Portable
+        Kernel::Portable
     }
 
-    /// The backend in force for this process: [`BACKEND_ENV`] if set, else the best.
-    pub fn active() -> Backend {
-        static ACTIVE: OnceLock<Backend> = OnceLock::new();
-        *ACTIVE.get_or_init(|| match std::env::var(BACKEND_ENV).as_deref() {
-            Ok("portable") => Backend::Portable,
-            _ => Backend::best_available(),
+    /// The kernel in force for this process: [`KERNEL_ENV`] (or
+    /// [`KERNEL_ENV_ALIAS`]) if set, else the best.
+    pub fn active() -> Kernel {
+        static ACTIVE: OnceLock<Kernel> = OnceLock::new();
+        let chosen = std::env::var(KERNEL_ENV).or_else(|_| std::env::var(KERNEL_ENV_ALIAS));
+        *ACTIVE.get_or_init(|| match chosen.as_deref() {
+            Ok("portable") => Kernel::Portable,
+            _ => Kernel::best_available(),
         })
     }
 
-    /// Every backend usable on this CPU (for tests and benchmarks).
-    pub fn all_available() -> Vec<Backend> {
-        let mut all = vec![Backend::Portable];
-        let best = Backend::best_available();
-        if best != Backend::Portable {
+    /// Every kernel usable on this CPU (for tests and benchmarks).
+    pub fn all_available() -> Vec<Kernel> {
+        let mut all = vec![Kernel::Portable];
+        let best = Kernel::best_available();
+        if best != Kernel::Portable {
             all.push(best);
         }
         all
     }
 
-    /// How many streams the backend advances together at best.
+    /// How many streams the kernel advances together at best.
     pub fn max_lanes(self) -> usize {
         match self {
-            Backend::Portable => 1,
+            Kernel::Portable => 1,
             #[cfg(target_arch = "x86_64")]
-            Backend::ShaNi => 4,
+            Kernel::ShaNi => 4,
         }
     }
 
@@ -153,9 +157,9 @@ impl Backend {
 
     pub fn name(self) -> &'static str {
         match self {
-            Backend::Portable => "portable",
+            Kernel::Portable => "portable",
             #[cfg(target_arch = "x86_64")]
-            Backend::ShaNi => "sha-ni",
+            Kernel::ShaNi => "sha-ni",
         }
     }
 
@@ -164,11 +168,11 @@ impl Backend {
     pub(crate) fn compress1(self, state: &mut [u32; 8], blocks: &[u8]) {
         debug_assert_eq!(blocks.len() % BLOCK_LEN, 0);
         match self {
-            Backend::Portable => portable::compress(state, blocks),
+            Kernel::Portable => portable::compress(state, blocks),
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `ShaNi` is only returned by `best_available`, after
             // `is_supported` confirmed every target feature the kernel enables.
-            Backend::ShaNi => unsafe { x86_shani::compress::<1>([state], [blocks]) },
+            Kernel::ShaNi => unsafe { x86_shani::compress::<1>([state], [blocks]) },
         }
     }
 
@@ -177,14 +181,14 @@ impl Backend {
     pub(crate) fn compress2(self, s: [&mut [u32; 8]; 2], blocks: [&[u8]; 2]) {
         debug_assert_eq!(blocks[0].len(), blocks[1].len());
         match self {
-            Backend::Portable => {
+            Kernel::Portable => {
                 let [a, b] = s;
                 portable::compress(a, blocks[0]);
                 portable::compress(b, blocks[1]);
             }
             #[cfg(target_arch = "x86_64")]
             // SAFETY: as in `compress1`, the features were detected.
-            Backend::ShaNi => unsafe { x86_shani::compress::<2>(s, blocks) },
+            Kernel::ShaNi => unsafe { x86_shani::compress::<2>(s, blocks) },
         }
     }
 
@@ -192,19 +196,19 @@ impl Backend {
     #[inline]
     pub(crate) fn compress4(self, s: [&mut [u32; 8]; 4], blocks: [&[u8]; 4]) {
         match self {
-            Backend::Portable => {
+            Kernel::Portable => {
                 for (state, b) in s.into_iter().zip(blocks) {
                     portable::compress(state, b);
                 }
             }
             #[cfg(target_arch = "x86_64")]
             // SAFETY: as in `compress1`, the features were detected.
-            Backend::ShaNi => unsafe { x86_shani::compress::<4>(s, blocks) },
+            Kernel::ShaNi => unsafe { x86_shani::compress::<4>(s, blocks) },
         }
     }
 }
 
-impl fmt::Display for Backend {
+impl fmt::Display for Kernel {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name())
     }
@@ -255,7 +259,7 @@ pub(crate) fn is_all_zero(data: &[u8]) -> bool {
     blocks.remainder().iter().all(|&b| b == 0)
 }
 
-/// An incremental SHA-256 state. The scheduler in [`crate::engine`] drives
+/// An incremental SHA-256 state. The scheduler in [`crate::scheduler`] drives
 /// its fields directly so that whole blocks go to multi-stream kernels; this
 /// type keeps the partial block, the length and the all-zero flag.
 #[derive(Clone)]
@@ -306,7 +310,7 @@ impl Sha256 {
     /// it) or `data` runs out. Returns how many bytes were taken. Afterwards
     /// either `buf_len == 0` or all of `data` was taken.
     #[inline]
-    pub(crate) fn absorb_into_buffer(&mut self, backend: Backend, data: &[u8]) -> usize {
+    pub(crate) fn absorb_into_buffer(&mut self, kernel: Kernel, data: &[u8]) -> usize {
         let take = (BLOCK_LEN - self.buf_len).min(data.len());
         self.observe(&data[..take]);
         self.buf[self.buf_len..self.buf_len + take].copy_from_slice(&data[..take]);
@@ -314,7 +318,7 @@ impl Sha256 {
         self.len += take as u64;
         if self.buf_len == BLOCK_LEN {
             let block = self.buf;
-            backend.compress1(&mut self.h, &block);
+            kernel.compress1(&mut self.h, &block);
             self.buf_len = 0;
         }
         take
@@ -326,10 +330,10 @@ impl Sha256 {
         self.len += nbytes as u64;
     }
 
-    /// Feeds `data`, one stream, with the given backend.
-    pub fn update_with(&mut self, backend: Backend, mut data: &[u8]) {
+    /// Feeds `data`, one stream, with the given kernel.
+    pub fn update_with(&mut self, kernel: Kernel, mut data: &[u8]) {
         if self.buf_len > 0 {
-            let took = self.absorb_into_buffer(backend, data);
+            let took = self.absorb_into_buffer(kernel, data);
             data = &data[took..];
         }
         let whole = data.len() / BLOCK_LEN * BLOCK_LEN;
@@ -338,22 +342,17 @@ impl Sha256 {
             // bytes the hash is about to read anyway.
             for piece in data[..whole].chunks(STEP_BYTES) {
                 self.observe(piece);
-                backend.compress1(&mut self.h, piece);
+                kernel.compress1(&mut self.h, piece);
             }
             self.note_blocks(whole);
         }
         if whole < data.len() {
-            self.absorb_into_buffer(backend, &data[whole..]);
+            self.absorb_into_buffer(kernel, &data[whole..]);
         }
     }
 
-    /// Feeds `data` with the process's active backend.
-    pub fn update(&mut self, data: &[u8]) {
-        self.update_with(Backend::active(), data)
-    }
-
     /// Pads, compresses the last block(s) and returns the digest.
-    pub fn finalize_with(mut self, backend: Backend) -> Digest {
+    pub fn finalize_with(mut self, kernel: Kernel) -> Digest {
         let bit_len = self.len.wrapping_mul(8);
         let mut tail = [0u8; 2 * BLOCK_LEN];
         tail[..self.buf_len].copy_from_slice(&self.buf[..self.buf_len]);
@@ -364,7 +363,7 @@ impl Sha256 {
             2 * BLOCK_LEN
         };
         tail[total - 8..total].copy_from_slice(&bit_len.to_be_bytes());
-        backend.compress1(&mut self.h, &tail[..total]);
+        kernel.compress1(&mut self.h, &tail[..total]);
         let mut bytes = [0u8; 32];
         for (out, word) in bytes.chunks_exact_mut(4).zip(self.h) {
             out.copy_from_slice(&word.to_be_bytes());
@@ -374,20 +373,11 @@ impl Sha256 {
             all_zero: !self.nonzero,
         }
     }
-
-    pub fn finalize(self) -> Digest {
-        self.finalize_with(Backend::active())
-    }
 }
 
 /// One-shot digest of one buffer on the calling thread.
-pub fn digest_with(backend: Backend, data: &[u8]) -> Digest {
+pub fn digest_with(kernel: Kernel, data: &[u8]) -> Digest {
     let mut s = Sha256::new();
-    s.update_with(backend, data);
-    s.finalize_with(backend)
-}
-
-/// One-shot digest with the active backend.
-pub fn digest(data: &[u8]) -> Digest {
-    digest_with(Backend::active(), data)
+    s.update_with(kernel, data);
+    s.finalize_with(kernel)
 }

@@ -5,7 +5,7 @@
 //! dependency between them, so advancing them in one loop lets the core issue
 //! one stream's rounds while another's are in flight (~1.85x with two streams
 //! on Zen 4). The round structure follows Intel's SHA extensions white paper,
-//! as in the `sha2` crate's x86 backend.
+//! as in the `sha2` crate's x86 kernel.
 
 use std::arch::x86_64::*;
 

@@ -2,7 +2,7 @@
 
 use proptest::prelude::*;
 use sha2::Digest as _;
-use weight_checker::{Backend, ChunkSource, Engine};
+use weight_checker::{ChunkSource, Kernel, Scheduler};
 
 fn oracle(data: &[u8]) -> [u8; 32] {
     sha2::Sha256::digest(data).into()
@@ -40,17 +40,17 @@ fn buffers() -> impl Strategy<Value = (Vec<u8>, Vec<(usize, usize)>)> {
         })
 }
 
-fn engines() -> Vec<Engine> {
+fn schedulers() -> Vec<Scheduler> {
     let mut out = Vec::new();
-    for backend in Backend::all_available() {
+    for kernel in Kernel::all_available() {
         for lanes in [1, 2, 4] {
             for threads in [1, 2] {
-                out.push(Engine::new(backend, lanes, threads));
+                out.push(Scheduler::new(kernel, lanes, threads));
             }
         }
     }
     // The calibrated default (the lane count measured on this CPU).
-    out.push(Engine::default());
+    out.push(Scheduler::default());
     out
 }
 
@@ -66,10 +66,10 @@ proptest! {
             }
         }
         let bufs: Vec<&[u8]> = ranges.iter().map(|&(s, l)| &pool[s..s + l]).collect();
-        for engine in engines() {
-            let got = engine.hash_many(&bufs);
+        for scheduler in schedulers() {
+            let got = scheduler.hash_many(&bufs);
             for (b, d) in bufs.iter().zip(&got) {
-                prop_assert_eq!(d.bytes, oracle(b), "{:?} len {}", engine, b.len());
+                prop_assert_eq!(d.bytes, oracle(b), "{:?} len {}", scheduler, b.len());
                 prop_assert_eq!(d.all_zero, b.iter().all(|&x| x == 0));
             }
         }
@@ -82,7 +82,7 @@ proptest! {
         rounds in 1usize..5,
     ) {
         let bufs: Vec<&[u8]> = ranges.iter().map(|&(s, l)| &pool[s..s + l]).collect();
-        for engine in engines() {
+        for scheduler in schedulers() {
             // Split every buffer at pseudo-random points, then feed the pieces
             // over `rounds` updates, several pieces of one digest per update.
             let mut pieces: Vec<Vec<&[u8]>> = bufs
@@ -96,7 +96,7 @@ proptest! {
                     points.windows(2).map(|w| &b[w[0]..w[1]]).collect()
                 })
                 .collect();
-            let mut multi = engine.multi(bufs.len());
+            let mut multi = scheduler.multi(bufs.len());
             for r in 0..rounds {
                 let mut feeds = Vec::new();
                 for (i, p) in pieces.iter_mut().enumerate() {
@@ -109,7 +109,7 @@ proptest! {
                 prop_assert_eq!(multi.bytes_fed(i), Some(b.len() as u64));
             }
             for (b, d) in bufs.iter().zip(multi.finish()) {
-                prop_assert_eq!(d.bytes, oracle(b), "{:?}", engine);
+                prop_assert_eq!(d.bytes, oracle(b), "{:?}", scheduler);
             }
         }
     }
@@ -117,7 +117,7 @@ proptest! {
 
 #[test]
 fn multi_hasher_rejects_unknown_digest() {
-    let mut m = Engine::default().multi(2);
+    let mut m = Scheduler::default().multi(2);
     let err = m.update(&[(0, b"ok".as_slice()), (2, b"bad")]).unwrap_err();
     assert!(err.to_string().contains("index 2"), "{err}");
 }
@@ -130,7 +130,7 @@ proptest! {
     fn header_parser_never_panics(body in prop::collection::vec(any::<u8>(), 0..400), hlen in 0u64..500, prefix in any::<bool>()) {
         let mut bytes = if prefix { hlen.to_le_bytes().to_vec() } else { Vec::new() };
         bytes.extend(body);
-        let _ = weight_checker::checkpoint::parse_header(std::path::Path::new("f"), &bytes, bytes.len() as u64);
+        let _ = weight_checker::checkpoint::parse_header(std::path::Path::new("f"), &bytes);
     }
 
     /// Headers that are JSON objects with arbitrary entries: still no panic,
@@ -148,7 +148,7 @@ proptest! {
         let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
         bytes.extend(&header);
         bytes.extend(std::iter::repeat_n(1u8, data_len));
-        if let Ok(tensors) = weight_checker::checkpoint::parse_header(std::path::Path::new("f"), &bytes, bytes.len() as u64) {
+        if let Ok(tensors) = weight_checker::checkpoint::parse_header(std::path::Path::new("f"), &bytes) {
             for t in tensors {
                 prop_assert!(t.start <= t.end && t.end <= bytes.len() as u64);
             }
@@ -226,13 +226,13 @@ proptest! {
     fn streamed_sources_match_sha2((pool, ranges) in buffers(), cut in 1usize..100_000) {
         let bufs: Vec<&[u8]> = ranges.iter().map(|&(s, l)| &pool[s..s + l]).collect();
         let total: u64 = bufs.iter().map(|b| b.len() as u64).sum();
-        for engine in engines() {
+        for scheduler in schedulers() {
             let sources: Vec<Chunked<'_>> = bufs.iter().map(|b| Chunked::new(b, cut, None)).collect();
             let mut last = (0, 0);
             let mut report = |done: u64, all: u64| { last = (done, all); true };
-            let got = engine.hash_sources(sources, Some(&mut report)).unwrap();
+            let got = scheduler.hash_sources(sources, Some(&mut report)).unwrap();
             for (b, d) in bufs.iter().zip(&got) {
-                prop_assert_eq!(d.bytes, oracle(b), "{:?} len {}", engine, b.len());
+                prop_assert_eq!(d.bytes, oracle(b), "{:?} len {}", scheduler, b.len());
             }
             prop_assert_eq!(last, (total, total));
         }
@@ -242,10 +242,10 @@ proptest! {
 #[test]
 fn a_failing_source_stops_the_run_with_its_error() {
     let data = vec![7u8; 8 << 20];
-    for engine in engines() {
+    for scheduler in schedulers() {
         let mut sources: Vec<Chunked<'_>> = (0..6).map(|_| Chunked::new(&data, 50_000, None)).collect();
         sources[3].fail_at = Some(5);
-        let err = engine.hash_sources(sources, None).unwrap_err();
+        let err = scheduler.hash_sources(sources, None).unwrap_err();
         assert!(err.to_string().contains("injected read failure"), "{err}");
     }
 }
@@ -253,14 +253,14 @@ fn a_failing_source_stops_the_run_with_its_error() {
 #[test]
 fn progress_can_cancel_a_run() {
     let data = vec![1u8; 64 << 20];
-    let engine = Engine::default();
+    let scheduler = Scheduler::default();
     let sources: Vec<Chunked<'_>> = (0..4).map(|_| Chunked::new(&data, 60_000, None)).collect();
     let mut calls = 0;
     let mut cancel = |_: u64, _: u64| {
         calls += 1;
         false
     };
-    let err = engine.hash_sources(sources, Some(&mut cancel)).unwrap_err();
+    let err = scheduler.hash_sources(sources, Some(&mut cancel)).unwrap_err();
     assert!(matches!(err, weight_checker::Error::Cancelled), "{err}");
     assert!(calls >= 1);
 }

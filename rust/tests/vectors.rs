@@ -1,6 +1,6 @@
-//! NIST SHA-256 vectors through every backend, lane width and entry point.
+//! NIST SHA-256 vectors through every kernel, lane width and entry point.
 
-use weight_checker::{Backend, Engine, Sha256};
+use weight_checker::{Kernel, Scheduler, Sha256};
 
 fn vectors() -> Vec<(Vec<u8>, String)> {
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/sha256-nist.json");
@@ -21,10 +21,10 @@ fn vectors() -> Vec<(Vec<u8>, String)> {
 
 #[test]
 fn nist_vectors_one_shot_every_backend() {
-    for backend in Backend::all_available() {
+    for kernel in Kernel::all_available() {
         for (msg, want) in vectors() {
-            let got = weight_checker::sha256::digest_with(backend, &msg);
-            assert_eq!(got.hex(), want, "backend {backend}, len {}", msg.len());
+            let got = weight_checker::sha256::digest_with(kernel, &msg);
+            assert_eq!(got.hex(), want, "kernel {kernel}, len {}", msg.len());
         }
     }
 }
@@ -33,31 +33,31 @@ fn nist_vectors_one_shot_every_backend() {
 fn nist_vectors_batched_every_lane_width() {
     let vectors = vectors();
     let messages: Vec<&[u8]> = vectors.iter().map(|(m, _)| m.as_slice()).collect();
-    let mut engines = vec![Engine::default()]; // the calibrated lane count
-    for backend in Backend::all_available() {
+    let mut schedulers = vec![Scheduler::default()]; // the calibrated lane count
+    for kernel in Kernel::all_available() {
         for lanes in [1, 2, 3, 4] {
             for threads in [1, 0] {
-                engines.push(Engine::new(backend, lanes, threads));
+                schedulers.push(Scheduler::new(kernel, lanes, threads));
             }
         }
     }
-    for engine in engines {
-        let got = engine.hash_many(&messages);
+    for scheduler in schedulers {
+        let got = scheduler.hash_many(&messages);
         for ((_, want), d) in vectors.iter().zip(&got) {
-            assert_eq!(&d.hex(), want, "{engine:?}");
+            assert_eq!(&d.hex(), want, "{scheduler:?}");
         }
     }
 }
 
 #[test]
 fn nist_vectors_incremental_byte_by_byte_prefix() {
-    for backend in Backend::all_available() {
+    for kernel in Kernel::all_available() {
         for (msg, want) in vectors().into_iter().filter(|(m, _)| m.len() < 1000) {
             let mut s = Sha256::new();
             for b in &msg {
-                s.update_with(backend, std::slice::from_ref(b));
+                s.update_with(kernel, std::slice::from_ref(b));
             }
-            assert_eq!(s.finalize_with(backend).hex(), want);
+            assert_eq!(s.finalize_with(kernel).hex(), want);
         }
     }
 }
@@ -67,8 +67,8 @@ fn all_zero_flag() {
     let zeros = vec![0u8; 1 << 20];
     let mut late = zeros.clone();
     *late.last_mut().unwrap() = 1;
-    for backend in Backend::all_available() {
-        let e = Engine::new(backend, 2, 0);
+    for kernel in Kernel::all_available() {
+        let e = Scheduler::new(kernel, 2, 0);
         let d = e.hash_many(&[&zeros, &late, b"", &zeros[..63]]);
         assert_eq!(
             d.iter().map(|d| d.all_zero).collect::<Vec<_>>(),
@@ -79,15 +79,15 @@ fn all_zero_flag() {
 
 #[test]
 fn calibration_measures_every_lane_count_and_picks_the_fastest() {
-    for backend in Backend::all_available() {
-        let (chosen, figures) = backend.calibrate_lanes();
+    for kernel in Kernel::all_available() {
+        let (chosen, figures) = kernel.calibrate_lanes();
         assert_eq!(figures.map(|f| f.0), [1, 2, 4]);
         assert!(figures.iter().all(|f| f.1 > 0.0), "{figures:?}");
-        assert!(chosen <= backend.max_lanes());
+        assert!(chosen <= kernel.max_lanes());
         let best = figures.iter().map(|f| f.1).fold(0.0, f64::max);
-        if backend.max_lanes() == 4 {
+        if kernel.max_lanes() == 4 {
             assert!(figures.iter().find(|f| f.0 == chosen).unwrap().1 >= 0.98 * best);
         }
-        assert!([1, 2, 4].contains(&backend.default_lanes()));
+        assert!([1, 2, 4].contains(&kernel.default_lanes()));
     }
 }

@@ -17,9 +17,9 @@ use std::sync::{Condvar, Mutex, OnceLock};
 use std::time::Duration;
 
 use crate::error::Error;
-use crate::sha256::{Backend, Digest, Sha256, BLOCK_LEN, STEP_BYTES};
+use crate::sha256::{Digest, Kernel, Sha256, BLOCK_LEN, STEP_BYTES};
 
-/// Environment variable that sets the worker threads of every engine in this
+/// Environment variable that sets the worker threads of every scheduler in this
 /// process (overrides [`set_default_threads`]).
 pub const THREADS_ENV: &str = "WEIGHT_CHECKER_THREADS";
 
@@ -37,7 +37,7 @@ const PROGRESS_EVERY: Duration = Duration::from_millis(100);
 
 static DEFAULT_THREADS: AtomicUsize = AtomicUsize::new(0);
 
-/// Sets the worker threads an [`Engine::default`] uses (0: all cores), unless
+/// Sets the worker threads an [`Scheduler::default`] uses (0: all cores), unless
 /// [`THREADS_ENV`] is set, which always wins. A vLLM worker sets its share of
 /// the host here, so that eight workers on one host do not each start one
 /// thread per core.
@@ -55,7 +55,7 @@ fn env_threads() -> Option<usize> {
     })
 }
 
-/// The worker threads a default engine runs: [`THREADS_ENV`], else what
+/// The worker threads a default scheduler runs: [`THREADS_ENV`], else what
 /// [`set_default_threads`] set, else rayon's pool size (the cores in this
 /// process's CPU affinity).
 pub fn default_threads() -> usize {
@@ -70,7 +70,7 @@ pub fn default_threads() -> usize {
 
 /// One message whose bytes arrive in order, a chunk at a time.
 ///
-/// The engine calls [`advance`](ChunkSource::advance) to make the first chunk
+/// The scheduler calls [`advance`](ChunkSource::advance) to make the first chunk
 /// current, reads [`chunk`](ChunkSource::chunk) (possibly over several steps),
 /// then calls `advance` again, until it returns `Ok(false)`. A source may
 /// reuse or release a chunk's memory once `advance` is called again.
@@ -129,43 +129,39 @@ impl ChunkSource for Slices<'_> {
 
 /// How to hash: which kernel, how many streams per thread, how many threads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Engine {
-    pub backend: Backend,
+pub struct Scheduler {
+    pub kernel: Kernel,
     /// Streams advanced together per thread (1, 2 or 4; capped by the kernel).
     pub lanes: usize,
     /// Worker threads: 0 means [`default_threads`].
     pub threads: usize,
 }
 
-impl Default for Engine {
+impl Default for Scheduler {
     fn default() -> Self {
-        let backend = Backend::active();
-        Engine {
-            backend,
-            lanes: backend.default_lanes(),
+        let kernel = Kernel::active();
+        Scheduler {
+            kernel,
+            lanes: kernel.default_lanes(),
             threads: 0,
         }
     }
 }
 
-impl Engine {
-    pub fn new(backend: Backend, lanes: usize, threads: usize) -> Engine {
-        Engine {
-            backend,
-            lanes,
-            threads,
-        }
+impl Scheduler {
+    pub fn new(kernel: Kernel, lanes: usize, threads: usize) -> Scheduler {
+        Scheduler { kernel, lanes, threads }
     }
 
     /// Streams each thread interleaves (the kernel's widest fit to `lanes`).
     pub fn effective_lanes(&self) -> usize {
-        match self.lanes.clamp(1, self.backend.max_lanes()) {
+        match self.lanes.clamp(1, self.kernel.max_lanes()) {
             3 => 2,
             n => n,
         }
     }
 
-    /// Worker threads this engine runs.
+    /// Worker threads this scheduler runs.
     pub fn effective_threads(&self) -> usize {
         if self.threads == 0 {
             default_threads()
@@ -212,10 +208,10 @@ impl Engine {
         Ok(digests)
     }
 
-    /// An incremental hasher of `n` digests driven by this engine.
+    /// An incremental hasher of `n` digests driven by this scheduler.
     pub fn multi(&self, n: usize) -> MultiHasher {
         MultiHasher {
-            engine: *self,
+            scheduler: *self,
             states: vec![Sha256::new(); n],
         }
     }
@@ -239,7 +235,7 @@ impl Engine {
         let total: u64 = tasks.iter().map(|t| t.bytes).sum();
         let workers = self.effective_threads().min(tasks.len().div_ceil(lanes)).max(1);
         let shared = Shared {
-            backend: self.backend,
+            kernel: self.kernel,
             lanes,
             slots: tasks.into_iter().map(|t| Mutex::new(Some(t))).collect(),
             cursor: AtomicUsize::new(0),
@@ -287,9 +283,81 @@ impl Engine {
     }
 }
 
-/// SHA-256 of each buffer with the default engine (all cores, best kernel).
-pub fn hash_many(buffers: &[&[u8]]) -> Vec<Digest> {
-    Engine::default().hash_many(buffers)
+/// Small messages hashed in batches on the pool while the caller is still
+/// producing them (when producing one costs about as much as hashing it,
+/// e.g. reading a tensor's address from Python): each batch closes at
+/// [`Batches::MAX_ITEMS`] messages or [`Batches::MAX_BYTES`] and is hashed by
+/// one pool thread while the caller goes on. Every `(index, digest)` lands
+/// in `sink`, complete once the scope has ended.
+///
+/// ```
+/// # use std::sync::Mutex;
+/// # use weight_checker::scheduler::{Batches, Scheduler};
+/// let data = [vec![1u8; 100], vec![2u8; 300]];
+/// let sink = Mutex::new(Vec::new());
+/// rayon::in_place_scope(|scope| {
+///     let mut batches = Batches::new(scope, Scheduler::default(), &sink);
+///     for (i, d) in data.iter().enumerate() {
+///         batches.push(i, d);
+///     }
+///     batches.finish(); // the last batch, on this thread
+/// });
+/// assert_eq!(sink.into_inner().unwrap().len(), 2);
+/// ```
+pub struct Batches<'scope, 'a> {
+    scope: &'scope rayon::Scope<'a>,
+    scheduler: Scheduler,
+    batch: Vec<(usize, &'a [u8])>,
+    bytes: usize,
+    sink: &'a Mutex<Vec<(usize, Digest)>>,
+}
+
+impl<'scope, 'a> Batches<'scope, 'a> {
+    pub const MAX_ITEMS: usize = 256;
+    pub const MAX_BYTES: usize = 8 << 20;
+
+    /// Batches spawned into `scope`, each hashed by one thread of `scheduler`.
+    pub fn new(
+        scope: &'scope rayon::Scope<'a>,
+        scheduler: Scheduler,
+        sink: &'a Mutex<Vec<(usize, Digest)>>,
+    ) -> Batches<'scope, 'a> {
+        Batches {
+            scope,
+            scheduler: Scheduler {
+                threads: 1,
+                ..scheduler
+            },
+            batch: Vec::new(),
+            bytes: 0,
+            sink,
+        }
+    }
+
+    /// Queues message `index`; a full batch goes to the pool at once.
+    pub fn push(&mut self, index: usize, bytes: &'a [u8]) {
+        self.bytes += bytes.len();
+        self.batch.push((index, bytes));
+        if self.batch.len() >= Self::MAX_ITEMS || self.bytes >= Self::MAX_BYTES {
+            let full = std::mem::take(&mut self.batch);
+            self.bytes = 0;
+            let (scheduler, sink) = (self.scheduler, self.sink);
+            self.scope.spawn(move |_| hash_batch(scheduler, full, sink));
+        }
+    }
+
+    /// Hashes the last, partial batch on this thread.
+    pub fn finish(self) {
+        hash_batch(self.scheduler, self.batch, self.sink);
+    }
+}
+
+fn hash_batch(scheduler: Scheduler, batch: Vec<(usize, &[u8])>, done: &Mutex<Vec<(usize, Digest)>>) {
+    let (index, slices): (Vec<usize>, Vec<&[u8]>) = batch.into_iter().unzip();
+    let digests = scheduler.hash_many(&slices);
+    done.lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .extend(index.into_iter().zip(digests));
 }
 
 /// One message for one lane: its bytes hashed in order into `state`.
@@ -322,7 +390,7 @@ impl<S: ChunkSource> Lane<'_, S> {
 
 /// What the workers of one run share.
 struct Shared<'a, S> {
-    backend: Backend,
+    kernel: Kernel,
     lanes: usize,
     /// Tasks in scheduling order; each is taken exactly once by whichever
     /// worker bumps the cursor to it. The per-slot locks are never contended
@@ -362,7 +430,7 @@ impl<'a, S> Shared<'a, S> {
 /// pulling new ones on the way. Leaves `None` when the queue is drained (or
 /// a source failed).
 fn prepare<'a, S: ChunkSource>(shared: &Shared<'a, S>, lane: &mut Option<Lane<'a, S>>) {
-    let backend = shared.backend;
+    let kernel = shared.kernel;
     loop {
         let Some(l) = lane else {
             match shared.next_task() {
@@ -378,7 +446,7 @@ fn prepare<'a, S: ChunkSource>(shared: &Shared<'a, S>, lane: &mut Option<Lane<'a
                 Ok(false) => {
                     let done = lane.take().unwrap();
                     if let Some(out) = done.task.digest_out {
-                        *out = std::mem::take(done.task.state).finalize_with(backend);
+                        *out = std::mem::take(done.task.state).finalize_with(kernel);
                     }
                 }
                 Err(e) => {
@@ -388,10 +456,7 @@ fn prepare<'a, S: ChunkSource>(shared: &Shared<'a, S>, lane: &mut Option<Lane<'a
                 }
             }
         } else if l.task.state.buf_len > 0 || pending < BLOCK_LEN {
-            let took = l
-                .task
-                .state
-                .absorb_into_buffer(backend, &l.task.source.chunk()[l.pos..]);
+            let took = l.task.state.absorb_into_buffer(kernel, &l.task.source.chunk()[l.pos..]);
             l.pos += took;
             if shared.count_progress {
                 shared.done.fetch_add(took as u64, Ordering::Relaxed);
@@ -429,7 +494,7 @@ fn worker<S: ChunkSource>(shared: &Shared<'_, S>) {
             let bytes = &l.task.source.chunk()[l.pos..l.pos + step];
             l.task.state.observe(bytes);
         }
-        compress_lanes(shared.backend, active, step);
+        compress_lanes(shared.kernel, active, step);
         for l in active.iter_mut().flatten() {
             l.task.state.note_blocks(step);
             l.pos += step;
@@ -445,24 +510,24 @@ fn worker<S: ChunkSource>(shared: &Shared<'_, S>) {
 
 /// Runs the `step` bytes ahead of each lane through the widest kernel that
 /// fits. Every slot passed in is open.
-fn compress_lanes<S: ChunkSource>(backend: Backend, lanes: &mut [Option<Lane<'_, S>>], step: usize) {
+fn compress_lanes<S: ChunkSource>(kernel: Kernel, lanes: &mut [Option<Lane<'_, S>>], step: usize) {
     match lanes {
         [] => {}
         [Some(a)] => {
             let (h, d) = a.parts();
-            backend.compress1(h, &d[..step]);
+            kernel.compress1(h, &d[..step]);
         }
         [Some(a), Some(b)] => {
             let ((ha, da), (hb, db)) = (a.parts(), b.parts());
-            backend.compress2([ha, hb], [&da[..step], &db[..step]]);
+            kernel.compress2([ha, hb], [&da[..step], &db[..step]]);
         }
         [Some(a), Some(b), Some(c), Some(d)] => {
             let ((ha, da), (hb, db), (hc, dc), (hd, dd)) = (a.parts(), b.parts(), c.parts(), d.parts());
-            backend.compress4([ha, hb, hc, hd], [&da[..step], &db[..step], &dc[..step], &dd[..step]]);
+            kernel.compress4([ha, hb, hc, hd], [&da[..step], &db[..step], &dc[..step], &dd[..step]]);
         }
         [first @ .., last] if first.iter().all(Option::is_some) && last.is_some() => {
-            compress_lanes(backend, first, step);
-            compress_lanes(backend, std::slice::from_mut(last), step);
+            compress_lanes(kernel, first, step);
+            compress_lanes(kernel, std::slice::from_mut(last), step);
         }
         _ => unreachable!("compress_lanes is only given open lanes"),
     }
@@ -472,7 +537,7 @@ fn compress_lanes<S: ChunkSource>(backend: Backend, lanes: &mut [Option<Lane<'_,
 /// calls, from many buffers in parallel. This is how a tensor larger than a
 /// staging slot is hashed one slot-sized chunk at a time.
 pub struct MultiHasher {
-    engine: Engine,
+    scheduler: Scheduler,
     states: Vec<Sha256>,
 }
 
@@ -521,12 +586,12 @@ impl MultiHasher {
             });
             start = end;
         }
-        self.engine.run(tasks, None)
+        self.scheduler.run(tasks, None)
     }
 
     /// Pads and finishes every digest, in index order.
     pub fn finish(self) -> Vec<Digest> {
-        let backend = self.engine.backend;
-        self.states.into_iter().map(|s| s.finalize_with(backend)).collect()
+        let kernel = self.scheduler.kernel;
+        self.states.into_iter().map(|s| s.finalize_with(kernel)).collect()
     }
 }

@@ -1,14 +1,14 @@
-//! Criterion benches: the engine against plain `sha2`, one thread, for 1, 2
+//! Criterion benches: the scheduler against plain `sha2`, one thread, for 1, 2
 //! and 4 interleaved streams, plus all threads. Each case hashes a batch of
 //! equal buffers so the multi-stream scheduler has messages to pair.
 //!
-//!     cargo bench --bench engine
+//!     cargo bench --bench scheduler
 
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use sha2::Digest as _;
-use weight_checker::{Backend, Engine};
+use weight_checker::{Kernel, Scheduler};
 
 fn cases() -> Vec<(&'static str, usize, usize)> {
     // (label, buffer size, buffer count)
@@ -21,7 +21,7 @@ fn cases() -> Vec<(&'static str, usize, usize)> {
 }
 
 fn bench(c: &mut Criterion) {
-    let best = Backend::best_available();
+    let best = Kernel::best_available();
     for (label, size, count) in cases() {
         let pool: Vec<u8> = (0..size * count)
             .map(|i| (i as u32).wrapping_mul(2654435761) as u8)
@@ -37,15 +37,15 @@ fn bench(c: &mut Criterion) {
             b.iter(|| bufs.iter().map(sha2::Sha256::digest).collect::<Vec<_>>())
         });
         for lanes in [1, 2, 4] {
-            let engine = Engine::new(best, lanes, 1);
+            let scheduler = Scheduler::new(best, lanes, 1);
             group.bench_with_input(
                 BenchmarkId::new(format!("{best} 1 thread"), format!("{lanes} streams")),
-                &engine,
+                &scheduler,
                 |b, e| b.iter(|| e.hash_many(&bufs)),
             );
         }
-        let all = Engine::default();
-        group.bench_function(format!("{} all threads {} streams", all.backend, all.lanes), |b| {
+        let all = Scheduler::default();
+        group.bench_function(format!("{} all threads {} streams", all.kernel, all.lanes), |b| {
             b.iter(|| all.hash_many(&bufs))
         });
         group.finish();

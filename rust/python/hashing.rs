@@ -1,0 +1,137 @@
+//! Hashing many Python objects: acquisition (which needs the GIL) overlapped
+//! with hashing (which does not).
+
+use std::sync::Mutex;
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+use super::acquire::{acquire, Held, Names, Source};
+use crate::scheduler::{Batches, Scheduler};
+use crate::sha256::Digest;
+
+/// Above this many bytes, the GIL is released while hashing (as hashlib does
+/// above 2 KiB): other Python threads run while we compute.
+const RELEASE_GIL_BYTES: usize = 2048;
+
+/// Hashes every held input: contiguous ones together through the scheduler,
+/// strided ones gathered in bounded pieces, all with the GIL released.
+fn digest_held(py: Python<'_>, held: &[Held<'_>]) -> Vec<Digest> {
+    digest_held_refs(py, &held.iter().collect::<Vec<_>>())
+}
+
+fn digest_held_refs(py: Python<'_>, held: &[&Held<'_>]) -> Vec<Digest> {
+    let sources: Vec<Source<'_>> = held.iter().map(|h| h.source()).collect();
+    let total: usize = sources
+        .iter()
+        .map(|s| match s {
+            Source::Slice(b) => b.len(),
+            Source::Strided(v) => v.nbytes(),
+        })
+        .sum();
+    let work = move || {
+        let scheduler = Scheduler::default();
+        let slices: Vec<&[u8]> = sources
+            .iter()
+            .map(|s| match s {
+                Source::Slice(b) => *b,
+                Source::Strided(_) => &[][..],
+            })
+            .collect();
+        let mut digests = scheduler.hash_many(&slices);
+        use rayon::prelude::*;
+        let strided: Vec<(usize, Digest)> = sources
+            .par_iter()
+            .enumerate()
+            .filter_map(|(i, s)| match s {
+                Source::Strided(v) => Some((i, v.digest(scheduler.kernel))),
+                Source::Slice(_) => None,
+            })
+            .collect();
+        for (i, d) in strided {
+            digests[i] = d;
+        }
+        digests
+    };
+    if total > RELEASE_GIL_BYTES {
+        py.detach(work)
+    } else {
+        work()
+    }
+}
+
+fn check_names(names: Option<&Bound<'_, PyAny>>, n: usize) -> PyResult<()> {
+    if let Some(names) = names {
+        let len = names.len()?;
+        if len != n {
+            return Err(PyValueError::new_err(format!("{len} names for {n} buffers")));
+        }
+    }
+    Ok(())
+}
+
+/// Below this many inputs, acquire everything first, then hash.
+const STREAM_MIN_ITEMS: usize = 512;
+/// Inputs larger than this are not streamed: they wait for the final
+/// all-threads pass, which schedules them largest first.
+const STREAM_MAX_ITEM_BYTES: usize = 1 << 20;
+
+/// Digests of many Python objects.
+///
+/// Reading each tensor's address costs a few Python calls, about as much as
+/// hashing a 4 KiB tensor. With many inputs, batches of small ones are
+/// therefore hashed on the pool ([`Batches`]) while this thread, holding the
+/// GIL, goes on acquiring the next ones; large and strided inputs are hashed
+/// at the end by all threads. The result does not depend on the path taken.
+pub(super) fn digest_objects<'py>(
+    py: Python<'py>,
+    objs: Vec<Bound<'py, PyAny>>,
+    names: Option<&Bound<'py, PyAny>>,
+) -> PyResult<Vec<Digest>> {
+    check_names(names, objs.len())?;
+    let names = Names(names);
+    if objs.len() < STREAM_MIN_ITEMS {
+        let held = objs
+            .iter()
+            .enumerate()
+            .map(|(i, o)| acquire(o, names, i))
+            .collect::<PyResult<Vec<_>>>()?;
+        return Ok(digest_held(py, &held));
+    }
+    // Both declared before the scope so that they outlive every spawned
+    // batch, even when an acquisition fails part-way (the scope joins its
+    // tasks first).
+    let mut held: Vec<Held<'_>> = Vec::with_capacity(objs.len());
+    let streamed: Mutex<Vec<(usize, Digest)>> = Mutex::new(Vec::new());
+    rayon::in_place_scope(|scope| -> PyResult<()> {
+        let mut batches = Batches::new(scope, Scheduler::default(), &streamed);
+        for (i, obj) in objs.iter().enumerate() {
+            let h = acquire(obj, names, i)?;
+            if let Source::Slice(s) = h.source() {
+                if s.len() <= STREAM_MAX_ITEM_BYTES {
+                    // SAFETY: the bytes belong to the object `h` keeps alive;
+                    // `h` goes into `held`, which outlives this scope and so
+                    // every task reading the slice.
+                    let s: &[u8] = unsafe { std::slice::from_raw_parts(s.as_ptr(), s.len()) };
+                    batches.push(i, s);
+                }
+            }
+            held.push(h);
+        }
+        py.detach(|| batches.finish());
+        Ok(())
+    })?;
+    let mut digests: Vec<Option<Digest>> = vec![None; held.len()];
+    for (i, d) in streamed.into_inner().unwrap_or_else(|e| e.into_inner()) {
+        digests[i] = Some(d);
+    }
+    // What was not streamed (large or strided) goes through the full scheduler.
+    let rest: Vec<usize> = (0..held.len()).filter(|&i| digests[i].is_none()).collect();
+    if !rest.is_empty() {
+        let rest_held: Vec<&Held<'_>> = rest.iter().map(|&i| &held[i]).collect();
+        for (i, d) in rest.iter().zip(digest_held_refs(py, &rest_held)) {
+            digests[*i] = Some(d);
+        }
+    }
+    Ok(digests.into_iter().map(|d| d.expect("every input digested")).collect())
+}

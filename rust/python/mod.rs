@@ -1,0 +1,352 @@
+//! The PyO3 binding: the Python API of `weight_checker._core`. It adapts and
+//! nothing more: `acquire` turns Python objects into byte views without
+//! copying (`dlpack` holds the C ABI it reads), `hashing` overlaps that with
+//! the scheduler, and everything else lives in the pure-Rust modules.
+
+mod acquire;
+mod dlpack;
+mod hashing;
+
+use std::path::PathBuf;
+
+use pyo3::exceptions::{PyBufferError, PyIndexError, PyOSError, PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::ffi;
+use pyo3::prelude::*;
+use pyo3::types::PyTuple;
+
+use acquire::{acquire, Names, Source};
+use hashing::digest_objects;
+
+use crate::checkpoint::{self, CheckpointFile};
+use crate::error::Error;
+use crate::scheduler::{MultiHasher as CoreMultiHasher, Scheduler};
+use crate::sha256::{Digest, Kernel};
+
+pyo3::create_exception!(
+    _core,
+    SafetensorsError,
+    PyValueError,
+    "A malformed safetensors file or index."
+);
+pyo3::create_exception!(
+    _core,
+    DeviceTensorError,
+    PyValueError,
+    "A tensor in device memory was given to an entry point that reads host memory."
+);
+
+fn to_py_err(e: Error) -> PyErr {
+    match e {
+        Error::DigestIndex { .. } => PyIndexError::new_err(e.to_string()),
+        Error::Io { .. } => PyOSError::new_err(e.to_string()),
+        Error::Safetensors { .. } => SafetensorsError::new_err(e.to_string()),
+        Error::Cancelled => PyRuntimeError::new_err("cancelled"),
+    }
+}
+
+fn collect_objects<'py>(buffers: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PyAny>>> {
+    buffers.try_iter()?.collect()
+}
+
+/// SHA-256 (lowercase hex) of each buffer's bytes in C order.
+#[pyfunction]
+#[pyo3(signature = (buffers, names=None))]
+fn sha256_many<'py>(
+    py: Python<'py>,
+    buffers: &Bound<'py, PyAny>,
+    names: Option<&Bound<'py, PyAny>>,
+) -> PyResult<Vec<String>> {
+    let digests = digest_objects(py, collect_objects(buffers)?, names)?;
+    Ok(digests.iter().map(Digest::hex).collect())
+}
+
+/// Like `sha256_many`, also returning whether each input was all zero bytes.
+#[pyfunction]
+#[pyo3(signature = (buffers, names=None))]
+fn digest_many<'py>(
+    py: Python<'py>,
+    buffers: &Bound<'py, PyAny>,
+    names: Option<&Bound<'py, PyAny>>,
+) -> PyResult<(Vec<String>, Vec<bool>)> {
+    let digests = digest_objects(py, collect_objects(buffers)?, names)?;
+    Ok((
+        digests.iter().map(Digest::hex).collect(),
+        digests.iter().map(|d| d.all_zero).collect(),
+    ))
+}
+
+/// Several SHA-256 digests open at once, each fed its bytes in order over
+/// many `update` calls (the staging pipeline streams large tensors this way).
+#[pyclass(module = "weight_checker._core")]
+struct MultiHasher {
+    inner: Option<CoreMultiHasher>,
+}
+
+impl MultiHasher {
+    fn open(&mut self) -> PyResult<&mut CoreMultiHasher> {
+        self.inner
+            .as_mut()
+            .ok_or_else(|| PyRuntimeError::new_err("MultiHasher already finished"))
+    }
+}
+
+#[pymethods]
+impl MultiHasher {
+    #[new]
+    fn new(n: usize) -> Self {
+        MultiHasher {
+            inner: Some(Scheduler::default().multi(n)),
+        }
+    }
+
+    fn __len__(&self) -> usize {
+        self.inner.as_ref().map_or(0, |m| m.len())
+    }
+
+    /// Bytes fed so far to digest `index`.
+    fn bytes_fed(&mut self, index: usize) -> PyResult<u64> {
+        let n = self.__len__();
+        self.open()?
+            .bytes_fed(index)
+            .ok_or_else(|| to_py_err(Error::DigestIndex { index, len: n }))
+    }
+
+    /// Feeds `(index, buffer)` pairs; pairs for one digest apply in order.
+    fn update(&mut self, py: Python<'_>, feeds: &Bound<'_, PyAny>) -> PyResult<()> {
+        let mut indices = Vec::new();
+        let mut held = Vec::new();
+        for (i, item) in feeds.try_iter()?.enumerate() {
+            let item = item?;
+            let pair = item
+                .cast::<PyTuple>()
+                .map_err(|_| PyTypeError::new_err("feeds must be (index, buffer) tuples"))?;
+            indices.push(pair.get_item(0)?.extract::<usize>()?);
+            let h = acquire(&pair.get_item(1)?, Names(None), i)?;
+            if matches!(h.source(), Source::Strided(_)) {
+                return Err(PyBufferError::new_err(format!(
+                    "feed #{i}: MultiHasher.update needs contiguous buffers"
+                )));
+            }
+            held.push(h);
+        }
+        let sources: Vec<&[u8]> = held
+            .iter()
+            .map(|h| match h.source() {
+                Source::Slice(s) => s,
+                Source::Strided(_) => unreachable!(),
+            })
+            .collect();
+        let feeds: Vec<(usize, &[u8])> = indices.into_iter().zip(sources).collect();
+        let inner = self.open()?;
+        py.detach(|| inner.update(&feeds)).map_err(to_py_err)
+    }
+
+    /// Feeds `(index, offset, length)` slices of one contiguous buffer (a
+    /// staging slot): one acquisition for any number of pieces. Pieces for
+    /// one digest apply in the order given.
+    fn update_at(
+        &mut self,
+        py: Python<'_>,
+        buffer: &Bound<'_, PyAny>,
+        feeds: Vec<(usize, usize, usize)>,
+    ) -> PyResult<()> {
+        let held = acquire(buffer, Names(None), 0)?;
+        let Source::Slice(bytes) = held.source() else {
+            return Err(PyBufferError::new_err(
+                "MultiHasher.update_at needs a contiguous buffer",
+            ));
+        };
+        let mut slices = Vec::with_capacity(feeds.len());
+        for (i, &(index, offset, len)) in feeds.iter().enumerate() {
+            let piece = offset
+                .checked_add(len)
+                .and_then(|end| bytes.get(offset..end))
+                .ok_or_else(|| {
+                    PyIndexError::new_err(format!(
+                        "feed #{i}: bytes [{offset}, {offset}+{len}) outside a buffer of {} bytes",
+                        bytes.len()
+                    ))
+                })?;
+            slices.push((index, piece));
+        }
+        let inner = self.open()?;
+        py.detach(|| inner.update(&slices)).map_err(to_py_err)
+    }
+
+    /// Finishes every digest: `(hex digests, all-zero flags)`, in index order.
+    fn finish(&mut self, py: Python<'_>) -> PyResult<(Vec<String>, Vec<bool>)> {
+        let inner = self
+            .inner
+            .take()
+            .ok_or_else(|| PyRuntimeError::new_err("MultiHasher already finished"))?;
+        let digests = py.detach(|| inner.finish());
+        Ok((
+            digests.iter().map(Digest::hex).collect(),
+            digests.iter().map(|d| d.all_zero).collect(),
+        ))
+    }
+}
+
+/// Per-tensor digests of safetensors files (memory-mapped, every tensor a
+/// stream of the scheduler, pages dropped once hashed): `[(name, hex,
+/// all_zero)]` in file order. `progress(done_bytes, total_bytes)` is called
+/// about every 100 ms with the GIL held; an exception from it (or a signal
+/// such as Ctrl-C) stops the run.
+#[pyfunction]
+#[pyo3(signature = (paths, progress=None))]
+fn checksum_safetensors(
+    py: Python<'_>,
+    paths: Vec<PathBuf>,
+    progress: Option<Py<PyAny>>,
+) -> PyResult<Vec<(String, String, bool)>> {
+    let scheduler = Scheduler::default();
+    let mut callback_error: Option<PyErr> = None;
+    let result = py.detach(|| {
+        let files = paths
+            .iter()
+            .map(|p| CheckpointFile::open(p))
+            .collect::<Result<Vec<_>, Error>>()?;
+        let mut report = |done: u64, total: u64| {
+            Python::attach(|py| {
+                let outcome = py.check_signals().and_then(|()| match &progress {
+                    Some(cb) => cb.call1(py, (done, total)).map(drop),
+                    None => Ok(()),
+                });
+                match outcome {
+                    Ok(()) => true,
+                    Err(e) => {
+                        callback_error.get_or_insert(e);
+                        false
+                    }
+                }
+            })
+        };
+        checkpoint::checksum_files(&files, &scheduler, Some(&mut report))
+    });
+    if let Some(e) = callback_error {
+        return Err(e);
+    }
+    let out = result.map_err(to_py_err)?;
+    Ok(out.into_iter().map(|(name, d)| (name, d.hex(), d.all_zero)).collect())
+}
+
+/// `(name, dtype, shape, nbytes)` of one checkpoint tensor.
+type TensorInfo = (String, String, Vec<u64>, u64);
+
+/// The tensors of one safetensors file as `[(name, dtype, shape, nbytes)]`,
+/// after validating its header.
+#[pyfunction]
+fn safetensors_tensors(path: PathBuf) -> PyResult<Vec<TensorInfo>> {
+    let f = CheckpointFile::open(&path).map_err(to_py_err)?;
+    Ok(f.tensors
+        .iter()
+        .map(|t| (t.name.clone(), t.dtype.clone(), t.shape.clone(), t.nbytes()))
+        .collect())
+}
+
+/// Copies `src`'s C-order bytes into `dst`, a writable contiguous buffer of
+/// the same size, on this thread with the GIL released: the host copy engine
+/// of the staging pipeline (one thread, as a DMA engine takes none, where
+/// torch's `copy_` would fan out over the cores the hashing needs).
+#[pyfunction]
+fn copy_into(py: Python<'_>, dst: &Bound<'_, PyAny>, src: &Bound<'_, PyAny>) -> PyResult<()> {
+    let held = acquire(src, Names(None), 0)?;
+    let Source::Slice(from) = held.source() else {
+        return Err(PyBufferError::new_err("copy_into: the source must be contiguous"));
+    };
+    let mut view: Box<ffi::Py_buffer> = Box::new(unsafe { std::mem::zeroed() });
+    // SAFETY: `view` is writable storage for a Py_buffer; on success it is
+    // released exactly once below.
+    let flags = ffi::PyBUF_WRITABLE | ffi::PyBUF_C_CONTIGUOUS;
+    if unsafe { ffi::PyObject_GetBuffer(dst.as_ptr(), view.as_mut(), flags) } != 0 {
+        return Err(PyErr::fetch(py));
+    }
+    let len = view.len.max(0) as usize;
+    let result = if len != from.len() {
+        Err(PyValueError::new_err(format!(
+            "copy_into: destination has {len} bytes, source {}",
+            from.len()
+        )))
+    } else {
+        let to = view.buf as usize;
+        let from_ptr = from.as_ptr() as usize;
+        // SAFETY: the exporter guarantees `len` writable, contiguous bytes at
+        // `buf` until PyBuffer_Release (below, after the copy); the source's
+        // bytes are kept alive by `held`. `copy` (memmove) is used, so even
+        // overlapping ranges are sound.
+        py.detach(|| unsafe { std::ptr::copy(from_ptr as *const u8, to as *mut u8, len) });
+        Ok(())
+    };
+    // SAFETY: released exactly once, attached to Python.
+    unsafe { ffi::PyBuffer_Release(view.as_mut()) };
+    result
+}
+
+/// The SHA-256 kernel in use (`sha-ni` or `portable`).
+#[pyfunction]
+fn kernel() -> &'static str {
+    Kernel::active().name()
+}
+
+/// The former name of [`kernel`], kept for callers of `weight_checker.backend()`.
+#[pyfunction]
+fn backend() -> &'static str {
+    Kernel::active().name()
+}
+
+/// Worker threads the scheduler uses.
+#[pyfunction]
+fn threads() -> usize {
+    Scheduler::default().effective_threads()
+}
+
+/// Streams each scheduler thread interleaves (measured at first use, or
+/// `WEIGHT_CHECKER_LANES`).
+#[pyfunction]
+fn lanes() -> usize {
+    Scheduler::default().effective_lanes()
+}
+
+/// This core's SHA-256 throughput with 1, 2 and 4 interleaved streams, as
+/// the lane calibration measures it: `{lanes: GB/s}`. Its best figure times
+/// the threads is the machine's hashing ceiling, which benchmarks report
+/// their figures against.
+#[pyfunction]
+fn calibrate(py: Python<'_>) -> Vec<(usize, f64)> {
+    py.detach(|| Kernel::active().calibrate_lanes().1.to_vec())
+}
+
+/// Messages the scheduler keeps in flight: threads x lanes.
+#[pyfunction]
+fn streams() -> usize {
+    Scheduler::default().streams()
+}
+
+/// Sets the scheduler's default worker threads for this process (0: all cores
+/// in the CPU affinity). `WEIGHT_CHECKER_THREADS`, when set, wins.
+#[pyfunction]
+fn set_threads(threads: usize) {
+    crate::scheduler::set_default_threads(threads)
+}
+
+#[pymodule]
+#[pyo3(name = "_core")]
+fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(sha256_many, m)?)?;
+    m.add_function(wrap_pyfunction!(digest_many, m)?)?;
+    m.add_function(wrap_pyfunction!(kernel, m)?)?;
+    m.add_function(wrap_pyfunction!(backend, m)?)?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add_function(wrap_pyfunction!(threads, m)?)?;
+    m.add_function(wrap_pyfunction!(streams, m)?)?;
+    m.add_function(wrap_pyfunction!(lanes, m)?)?;
+    m.add_function(wrap_pyfunction!(calibrate, m)?)?;
+    m.add_function(wrap_pyfunction!(copy_into, m)?)?;
+    m.add_function(wrap_pyfunction!(set_threads, m)?)?;
+    m.add_function(wrap_pyfunction!(checksum_safetensors, m)?)?;
+    m.add_function(wrap_pyfunction!(safetensors_tensors, m)?)?;
+    m.add_class::<MultiHasher>()?;
+    m.add("SafetensorsError", m.py().get_type::<SafetensorsError>())?;
+    m.add("DeviceTensorError", m.py().get_type::<DeviceTensorError>())?;
+    Ok(())
+}

@@ -1,0 +1,65 @@
+"""The release wheel (`make wheel`, dist/) installs and works where there is
+no Rust toolchain: a fresh venv, no cargo on PATH, no other package."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+DIST = Path(__file__).resolve().parent.parent / "dist"
+
+
+def the_wheel() -> Path:
+    wheels = sorted(DIST.glob("weight_checker-*-cp311-abi3-manylinux*_x86_64.whl"))
+    if not wheels:
+        pytest.skip("no wheel in dist/: run `make wheel` (make test does)")
+    return wheels[-1]
+
+
+def test_sdist_is_built_beside_the_wheel():
+    the_wheel()
+    assert list(DIST.glob("weight_checker-*.tar.gz"))
+
+
+def test_wheel_installs_and_runs_without_rust(tmp_path):
+    wheel = the_wheel()
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    py = venv / "bin" / "python"
+    subprocess.run(
+        [str(py), "-m", "pip", "install", "-q", "--no-index", "--no-deps", str(wheel)],
+        check=True,
+        env=dict(os.environ, PIP_DISABLE_PIP_VERSION_CHECK="1"),
+    )
+    env = {"PATH": f"{venv / 'bin'}:/usr/bin:/bin", "HOME": str(tmp_path)}
+    assert shutil.which("cargo", path=env["PATH"]) is None and shutil.which("rustc", path=env["PATH"]) is None
+
+    messages = [b"", b"abc", bytes(range(256)) * 1000]
+    code = (
+        "import json, importlib.metadata as m, weight_checker as w;"
+        "msgs = [b'', b'abc', bytes(range(256)) * 1000];"
+        "print(json.dumps([w.__version__, m.version('weight-checker'), w.sha256_many(msgs)]))"
+    )
+    out = subprocess.run([str(py), "-c", code], env=env, capture_output=True, text=True, check=True, cwd=tmp_path)
+    version, dist_version, digests = json.loads(out.stdout)
+    assert version == dist_version and version in wheel.name
+    assert digests == [hashlib.sha256(m).hexdigest() for m in messages]
+
+    cli = venv / "bin" / "weight-checker"
+    r = subprocess.run([str(cli), "--version"], env=env, capture_output=True, text=True, check=True)
+    assert r.stdout.strip() == f"weight-checker {version}"
+
+    header = json.dumps({"w": {"dtype": "U8", "shape": [5], "data_offsets": [0, 5]}}).encode()
+    st = tmp_path / "small.safetensors"
+    st.write_bytes(struct.pack("<Q", len(header)) + header + b"hello")
+    r = subprocess.run([str(cli), "checksum", str(st), "--no-prefix"], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == {"checksums": {"w": hashlib.sha256(b"hello").hexdigest()}}
