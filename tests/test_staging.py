@@ -174,6 +174,19 @@ def test_hash_side_error_surfaces(at):
         run_with_timeout(lambda: digest_staged(tensors, engine=FaultyEngine(fail_wait_at=at), budget=2000, slots=2))
 
 
+class BrokenCopier(HostCopyEngine):
+    """Queues copies that fail inside the copier thread (a size mismatch)."""
+
+    def copy(self, dst, src):
+        super().copy(dst[: max(dst.numel() - 1, 0)], src)
+
+
+def test_a_failure_in_the_copier_thread_surfaces_without_hanging():
+    tensors = [random_tensor((1000,), torch.uint8, i) for i in range(6)]
+    with pytest.raises(ValueError, match="destination has"):
+        run_with_timeout(lambda: digest_staged(tensors, engine=BrokenCopier(), budget=2000, slots=2))
+
+
 def test_pinned_engine_falls_back_with_one_warning():
     tensors = [random_tensor((5000,), torch.uint8, 1)]
     staging._pin_warned.clear()

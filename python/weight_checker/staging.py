@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import threading
 import time
 import warnings
@@ -103,10 +104,15 @@ def alloc_host(nbytes: int, pin: bool) -> Any:
 
 
 class HostCopyEngine:
-    """Synchronous copies from host tensors: the scheduler's test engine and
-    CPU proxy (CPU→CPU, or CPU→pinned with ``pin=True``). Overlap still
-    happens: the hashing thread works on one slot while this thread copies
-    into the next.
+    """Copies from host tensors: the scheduler's test engine and CPU proxy
+    (CPU→CPU, or CPU→pinned with ``pin=True``).
+
+    Like a device's copy engine it is asynchronous: ``copy`` queues, one
+    copier thread works the queue in order, ``fence``/``wait`` order hashing
+    after the copies. The copier runs at the lowest CPU priority (nice 19,
+    for that thread only): a GPU's DMA engine takes no CPU from the hashing
+    threads, and this way the copies use what the hashing leaves idle
+    instead of time-slicing with it.
 
     The last run's slots are kept for the next run (one ring per process, at
     most the budget): fresh pageable pages would otherwise be faulted in and
@@ -118,6 +124,9 @@ class HostCopyEngine:
 
     def __init__(self, pin: bool = False):
         self.pin = pin
+        self._queue: queue.SimpleQueue | None = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
 
     def alloc(self, nbytes: int) -> Any:
         with self._spare_lock:
@@ -127,31 +136,69 @@ class HostCopyEngine:
         return alloc_host(nbytes, self.pin)
 
     def free(self, buffers: list[Any]) -> None:
+        if self._queue is not None:
+            # The copier drains what is queued (skipping copies after an
+            # error) and exits; joined so that no copy touches a slot after
+            # it is given back, nor outlives the interpreter.
+            self._queue.put(None)
+            self._queue = None
+            if self._thread is not None:
+                self._thread.join()
+                self._thread = None
         if not buffers:
             return
         with self._spare_lock:
             HostCopyEngine._spare = {(self.pin, buffers[0].numel()): list(buffers)}
 
     def begin(self) -> None:
-        pass
+        self._error = None  # a failed run's error does not outlive it
 
     def run(self, fn: Callable[[], Any]) -> Any:
         return fn()
 
     def copy(self, dst: Any, src: Any) -> None:
-        if src.is_cpu and dst.is_cpu:
-            # One thread, like a DMA engine would take none: torch's copy_
-            # would fan out to its OpenMP pool and contend with the hashing
-            # threads for the same cores.
-            _core.copy_into(dst.numpy(), src)
-        else:
-            dst.copy_(src)
+        if self._queue is None:
+            self._queue = queue.SimpleQueue()
+            self._thread = threading.Thread(
+                target=self._copier, args=(self._queue,), name="weight-checker-copy", daemon=True
+            )
+            self._thread.start()
+        self._queue.put((dst, src))
 
     def fence(self) -> Any:
-        return None
+        done = threading.Event()
+        if self._queue is None:
+            done.set()
+        else:
+            self._queue.put(done)
+        return done
 
     def wait(self, fence: Any) -> None:
-        pass
+        fence.wait()
+        if self._error is not None:
+            raise self._error
+
+    def _copier(self, work: queue.SimpleQueue) -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # this thread only (Linux)
+        except (AttributeError, OSError):
+            pass
+        while (item := work.get()) is not None:
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
+            if self._error is not None:
+                continue
+            dst, src = item
+            try:
+                if src.is_cpu and dst.is_cpu:
+                    # One thread: torch's copy_ would fan out to its OpenMP
+                    # pool, over the cores the hashing needs.
+                    _core.copy_into(dst.numpy(), src)
+                else:
+                    dst.copy_(src)
+            except BaseException as e:
+                self._error = e
 
 
 class CudaCopyEngine:
@@ -372,34 +419,36 @@ def digest_staged(
     inflight: list[Future | None] = [None] * len(ring)
     # One hashing thread: slots are hashed in the order they were filled, so
     # every digest gets its pieces in order. The hashing itself is parallel.
-    with torch.no_grad(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-checker-hash") as hasher:
-        try:
-            engine.begin()
-            for k, plan in enumerate(plans):
-                s = k % len(ring)
-                if inflight[s] is not None:
-                    inflight[s].result()  # the slot is free again (or re-raise)
-                    inflight[s] = None
-                start = time.perf_counter()
-                keep = _fill_slot(engine, ring[s], plan, prepared, names, stats)
-                stats.copy_seconds += time.perf_counter() - start
-                stats.slot_streams.append(plan.streams)
-                feeds = [(i, off, stop - begin) for i, begin, stop, off in plan.streamed]
-                feeds += [(i, off, sizes[i]) for i, off in plan.packed]
-                inflight[s] = hasher.submit(_hash_slot, engine, engine.fence(), multi, ring[s], feeds, keep, stats)
-            for f in inflight:
-                if f is not None:
-                    f.result()
-        except BaseException:
-            # Let queued hashes finish or fail before the slots go away; the
-            # first error is the one raised.
-            for f in inflight:
-                if f is not None:
-                    f.cancel()
-            raise
-        finally:
-            if all(f is None or f.done() for f in inflight):
-                engine.free(ring)
+    try:
+        with torch.no_grad(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-checker-hash") as hasher:
+            try:
+                engine.begin()
+                for k, plan in enumerate(plans):
+                    s = k % len(ring)
+                    if inflight[s] is not None:
+                        inflight[s].result()  # the slot is free again (or re-raise)
+                        inflight[s] = None
+                    start = time.perf_counter()
+                    keep = _fill_slot(engine, ring[s], plan, prepared, names, stats)
+                    stats.copy_seconds += time.perf_counter() - start
+                    stats.slot_streams.append(plan.streams)
+                    feeds = [(i, off, stop - begin) for i, begin, stop, off in plan.streamed]
+                    feeds += [(i, off, sizes[i]) for i, off in plan.packed]
+                    fence = engine.fence()
+                    inflight[s] = hasher.submit(_hash_slot, engine, fence, multi, ring[s], feeds, keep, stats)
+                for f in inflight:
+                    if f is not None:
+                        f.result()
+            except BaseException:
+                # Queued hashes are dropped; the one running finishes (the
+                # executor joins it) before the slots are given back. The
+                # first error is the one raised.
+                for f in inflight:
+                    if f is not None:
+                        f.cancel()
+                raise
+    finally:
+        engine.free(ring)  # nothing reads or writes the slots any more
     return multi.finish()
 
 
