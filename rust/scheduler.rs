@@ -229,11 +229,18 @@ impl Scheduler {
             }
             return Ok(());
         }
-        let lanes = self.effective_lanes();
         // Stable sort: equal sizes keep input order, which keeps runs repeatable.
         tasks.sort_by_key(|t| std::cmp::Reverse(t.bytes));
         let total: u64 = tasks.iter().map(|t| t.bytes).sum();
-        let workers = self.effective_threads().min(tasks.len().div_ceil(lanes)).max(1);
+        let workers = self.effective_threads().min(tasks.len()).max(1);
+        // Messages are spread over the threads before lanes are stacked:
+        // four big tensors on two threads run as 2 x 2 lanes on both cores,
+        // not as 4 lanes on one. (Three lanes would run as 2 + 1, slower
+        // than 2.)
+        let lanes = match self.effective_lanes().min(tasks.len().div_ceil(workers)) {
+            3 => 2,
+            n => n.max(1),
+        };
         let shared = Shared {
             kernel: self.kernel,
             lanes,

@@ -65,9 +65,10 @@ def streams() -> int:
 def set_threads(threads: int) -> None:
     """Sets the scheduler's default threads for this process (0: all cores)."""
 
-def copy_into(dst: Any, src: Any) -> None:
-    """Copies ``src``'s C-order bytes into the writable contiguous buffer
-    ``dst`` of the same size, on this thread, with the GIL released."""
+def copy_into(dst: Any, *srcs: Any) -> None:
+    """Copies the C-order bytes of ``srcs``, back to back, into the writable
+    contiguous buffer ``dst`` of exactly their total size, on this thread,
+    with the GIL released."""
 
 def checksum_safetensors(
     paths: Sequence[str], progress: Callable[[int, int], object] | None = None

@@ -244,16 +244,28 @@ fn safetensors_tensors(path: PathBuf) -> PyResult<Vec<TensorInfo>> {
         .collect())
 }
 
-/// Copies `src`'s C-order bytes into `dst`, a writable contiguous buffer of
-/// the same size, on this thread with the GIL released: the host copy engine
-/// of the staging pipeline (one thread, as a DMA engine takes none, where
-/// torch's `copy_` would fan out over the cores the hashing needs).
+/// Copies the C-order bytes of `srcs`, back to back, into `dst`, a writable
+/// contiguous buffer of exactly their total size, on this thread with the
+/// GIL released: the host copy engine of the staging pipeline (one thread,
+/// as a DMA engine takes none, where torch's `copy_` would fan out over the
+/// cores the hashing needs), and its gather of many small tensors in one
+/// call. Strided sources are gathered in bounded pieces.
 #[pyfunction]
-fn copy_into(py: Python<'_>, dst: &Bound<'_, PyAny>, src: &Bound<'_, PyAny>) -> PyResult<()> {
-    let held = acquire(src, Names(None), 0)?;
-    let Source::Slice(from) = held.source() else {
-        return Err(PyBufferError::new_err("copy_into: the source must be contiguous"));
-    };
+#[pyo3(signature = (dst, *srcs))]
+fn copy_into(py: Python<'_>, dst: &Bound<'_, PyAny>, srcs: &Bound<'_, PyTuple>) -> PyResult<()> {
+    let held = srcs
+        .iter()
+        .enumerate()
+        .map(|(i, src)| acquire(&src, Names(None), i))
+        .collect::<PyResult<Vec<_>>>()?;
+    let sources: Vec<Source<'_>> = held.iter().map(|h| h.source()).collect();
+    let total: usize = sources
+        .iter()
+        .map(|s| match s {
+            Source::Slice(b) => b.len(),
+            Source::Strided(v) => v.nbytes(),
+        })
+        .sum();
     let mut view: Box<ffi::Py_buffer> = Box::new(unsafe { std::mem::zeroed() });
     // SAFETY: `view` is writable storage for a Py_buffer; on success it is
     // released exactly once below.
@@ -262,19 +274,30 @@ fn copy_into(py: Python<'_>, dst: &Bound<'_, PyAny>, src: &Bound<'_, PyAny>) -> 
         return Err(PyErr::fetch(py));
     }
     let len = view.len.max(0) as usize;
-    let result = if len != from.len() {
+    let result = if len != total {
         Err(PyValueError::new_err(format!(
-            "copy_into: destination has {len} bytes, source {}",
-            from.len()
+            "copy_into: destination has {len} bytes, the sources {total}"
         )))
     } else {
         let to = view.buf as usize;
-        let from_ptr = from.as_ptr() as usize;
-        // SAFETY: the exporter guarantees `len` writable, contiguous bytes at
-        // `buf` until PyBuffer_Release (below, after the copy); the source's
-        // bytes are kept alive by `held`. `copy` (memmove) is used, so even
-        // overlapping ranges are sound.
-        py.detach(|| unsafe { std::ptr::copy(from_ptr as *const u8, to as *mut u8, len) });
+        py.detach(|| {
+            // SAFETY: the exporter guarantees `len` writable, contiguous bytes
+            // at `buf` until PyBuffer_Release (below, after the copies), and
+            // the sources' bytes are kept alive by `held`; the pieces written
+            // add up to exactly `len` bytes (checked above). `copy` (memmove)
+            // keeps even overlapping ranges sound.
+            let mut at = to as *mut u8;
+            let mut put = |piece: &[u8]| unsafe {
+                std::ptr::copy(piece.as_ptr(), at, piece.len());
+                at = at.add(piece.len());
+            };
+            for s in &sources {
+                match s {
+                    Source::Slice(b) => put(b),
+                    Source::Strided(v) => v.for_each_piece(&mut put),
+                }
+            }
+        });
         Ok(())
     };
     // SAFETY: released exactly once, attached to Python.
