@@ -137,6 +137,7 @@ class FaultyEngine(HostCopyEngine):
         self.waits += 1
         if self.waits == self.fail_wait_at:
             raise RuntimeError("injected hash-side failure")
+        super().wait(fence)
 
 
 def run_with_timeout(fn, seconds=20):

@@ -115,12 +115,14 @@ class HostCopyEngine:
     """Copies from host tensors: the scheduler's test engine and CPU proxy
     (CPU→CPU, or CPU→pinned with ``pin=True``).
 
-    Like a device's copy engine it is asynchronous: ``copy`` queues, one
-    copier thread works the queue in order, ``fence``/``wait`` order hashing
-    after the copies. The copier runs at a lower CPU priority (nice 10,
-    for that thread only): a GPU's DMA engine takes no CPU from the hashing
-    threads, and this way the copies use what the hashing leaves idle
-    instead of time-slicing with it.
+    Like a device's copy engine it is asynchronous: ``copy`` and ``gather``
+    queue, one copier thread works the queue, ``fence``/``wait`` order the
+    hashing after the copies. The copier runs at a lower CPU priority
+    (nice 10, for that thread only), so that copying mostly fills the hashing
+    threads' gaps instead of time-slicing with them (a GPU's DMA engine takes
+    no CPU at all); and a hashing thread that would wait for a copy does
+    queued copies itself meanwhile, so a slot is never waited for while
+    nobody copies at full priority.
 
     The last run's slots are kept for the next run (one ring per process, at
     most the budget): fresh pageable pages would otherwise be faulted in and
@@ -135,6 +137,12 @@ class HostCopyEngine:
         self._queue: queue.SimpleQueue | None = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        # Copies are numbered as queued; `_low` is the first number not yet
+        # done (every copy below it is done), `_finished` the ones done above.
+        self._progress = threading.Condition()
+        self._queued = 0
+        self._low = 0
+        self._finished: set[int] = set()
 
     def alloc(self, nbytes: int) -> Any:
         with self._spare_lock:
@@ -179,18 +187,28 @@ class HostCopyEngine:
                 target=self._copier, args=(self._queue,), name="weight-checker-copy", daemon=True
             )
             self._thread.start()
-        self._queue.put(item)
+        self._queue.put((self._queued, *item))
+        self._queued += 1
 
     def fence(self) -> Any:
-        done = threading.Event()
-        if self._queue is None:
-            done.set()
-        else:
-            self._queue.put(done)
-        return done
+        """Every copy queued so far (their count)."""
+        return self._queued
 
     def wait(self, fence: Any) -> None:
-        fence.wait()
+        while True:
+            with self._progress:
+                if self._low >= fence:
+                    break
+            try:
+                item = self._queue.get_nowait() if self._queue is not None else None
+            except queue.Empty:
+                item = None
+            if item is None:
+                # Nothing left to help with: the rest is in the copier's hands.
+                with self._progress:
+                    self._progress.wait_for(lambda: self._low >= fence)
+                break
+            self._do(item)
         if self._error is not None:
             raise self._error
 
@@ -200,12 +218,11 @@ class HostCopyEngine:
         except (AttributeError, OSError):
             pass
         while (item := work.get()) is not None:
-            if isinstance(item, threading.Event):
-                item.set()
-                continue
-            if self._error is not None:
-                continue
-            kind, dst, src = item
+            self._do(item)
+
+    def _do(self, item: tuple) -> None:
+        number, kind, dst, src = item
+        if self._error is None:
             try:
                 if kind == "gather":
                     _core.copy_into(dst.numpy(), *src)
@@ -217,6 +234,12 @@ class HostCopyEngine:
                     dst.copy_(src)
             except BaseException as e:
                 self._error = e
+        with self._progress:
+            self._finished.add(number)
+            while self._low in self._finished:
+                self._finished.discard(self._low)
+                self._low += 1
+            self._progress.notify_all()
 
 
 class CudaCopyEngine:

@@ -55,6 +55,16 @@ pub(super) enum Source<'a> {
     Strided(&'a StridedView),
 }
 
+impl Source<'_> {
+    /// Bytes of the input in C order.
+    pub(super) fn len(&self) -> usize {
+        match self {
+            Source::Slice(b) => b.len(),
+            Source::Strided(v) => v.nbytes(),
+        }
+    }
+}
+
 impl Held<'_> {
     pub(super) fn source(&self) -> Source<'_> {
         match self {

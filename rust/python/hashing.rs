@@ -22,13 +22,7 @@ fn digest_held(py: Python<'_>, held: &[Held<'_>]) -> Vec<Digest> {
 
 fn digest_held_refs(py: Python<'_>, held: &[&Held<'_>]) -> Vec<Digest> {
     let sources: Vec<Source<'_>> = held.iter().map(|h| h.source()).collect();
-    let total: usize = sources
-        .iter()
-        .map(|s| match s {
-            Source::Slice(b) => b.len(),
-            Source::Strided(v) => v.nbytes(),
-        })
-        .sum();
+    let total: usize = sources.iter().map(Source::len).sum();
     let work = move || {
         let scheduler = Scheduler::default();
         let slices: Vec<&[u8]> = sources

@@ -259,13 +259,7 @@ fn copy_into(py: Python<'_>, dst: &Bound<'_, PyAny>, srcs: &Bound<'_, PyTuple>) 
         .map(|(i, src)| acquire(&src, Names(None), i))
         .collect::<PyResult<Vec<_>>>()?;
     let sources: Vec<Source<'_>> = held.iter().map(|h| h.source()).collect();
-    let total: usize = sources
-        .iter()
-        .map(|s| match s {
-            Source::Slice(b) => b.len(),
-            Source::Strided(v) => v.nbytes(),
-        })
-        .sum();
+    let total: usize = sources.iter().map(Source::len).sum();
     let mut view: Box<ffi::Py_buffer> = Box::new(unsafe { std::mem::zeroed() });
     // SAFETY: `view` is writable storage for a Py_buffer; on success it is
     // released exactly once below.
