@@ -60,6 +60,8 @@ def unauthorized_body(path: str) -> dict[str, Any]:
 
 def _paths_for(app: Any) -> frozenset[str]:
     """Guarded paths of ``app``, computed once per app (and logged once)."""
+    if app is None:  # not a Starlette app's scope: nothing to derive from
+        return frozenset()
     state = getattr(app, "state", None)
     cached = getattr(state, "weight_checker_guarded", None) if state is not None else None
     if cached is not None:
