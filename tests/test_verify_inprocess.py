@@ -59,15 +59,7 @@ def check_cases(out: dict, tp: int) -> None:
 def test_llm_in_process(tiny_llama, tp):
     out = run(tiny_llama, "llm", tp)
     check_cases(out, tp)
-    assert out["good"]["steps"] == [
-        "pause",
-        "checksum (baseline)",
-        "reset",
-        "checksum (post-reset)",
-        "transfer",
-        "checksum (current)",
-        "compare",
-    ]
+    assert out["good"]["steps"] == checks.VERIFY_STEPS
     zeroed = out["zeroed"]
     assert zeroed["warnings"] and "already" in zeroed["warnings"][0]
     assert zeroed["match"] is False and set(zeroed["classes"]) == {"changed"}

@@ -7,6 +7,16 @@ import re
 from weight_checker.launch import Server
 
 EMPTY = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
+#: The workflow's steps, in order, before the resume of a paused server.
+VERIFY_STEPS = [
+    "pause",
+    "checksum (baseline)",
+    "reset",
+    "checksum (post-reset)",
+    "transfer",
+    "checksum (current)",
+    "compare",
+]
 VLLM_BAD_PAYLOADS = [{}, {"action": "frobnicate"}, {"action": "compare"}, []]
 
 
