@@ -131,3 +131,183 @@ def test_bad_sources_raise_clear_errors():
         weight_checker.checksum({"ok": torch.ones(1), "x": "not a tensor"})
     with pytest.raises(TypeError, match="prefix"):
         weight_checker.checksum({}, prefix=3)
+
+
+# --- The walk in the core ---------------------------------------------------
+# `weight_checker.checksum` walks a torch module in Rust (`_core.checksum_module`)
+# when the module uses torch's own walk. Its names, order and digests must be
+# exactly those of `named_parameters()` + the Python expansion; anything it
+# cannot vouch for must answer None (and checksum still be right).
+
+from collections import OrderedDict  # noqa: E402
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from weight_checker import _core  # noqa: E402
+from weight_checker.walk import collect, expand  # noqa: E402
+
+
+def python_walk(model, prefix=""):
+    names, tensors = collect(model)
+    return {prefix + n: vllm_digest(t) for n, t in zip(names, tensors, strict=True)}
+
+
+def core_walk(model, prefix=""):
+    out = _core.checksum_module(model, expand, prefix)
+    assert out is not None, "the core should walk a plain torch module"
+    digests, nbytes = out
+    assert nbytes == sum(t.numel() * t.element_size() for t in collect(model)[1])
+    return digests
+
+
+def assert_same_walk(model, prefix=""):
+    got, want = core_walk(model, prefix), python_walk(model, prefix)
+    assert list(got.items()) == list(want.items())  # names, digests and order
+    assert weight_checker.checksum(model, prefix) == want
+    return got
+
+
+def test_core_walk_shared_modules_tied_parameters_and_none_entries():
+    m = Tied()
+    shared = nn.Linear(4, 4)
+    m.a = nn.Sequential(shared, nn.Linear(4, 2))
+    m.b = nn.ModuleDict({"again": shared, "x": nn.Linear(2, 2)})  # same module, second path
+    m.b.x.weight = m.a[1].weight  # a parameter shared across modules (first name wins)
+    m.register_parameter("absent", None)
+    m.add_module("missing", None)
+    got = assert_same_walk(m)
+    assert "a.0.weight" in got and "b.again.weight" not in got and "b.x.weight" not in got
+    assert_same_walk(m, prefix=weight_checker.rank_prefix(0, 1, 0, 2))
+
+
+def test_core_walk_of_vllm_parameter_subclasses_and_expansions():
+    m = nn.Module()
+    m.lin = nn.Linear(3, 3)
+    m.gate_up = vllm_shared_weight_parameter({0: torch.randn(4, 3), 1: torch.randn(2)})
+    if TwoTensor is not None:
+        m.q = nn.Parameter(TwoTensor(torch.randn(5, 2), torch.randn(5, 2)), requires_grad=False)
+    param = pytest.importorskip("vllm.model_executor.parameter")
+    sub = param.BasevLLMParameter.__new__(param.BasevLLMParameter, torch.randn(6))
+    m.register_parameter("vllm_param", sub)
+    assert_same_walk(m)
+
+
+def test_core_walk_many_parameters_streams():
+    # Past the streaming threshold (512 inputs), small and large mixed.
+    m = nn.Module()
+    for i in range(700):
+        m.register_parameter(f"p{i}", nn.Parameter(torch.randn(3 if i % 50 else 300_000), requires_grad=False))
+    assert_same_walk(m, prefix="dp0:pp0:pcp0:tp0:")
+
+
+def test_core_walk_duplicate_names_from_expansion_are_refused():
+    m = nn.Module()
+    m.w = vllm_shared_weight_parameter({0: torch.randn(2)})
+    m._parameters["w.0"] = nn.Parameter(torch.randn(2))  # bypasses torch's name check
+    with pytest.raises(ValueError, match=r"'w\.0' appears more than once"):
+        _core.checksum_module(m, expand)
+    with pytest.raises(ValueError, match=r"'w\.0' appears more than once"):
+        weight_checker.checksum(m)
+
+
+class OwnNamedParameters(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+
+    def named_parameters(self, *args, **kwargs):
+        yield from reversed(list(super().named_parameters(*args, **kwargs)))
+
+
+class OwnNamedModules(nn.Linear):
+    def named_modules(self, memo=None, prefix="", remove_duplicate=True):
+        yield prefix, self  # hides nothing, but is not torch's code
+
+
+class EqualModules(nn.Linear):
+    """Equal to each other: torch's memo then skips the second one's parameters."""
+
+    def __eq__(self, other):
+        return isinstance(other, EqualModules)
+
+    def __hash__(self):
+        return 7
+
+
+class OwnGetattribute(nn.Linear):
+    def __getattribute__(self, name):
+        return object.__getattribute__(self, name)
+
+
+def _variants():
+    root_override = OwnNamedParameters()
+    instance_override = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    instance_override[1].named_modules = lambda memo=None, prefix="", remove_duplicate=True: iter(())
+    child_override = nn.Sequential(nn.Linear(2, 2), OwnNamedModules(2, 2))
+    equal = nn.Sequential(EqualModules(2, 2), EqualModules(2, 2))
+    ordered = nn.Linear(2, 2)
+    ordered._parameters = OrderedDict(ordered._parameters)  # a dict subclass
+    odd_key = nn.Module()
+    odd_key._parameters[3] = nn.Parameter(torch.randn(2))
+    not_tensor = nn.Module()
+    not_tensor._parameters["x"] = "not a tensor"
+    return {
+        "root named_parameters": root_override,
+        "child named_modules": child_override,
+        "instance named_modules": instance_override,
+        "__getattribute__": nn.Sequential(OwnGetattribute(2, 2)),
+        "module __hash__": equal,
+        "OrderedDict _parameters": ordered,
+        "non-str key": odd_key,
+        "non-tensor parameter": not_tensor,
+    }
+
+
+@pytest.mark.parametrize("case", list(_variants()))
+def test_core_walk_declines_what_it_cannot_vouch_for(case):
+    model = _variants()[case]
+    assert _core.checksum_module(model, expand) is None
+    if case == "non-str key":
+        with pytest.raises(TypeError):
+            weight_checker.checksum(model)  # torch itself cannot join the name
+    elif case == "non-tensor parameter":
+        with pytest.raises(TypeError, match="tensor 'x'"):
+            weight_checker.checksum(model)
+    else:
+        assert weight_checker.checksum(model) == spec_walk(model)
+
+
+@st.composite
+def module_trees(draw):
+    """Random module graphs: nested, with shared submodules, tied and absent
+    parameters, and parameter subclasses."""
+    pool: list[nn.Module] = []
+    params: list[nn.Parameter] = []
+    root = nn.Module()
+    for _ in range(draw(st.integers(1, 12))):
+        parent = draw(st.sampled_from([root, *pool])) if pool else root
+        kind = draw(st.sampled_from(["module", "param", "tied", "shared", "none"]))
+        key = f"k{len(parent._modules) + len(parent._parameters)}"
+        if kind == "module" or (kind == "shared" and not pool):
+            child = nn.Module()
+            pool.append(child)
+            parent.add_module(key, child)
+        elif kind == "shared":
+            parent.add_module(key, draw(st.sampled_from(pool)))
+        elif kind == "tied" and params:
+            parent.register_parameter(key, draw(st.sampled_from(params)))
+        elif kind == "none":
+            parent.register_parameter(key, None)
+        else:
+            n = draw(st.integers(0, 9))
+            p = nn.Parameter(torch.arange(n, dtype=torch.float32) + len(params), requires_grad=False)
+            params.append(p)
+            parent.register_parameter(key, p)
+    return root
+
+
+@settings(max_examples=60, deadline=None)
+@given(model=module_trees(), prefix=st.sampled_from(["", "dp1:pp0:pcp0:tp3:"]))
+def test_core_walk_equals_torch_on_random_module_graphs(model, prefix):
+    got = assert_same_walk(model, prefix)
+    assert [k[len(prefix) :] for k in got] == [n for n, _ in model.named_parameters()]

@@ -11,6 +11,7 @@ __all__ = [
     "__version__",
     "backend",
     "calibrate",
+    "checksum_module",
     "checksum_safetensors",
     "copy_into",
     "digest_many",
@@ -41,6 +42,20 @@ def sha256_many(buffers: Iterable[Any], names: Sequence[str] | None = None) -> l
 
 def digest_many(buffers: Iterable[Any], names: Sequence[str] | None = None) -> tuple[list[str], list[bool]]:
     """Like :func:`sha256_many`, plus whether each input was all zero bytes."""
+
+def checksum_module(
+    module: Any,
+    expand: Callable[[str, Any], Iterable[tuple[str, Any]]],
+    prefix: str = "",
+) -> tuple[dict[str, str], int] | None:
+    """``({prefix + name: sha256 hex}, bytes hashed)`` of the tensors
+    ``weight_checker.walk.collect(module)`` gives, walking torch's
+    ``named_parameters()`` in Rust and hashing while it goes; ``expand`` is
+    called for tensors that are not exactly a ``Tensor`` or ``Parameter``.
+    ``None`` when the module does not use torch's own walk (an override, a
+    non-dict ``_parameters``...): the caller walks it in Python. Raises
+    ``DeviceTensorError`` for device memory, ``ValueError`` for a name given
+    twice."""
 
 def kernel() -> str:
     """The SHA-256 kernel in use: ``"sha-ni"`` or ``"portable"``."""

@@ -6,7 +6,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, TypedDict
 
 from weight_checker import _core
-from weight_checker.walk import collect
+from weight_checker.walk import collect, expand
 
 
 class CompareResult(TypedDict):
@@ -38,6 +38,25 @@ def digest_tensors(names: list[str], tensors: list[Any]) -> tuple[list[str], lis
     return staging.digest_mixed(names, tensors)
 
 
+def checksum_sized(source: Any, prefix: str = "") -> tuple[dict[str, str], int]:
+    """:func:`checksum` and the bytes it hashed."""
+    if not isinstance(prefix, str):
+        raise TypeError(f"prefix must be a str, got {type(prefix).__name__}")
+    if hasattr(source, "named_parameters"):
+        # A torch module walked by torch's own code: walked and hashed in
+        # one pass in the core. Device tensors go through staging below.
+        try:
+            fast = _core.checksum_module(source, expand, prefix)
+        except _core.DeviceTensorError:
+            fast = None
+        if fast is not None:
+            return fast
+    names, tensors = collect(source)
+    digests, _ = digest_tensors(names, tensors)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    return {prefix + n: d for n, d in zip(names, digests, strict=True)}, nbytes
+
+
 def checksum(source: Any, prefix: str = "") -> dict[str, str]:
     """``{prefix + name: sha256 hex}`` for every tensor vLLM's checker covers.
 
@@ -47,11 +66,7 @@ def checksum(source: Any, prefix: str = "") -> dict[str, str]:
     ``(name, tensor)`` pairs. Digests equal
     ``hashlib.sha256(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())``.
     """
-    if not isinstance(prefix, str):
-        raise TypeError(f"prefix must be a str, got {type(prefix).__name__}")
-    names, tensors = collect(source)
-    digests, _ = digest_tensors(names, tensors)
-    return {prefix + n: d for n, d in zip(names, digests, strict=True)}
+    return checksum_sized(source, prefix)[0]
 
 
 def reset(source: Any) -> None:

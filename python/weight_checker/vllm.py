@@ -108,22 +108,18 @@ def weight_checker_checksums(self: Any) -> dict[str, str]:
     """``{prefix + name: sha256 hex}`` of this worker's model, by the Rust core."""
     import weight_checker
     from weight_checker import _core
-    from weight_checker.walk import collect
+    from weight_checker.digests import checksum_sized
 
     _set_thread_budget(self)
     prefix = worker_prefix(self)
     model = self.model_runner.get_model()
     start = time.perf_counter()
-    names, tensors = collect(model)
-    from weight_checker.digests import digest_tensors
-
-    digests, _ = digest_tensors(names, tensors)
+    digests, nbytes = checksum_sized(model, prefix)
     seconds = time.perf_counter() - start
-    nbytes = sum(t.numel() * t.element_size() for t in tensors)
     logger.info(
         "weight_checker: %d tensors, %d bytes in %.4f s (%.2f GB/s) on %s by the Rust core "
         "(weight_checker %s, kernel %s, lanes=%d, threads=%d, streams=%d)",
-        len(names),
+        len(digests),
         nbytes,
         seconds,
         nbytes / seconds / 1e9 if seconds > 0 else 0.0,
@@ -134,7 +130,7 @@ def weight_checker_checksums(self: Any) -> dict[str, str]:
         _core.threads(),
         _core.streams(),
     )
-    return {prefix + n: d for n, d in zip(names, digests, strict=True)}
+    return digests
 
 
 def weight_checker_reset(self: Any) -> None:

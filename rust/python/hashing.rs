@@ -71,50 +71,68 @@ const STREAM_MIN_ITEMS: usize = 512;
 const STREAM_MAX_ITEM_BYTES: usize = 1 << 20;
 
 /// Digests of many Python objects.
-///
-/// Reading each tensor's address costs a few Python calls, about as much as
-/// hashing a 4 KiB tensor. With many inputs, batches of small ones are
-/// therefore hashed on the pool ([`Batches`]) while this thread, holding the
-/// GIL, goes on acquiring the next ones; large and strided inputs are hashed
-/// at the end by all threads. The result does not depend on the path taken.
 pub(super) fn digest_objects<'py>(
     py: Python<'py>,
     objs: Vec<Bound<'py, PyAny>>,
     names: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Vec<Digest>> {
     check_names(names, objs.len())?;
-    let names = Names(names);
-    if objs.len() < STREAM_MIN_ITEMS {
-        let held = objs
-            .iter()
-            .enumerate()
-            .map(|(i, o)| acquire(o, names, i))
-            .collect::<PyResult<Vec<_>>>()?;
-        return Ok(digest_held(py, &held));
+    Ok(digest_stream(py, objs.into_iter(), Names(names))?.0)
+}
+
+/// Digests of the objects an iterator yields, and the bytes hashed.
+///
+/// Reading each tensor's address costs a few Python calls, about as much as
+/// hashing a 4 KiB tensor. With many inputs, batches of small ones are
+/// therefore hashed on the pool ([`Batches`]) while this thread, holding the
+/// GIL, goes on acquiring the next ones; large and strided inputs are hashed
+/// at the end by all threads. The result does not depend on the path taken.
+pub(super) fn digest_stream<'py>(
+    py: Python<'py>,
+    objs: impl Iterator<Item = Bound<'py, PyAny>>,
+    names: Names<'_, 'py>,
+) -> PyResult<(Vec<Digest>, u64)> {
+    let mut objs = objs.enumerate();
+    // Declared before the scope so that it outlives every spawned batch, even
+    // when an acquisition fails part-way (the scope joins its tasks first).
+    let mut held: Vec<Held<'_>> = Vec::new();
+    for (i, obj) in objs.by_ref() {
+        held.push(acquire(&obj, names, i)?);
+        if held.len() == STREAM_MIN_ITEMS {
+            break;
+        }
     }
-    // Both declared before the scope so that they outlive every spawned
-    // batch, even when an acquisition fails part-way (the scope joins its
-    // tasks first).
-    let mut held: Vec<Held<'_>> = Vec::with_capacity(objs.len());
+    if held.len() < STREAM_MIN_ITEMS {
+        let total = held.iter().map(|h| h.source().len() as u64).sum();
+        return Ok((digest_held(py, &held), total));
+    }
     let streamed: Mutex<Vec<(usize, Digest)>> = Mutex::new(Vec::new());
     rayon::in_place_scope(|scope| -> PyResult<()> {
         let mut batches = Batches::new(scope, Scheduler::default(), &streamed);
-        for (i, obj) in objs.iter().enumerate() {
-            let h = acquire(obj, names, i)?;
+        let mut stream = |i: usize, h: &Held<'_>| {
             if let Source::Slice(s) = h.source() {
                 if s.len() <= STREAM_MAX_ITEM_BYTES {
-                    // SAFETY: the bytes belong to the object `h` keeps alive;
-                    // `h` goes into `held`, which outlives this scope and so
-                    // every task reading the slice.
+                    // SAFETY: the bytes belong to the Python object `h` keeps
+                    // alive (not to `h` itself, which may move); `h` is in
+                    // `held`, which outlives this scope and so every task
+                    // reading the slice.
                     let s: &[u8] = unsafe { std::slice::from_raw_parts(s.as_ptr(), s.len()) };
                     batches.push(i, s);
                 }
             }
+        };
+        for (i, h) in held.iter().enumerate() {
+            stream(i, h);
+        }
+        for (i, obj) in objs {
+            let h = acquire(&obj, names, i)?;
+            stream(i, &h);
             held.push(h);
         }
         py.detach(|| batches.finish());
         Ok(())
     })?;
+    let total = held.iter().map(|h| h.source().len() as u64).sum();
     let mut digests: Vec<Option<Digest>> = vec![None; held.len()];
     for (i, d) in streamed.into_inner().unwrap_or_else(|e| e.into_inner()) {
         digests[i] = Some(d);
@@ -127,5 +145,8 @@ pub(super) fn digest_objects<'py>(
             digests[*i] = Some(d);
         }
     }
-    Ok(digests.into_iter().map(|d| d.expect("every input digested")).collect())
+    Ok((
+        digests.into_iter().map(|d| d.expect("every input digested")).collect(),
+        total,
+    ))
 }

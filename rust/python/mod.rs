@@ -1,21 +1,24 @@
 //! The PyO3 binding: the Python API of `weight_checker._core`. It adapts and
 //! nothing more: `acquire` turns Python objects into byte views without
 //! copying (`dlpack` holds the C ABI it reads), `hashing` overlaps that with
-//! the scheduler, and everything else lives in the pure-Rust modules.
+//! the scheduler, `walk` reads a torch module's parameters as torch's own
+//! `named_parameters()` does, and everything else lives in the pure-Rust
+//! modules.
 
 mod acquire;
 mod dlpack;
 mod hashing;
+mod walk;
 
 use std::path::PathBuf;
 
 use pyo3::exceptions::{PyBufferError, PyIndexError, PyOSError, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
-use pyo3::types::PyTuple;
+use pyo3::types::{PyDict, PyString, PyTuple};
 
 use acquire::{acquire, Names, Source};
-use hashing::digest_objects;
+use hashing::{digest_objects, digest_stream};
 
 use crate::checkpoint::{self, CheckpointFile};
 use crate::error::Error;
@@ -73,6 +76,54 @@ fn digest_many<'py>(
         digests.iter().map(Digest::hex).collect(),
         digests.iter().map(|d| d.all_zero).collect(),
     ))
+}
+
+/// `({prefix + name: sha256 hex}, bytes hashed)` for the tensors
+/// `weight_checker.walk.collect(module)` gives, walking torch's
+/// `named_parameters()` here and hashing while the walk goes on; `expand` is
+/// `weight_checker.walk.expand`, called for tensors that are not exactly a
+/// `Tensor` or `Parameter`. `None` when `module` does not use torch's own walk
+/// (the caller walks it in Python). Raises `DeviceTensorError` for a tensor
+/// in device memory and `ValueError` for a name given twice.
+#[pyfunction]
+#[pyo3(signature = (module, expand, prefix=""))]
+fn checksum_module<'py>(
+    py: Python<'py>,
+    module: &Bound<'py, PyAny>,
+    expand: &Bound<'py, PyAny>,
+    prefix: &str,
+) -> PyResult<Option<(Bound<'py, PyDict>, u64)>> {
+    let Some((names, tensors)) = walk::leaves(module, expand)? else {
+        return Ok(None);
+    };
+    let (digests, total) = digest_stream(py, tensors.into_iter(), Names(Some(names.as_any())))?;
+
+    let out = PyDict::new(py);
+    let mut key = String::from(prefix);
+    for (name, d) in names.iter().zip(&digests) {
+        let hex = d.hex_ascii();
+        let hex = PyString::new(py, std::str::from_utf8(&hex).expect("hex digits are ASCII"));
+        if prefix.is_empty() {
+            out.set_item(name, hex)?;
+        } else {
+            key.truncate(prefix.len());
+            key.push_str(&name.cast_into::<PyString>()?.to_cow()?);
+            out.set_item(PyString::new(py, &key), hex)?;
+        }
+    }
+    if out.len() != names.len() {
+        let mut seen = std::collections::HashSet::new();
+        for name in names.iter() {
+            let key = name.str()?.to_cow()?.into_owned();
+            if !seen.insert(key) {
+                return Err(PyValueError::new_err(format!(
+                    "tensor {} appears more than once",
+                    name.repr()?
+                )));
+            }
+        }
+    }
+    Ok(Some((out, total)))
 }
 
 /// Several SHA-256 digests open at once, each fed its bytes in order over
@@ -351,6 +402,7 @@ fn set_threads(threads: usize) {
 fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(sha256_many, m)?)?;
     m.add_function(wrap_pyfunction!(digest_many, m)?)?;
+    m.add_function(wrap_pyfunction!(checksum_module, m)?)?;
     m.add_function(wrap_pyfunction!(kernel, m)?)?;
     m.add_function(wrap_pyfunction!(backend, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

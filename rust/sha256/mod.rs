@@ -225,13 +225,18 @@ pub struct Digest {
 
 impl Digest {
     pub fn hex(&self) -> String {
+        String::from_utf8(self.hex_ascii().to_vec()).expect("hex digits are ASCII")
+    }
+
+    /// The lowercase hex digest as ASCII bytes, without allocating.
+    pub fn hex_ascii(&self) -> [u8; 64] {
         const HEX: &[u8; 16] = b"0123456789abcdef";
-        let mut s = String::with_capacity(64);
-        for b in self.bytes {
-            s.push(HEX[(b >> 4) as usize] as char);
-            s.push(HEX[(b & 15) as usize] as char);
+        let mut out = [0u8; 64];
+        for (pair, b) in out.chunks_exact_mut(2).zip(self.bytes) {
+            pair[0] = HEX[(b >> 4) as usize];
+            pair[1] = HEX[(b & 15) as usize];
         }
-        s
+        out
     }
 }
 
