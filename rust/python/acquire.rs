@@ -113,6 +113,11 @@ pub(super) fn torch_tensor_type<'py>(py: Python<'py>) -> Option<&'py Bound<'py, 
 
 /// Zero-copy access to one object's bytes in C order.
 pub(super) fn acquire<'py>(obj: &Bound<'py, PyAny>, names: Names<'_, '_>, index: usize) -> PyResult<Held<'py>> {
+    // A plain tensor or parameter first, with one C call and no isinstance:
+    // this runs once per parameter.
+    if let Some(held) = exchange_view(obj, names, index) {
+        return Ok(held);
+    }
     let py = obj.py();
     if let Some(tensor_type) = torch_tensor_type(py) {
         if obj.is_instance(tensor_type)? {
@@ -131,12 +136,10 @@ pub(super) fn acquire<'py>(obj: &Bound<'py, PyAny>, names: Names<'_, '_>, index:
     acquire_buffer(obj, names, index)
 }
 
-/// The fast path for torch: a contiguous CPU tensor is read at `data_ptr()`
-/// (which includes the storage offset). Everything else goes through DLPack.
-pub(super) fn acquire_tensor<'py>(t: &Bound<'py, PyAny>, names: Names<'_, '_>, index: usize) -> PyResult<Held<'py>> {
-    if let Some(held) = exchange_view(t, names, index) {
-        return Ok(held);
-    }
+/// A tensor the exchange API declined (a subclass, a device or conjugate
+/// tensor, an older torch): a contiguous CPU tensor is read at `data_ptr()`
+/// (which includes the storage offset), everything else through DLPack.
+fn acquire_tensor<'py>(t: &Bound<'py, PyAny>, names: Names<'_, '_>, index: usize) -> PyResult<Held<'py>> {
     let py = t.py();
     if !t.getattr(intern!(py, "is_cpu"))?.is_truthy()? {
         let device = t.getattr(intern!(py, "device"))?.str()?;
