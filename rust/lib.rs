@@ -13,5 +13,5 @@ pub mod strided;
 mod python;
 
 pub use error::Error;
-pub use scheduler::{Batches, ChunkSource, MultiHasher, Scheduler, Slices};
+pub use scheduler::{BatchQueue, Batches, ChunkSource, MultiHasher, Scheduler, Slices};
 pub use sha256::{Digest, Kernel, Sha256};

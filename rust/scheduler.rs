@@ -290,81 +290,159 @@ impl Scheduler {
     }
 }
 
-/// Small messages hashed in batches on the pool while the caller is still
-/// producing them (when producing one costs about as much as hashing it,
-/// e.g. reading a tensor's address from Python): each batch closes at
-/// [`Batches::MAX_ITEMS`] messages or [`Batches::MAX_BYTES`] and is hashed by
-/// one pool thread while the caller goes on. Every `(index, digest)` lands
-/// in `sink`, complete once the scope has ended.
+/// Small messages hashed in batches while the caller is still producing
+/// them (when producing one costs about as much as hashing it, e.g. reading
+/// a tensor's address from Python).
+///
+/// Each batch closes at [`Batches::MAX_ITEMS`] messages or
+/// [`Batches::MAX_BYTES`] and goes to a [`BatchQueue`]. `threads - 1`
+/// helpers on the pool hash batches from the queue while the caller
+/// produces; when it is done, the caller hashes what is left alongside them
+/// ([`Batches::finish`]). So `threads` threads are busy at any time, never
+/// `threads + 1` on `threads` cores: the producer is one of the hashers.
 ///
 /// ```
-/// # use std::sync::Mutex;
-/// # use weight_checker::scheduler::{Batches, Scheduler};
+/// # use weight_checker::scheduler::{BatchQueue, Batches, Scheduler};
 /// let data = [vec![1u8; 100], vec![2u8; 300]];
-/// let sink = Mutex::new(Vec::new());
+/// let queue = BatchQueue::new();
 /// rayon::in_place_scope(|scope| {
-///     let mut batches = Batches::new(scope, Scheduler::default(), &sink);
+///     let mut batches = Batches::new(scope, Scheduler::default(), &queue);
 ///     for (i, d) in data.iter().enumerate() {
 ///         batches.push(i, d);
 ///     }
-///     batches.finish(); // the last batch, on this thread
+///     batches.finish(); // hashes what the helpers have not taken
 /// });
-/// assert_eq!(sink.into_inner().unwrap().len(), 2);
+/// assert_eq!(queue.into_digests().len(), 2);
 /// ```
-pub struct Batches<'scope, 'a> {
-    scope: &'scope rayon::Scope<'a>,
+pub struct Batches<'s, 'a: 's> {
     scheduler: Scheduler,
     batch: Vec<(usize, &'a [u8])>,
     bytes: usize,
-    sink: &'a Mutex<Vec<(usize, Digest)>>,
+    queue: &'s BatchQueue<'a>,
 }
 
-impl<'scope, 'a> Batches<'scope, 'a> {
+/// Where [`Batches`] leaves full batches for the hashing threads, and the
+/// `(index, digest)` pairs they produce.
+#[derive(Default)]
+pub struct BatchQueue<'a> {
+    pending: Mutex<Pending<'a>>,
+    ready: Condvar,
+    done: Mutex<Vec<(usize, Digest)>>,
+}
+
+#[derive(Default)]
+struct Pending<'a> {
+    batches: std::collections::VecDeque<Vec<(usize, &'a [u8])>>,
+    /// No more batches will come: a thread that finds the queue empty leaves.
+    closed: bool,
+}
+
+impl<'a> BatchQueue<'a> {
+    pub fn new() -> BatchQueue<'a> {
+        BatchQueue::default()
+    }
+
+    /// Every `(index, digest)` hashed, in no particular order.
+    pub fn into_digests(self) -> Vec<(usize, Digest)> {
+        self.done.into_inner().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn pending(&self) -> std::sync::MutexGuard<'_, Pending<'a>> {
+        self.pending.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn put(&self, batch: Vec<(usize, &'a [u8])>) {
+        self.pending().batches.push_back(batch);
+        self.ready.notify_one();
+    }
+
+    /// Ends the queue; with `drop_pending`, batches nobody took are dropped
+    /// (the producer failed: their digests are not wanted).
+    fn close(&self, drop_pending: bool) {
+        let mut pending = self.pending();
+        pending.closed = true;
+        if drop_pending {
+            pending.batches.clear();
+        }
+        drop(pending);
+        self.ready.notify_all();
+    }
+
+    /// Hashes batches until the queue is closed and empty.
+    fn work(&self, scheduler: Scheduler) {
+        loop {
+            let batch = {
+                let mut pending = self.pending();
+                loop {
+                    if let Some(batch) = pending.batches.pop_front() {
+                        break batch;
+                    }
+                    if pending.closed {
+                        return;
+                    }
+                    pending = self.ready.wait(pending).unwrap_or_else(|e| e.into_inner());
+                }
+            };
+            let (index, slices): (Vec<usize>, Vec<&[u8]>) = batch.into_iter().unzip();
+            let digests = scheduler.hash_many(&slices);
+            self.done
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .extend(index.into_iter().zip(digests));
+        }
+    }
+}
+
+impl<'s, 'a: 's> Batches<'s, 'a> {
     pub const MAX_ITEMS: usize = 256;
     pub const MAX_BYTES: usize = 8 << 20;
 
-    /// Batches spawned into `scope`, each hashed by one thread of `scheduler`.
-    pub fn new(
-        scope: &'scope rayon::Scope<'a>,
-        scheduler: Scheduler,
-        sink: &'a Mutex<Vec<(usize, Digest)>>,
-    ) -> Batches<'scope, 'a> {
+    /// Starts `scheduler`'s threads minus one helpers in `scope`, each
+    /// hashing whole batches from `queue` with one thread.
+    pub fn new(scope: &rayon::Scope<'s>, scheduler: Scheduler, queue: &'s BatchQueue<'a>) -> Batches<'s, 'a> {
+        let one_thread = Scheduler {
+            threads: 1,
+            ..scheduler
+        };
+        for _ in 1..scheduler.effective_threads() {
+            scope.spawn(move |_| queue.work(one_thread));
+        }
         Batches {
-            scope,
-            scheduler: Scheduler {
-                threads: 1,
-                ..scheduler
-            },
+            scheduler: one_thread,
             batch: Vec::new(),
             bytes: 0,
-            sink,
+            queue,
         }
     }
 
-    /// Queues message `index`; a full batch goes to the pool at once.
+    /// Queues message `index`; a full batch goes to the helpers at once.
     pub fn push(&mut self, index: usize, bytes: &'a [u8]) {
         self.bytes += bytes.len();
         self.batch.push((index, bytes));
         if self.batch.len() >= Self::MAX_ITEMS || self.bytes >= Self::MAX_BYTES {
-            let full = std::mem::take(&mut self.batch);
             self.bytes = 0;
-            let (scheduler, sink) = (self.scheduler, self.sink);
-            self.scope.spawn(move |_| hash_batch(scheduler, full, sink));
+            self.queue.put(std::mem::take(&mut self.batch));
         }
     }
 
-    /// Hashes the last, partial batch on this thread.
-    pub fn finish(self) {
-        hash_batch(self.scheduler, self.batch, self.sink);
+    /// Queues the last, partial batch and hashes, on this thread, batches
+    /// until none is left. The helpers finish theirs when the scope ends.
+    pub fn finish(mut self) {
+        let last = std::mem::take(&mut self.batch);
+        if !last.is_empty() {
+            self.queue.put(last);
+        }
+        self.queue.close(false);
+        self.queue.work(self.scheduler);
     }
 }
 
-fn hash_batch(scheduler: Scheduler, batch: Vec<(usize, &[u8])>, done: &Mutex<Vec<(usize, Digest)>>) {
-    let (index, slices): (Vec<usize>, Vec<&[u8]>) = batch.into_iter().unzip();
-    let digests = scheduler.hash_many(&slices);
-    done.lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .extend(index.into_iter().zip(digests));
+impl Drop for Batches<'_, '_> {
+    /// Without [`Batches::finish`] (the producer failed), the helpers are
+    /// released: they finish the batch in hand and leave, so the scope can end.
+    fn drop(&mut self) {
+        self.queue.close(true);
+    }
 }
 
 /// One message for one lane: its bytes hashed in order into `state`.

@@ -130,6 +130,21 @@ def test_many_small_tensors_take_the_streaming_path():
     assert weight_checker.sha256_many(ts) == [vllm_digest(t) for t in ts]
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_an_error_late_in_a_long_stream_raises_and_leaves_nothing_running(threads):
+    # Helpers are hashing queued batches when input #1500 turns out bad: the
+    # error names it, the helpers leave, and the next call works.
+    _core.set_threads(threads)
+    try:
+        ts = [random_tensor((2048,), torch.uint8, seed=n) for n in range(2000)]
+        bad = [*ts[:1500], object(), *ts[1500:]]
+        with pytest.raises(TypeError, match="buffer #1500"):
+            _core.sha256_many(bad)
+        assert _core.sha256_many(ts) == [vllm_digest(t) for t in ts]
+    finally:
+        _core.set_threads(0)
+
+
 def test_all_zero_flags():
     ts = [torch.zeros(100), torch.ones(3), torch.empty(0), torch.zeros(10, 10).t()]
     digests, zero = _core.digest_many(ts)

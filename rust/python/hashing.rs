@@ -1,13 +1,11 @@
 //! Hashing many Python objects: acquisition (which needs the GIL) overlapped
 //! with hashing (which does not).
 
-use std::sync::Mutex;
-
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use super::acquire::{acquire, Held, Names, Source};
-use crate::scheduler::{Batches, Scheduler};
+use crate::scheduler::{BatchQueue, Batches, Scheduler};
 use crate::sha256::Digest;
 
 /// Above this many bytes, the GIL is released while hashing (as hashlib does
@@ -82,11 +80,13 @@ pub(super) fn digest_objects<'py>(
 
 /// Digests of the objects an iterator yields, and the bytes hashed.
 ///
-/// Reading each tensor's address costs a few Python calls, about as much as
-/// hashing a 4 KiB tensor. With many inputs, batches of small ones are
-/// therefore hashed on the pool ([`Batches`]) while this thread, holding the
-/// GIL, goes on acquiring the next ones; large and strided inputs are hashed
-/// at the end by all threads. The result does not depend on the path taken.
+/// Reading each tensor's address takes a C call into torch, a tenth of the
+/// cost of hashing a 4 KiB tensor. With many inputs, batches of small ones
+/// are therefore hashed by `threads - 1` pool helpers ([`Batches`]) while
+/// this thread, holding the GIL, goes on acquiring the next ones, then hashes
+/// what is left alongside them (so no more threads than the budget run);
+/// large and strided inputs are hashed at the end by all threads. The result
+/// does not depend on the path taken.
 pub(super) fn digest_stream<'py>(
     py: Python<'py>,
     objs: impl Iterator<Item = Bound<'py, PyAny>>,
@@ -106,9 +106,9 @@ pub(super) fn digest_stream<'py>(
         let total = held.iter().map(|h| h.source().len() as u64).sum();
         return Ok((digest_held(py, &held), total));
     }
-    let streamed: Mutex<Vec<(usize, Digest)>> = Mutex::new(Vec::new());
+    let queue = BatchQueue::new();
     rayon::in_place_scope(|scope| -> PyResult<()> {
-        let mut batches = Batches::new(scope, Scheduler::default(), &streamed);
+        let mut batches = Batches::new(scope, Scheduler::default(), &queue);
         let mut stream = |i: usize, h: &Held<'_>| {
             if let Source::Slice(s) = h.source() {
                 if s.len() <= STREAM_MAX_ITEM_BYTES {
@@ -134,7 +134,7 @@ pub(super) fn digest_stream<'py>(
     })?;
     let total = held.iter().map(|h| h.source().len() as u64).sum();
     let mut digests: Vec<Option<Digest>> = vec![None; held.len()];
-    for (i, d) in streamed.into_inner().unwrap_or_else(|e| e.into_inner()) {
+    for (i, d) in queue.into_digests() {
         digests[i] = Some(d);
     }
     // What was not streamed (large or strided) goes through the full scheduler.

@@ -264,3 +264,71 @@ fn progress_can_cancel_a_run() {
     assert!(matches!(err, weight_checker::Error::Cancelled), "{err}");
     assert!(calls >= 1);
 }
+
+/// Small messages through [`Batches`]: `threads - 1` helpers and the producer.
+fn batched(scheduler: Scheduler, msgs: &[&[u8]]) -> Vec<(usize, [u8; 32])> {
+    use weight_checker::{BatchQueue, Batches};
+    let queue = BatchQueue::new();
+    rayon::in_place_scope(|scope| {
+        let mut batches = Batches::new(scope, scheduler, &queue);
+        for (i, m) in msgs.iter().enumerate() {
+            batches.push(i, m);
+        }
+        batches.finish();
+    });
+    let mut out: Vec<(usize, [u8; 32])> = queue.into_digests().into_iter().map(|(i, d)| (i, d.bytes)).collect();
+    out.sort_by_key(|(i, _)| *i);
+    out
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+    /// Every message hashed exactly once, right, whatever the thread count
+    /// and however the messages fall into batches (several full ones, a
+    /// partial one, or none).
+    #[test]
+    fn batches_hash_every_message_once(
+        sizes in prop::collection::vec(prop_oneof![0usize..200, 4000usize..4200], 0..700),
+        threads in 1usize..4,
+        seed in any::<u8>(),
+    ) {
+        let pool: Vec<Vec<u8>> = sizes
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| (0..n).map(|j| (i * 31 + j) as u8 ^ seed).collect())
+            .collect();
+        let msgs: Vec<&[u8]> = pool.iter().map(Vec::as_slice).collect();
+        for kernel in Kernel::all_available() {
+            let got = batched(Scheduler::new(kernel, 4, threads), &msgs);
+            prop_assert_eq!(got.len(), msgs.len());
+            for (i, d) in got {
+                prop_assert_eq!(d, oracle(msgs[i]));
+            }
+        }
+    }
+}
+
+/// A producer that fails part-way drops its `Batches` without `finish`: the
+/// helpers leave (the scope ends instead of waiting forever) and whatever
+/// they hashed is right.
+#[test]
+fn an_abandoned_batches_releases_its_helpers() {
+    use weight_checker::{BatchQueue, Batches};
+    let pool: Vec<Vec<u8>> = (0..2000).map(|i| vec![i as u8; 4096]).collect();
+    for threads in [1, 2, 4] {
+        let queue = BatchQueue::new();
+        rayon::in_place_scope(|scope| {
+            let mut batches = Batches::new(scope, Scheduler::new(Kernel::best_available(), 4, threads), &queue);
+            for (i, m) in pool.iter().enumerate().take(1500) {
+                batches.push(i, m);
+            }
+            drop(batches); // the producer's error path
+        });
+        let done = queue.into_digests();
+        assert!(done.len() <= 1500);
+        for (i, d) in done {
+            assert_eq!(d.bytes, oracle(&pool[i]));
+        }
+    }
+}
