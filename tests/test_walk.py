@@ -311,3 +311,33 @@ def module_trees(draw):
 def test_core_walk_equals_torch_on_random_module_graphs(model, prefix):
     got = assert_same_walk(model, prefix)
     assert [k[len(prefix) :] for k in got] == [n for n, _ in model.named_parameters()]
+
+
+def test_core_walk_declines_late_after_hashing_started():
+    # The walk is hashed as it goes; a reason to decline found after 600
+    # parameters still answers None (and checksum then walks in Python).
+    m = nn.Module()
+    for i in range(600):
+        m.register_parameter(f"p{i}", nn.Parameter(torch.randn(8), requires_grad=False))
+    late = nn.Linear(2, 2)
+    late._parameters[7] = nn.Parameter(torch.randn(2))  # a non-str key, torch cannot join it
+    m.late = late
+    assert _core.checksum_module(m, expand) is None
+    with pytest.raises(TypeError):
+        weight_checker.checksum(m)
+    del late._parameters[7]
+    assert_same_walk(m)
+
+
+def test_core_walk_expand_errors_propagate():
+    m = nn.Module()
+    m.register_parameter("a", nn.Parameter(torch.randn(3)))
+    m.register_parameter("b", vllm_shared_weight_parameter({0: torch.randn(2)}))
+
+    def broken(name, tensor):
+        raise RuntimeError(f"cannot expand {name}")
+
+    with pytest.raises(RuntimeError, match="cannot expand b"):
+        _core.checksum_module(m, broken)
+    with pytest.raises(TypeError, match=r"\(name, tensor\) pairs"):
+        _core.checksum_module(m, lambda name, tensor: [("only-a-name",)])

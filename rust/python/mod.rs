@@ -93,11 +93,17 @@ fn checksum_module<'py>(
     expand: &Bound<'py, PyAny>,
     prefix: &str,
 ) -> PyResult<Option<(Bound<'py, PyDict>, u64)>> {
-    let Some((names, tensors)) = walk::leaves(module, expand)? else {
+    let Some(mut leaves) = walk::Leaves::new(module, expand)? else {
         return Ok(None);
     };
-    let (digests, total) = digest_stream(py, tensors.into_iter(), Names(Some(names.as_any())))?;
-
+    let names = leaves.names.clone();
+    let (digests, total) = digest_stream(py, leaves.by_ref(), Names(Some(names.as_any())))?;
+    if let Some(e) = leaves.error {
+        return Err(e);
+    }
+    if leaves.declined {
+        return Ok(None);
+    }
     let out = PyDict::new(py);
     let mut key = String::from(prefix);
     for (name, d) in names.iter().zip(&digests) {

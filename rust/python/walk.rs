@@ -46,12 +46,6 @@ impl Hasher for AddressHasher {
 /// A set of object or type addresses.
 type AddressSet<T> = HashSet<*mut T, BuildHasherDefault<AddressHasher>>;
 
-/// `(name, tensor)` pairs in walk order.
-type Named<'py> = Vec<(Bound<'py, PyString>, Bound<'py, PyAny>)>;
-
-/// The leaves' names (for error messages and the result) and tensors.
-type Leaves<'py> = (Bound<'py, PyList>, Vec<Bound<'py, PyAny>>);
-
 /// The torch objects the walk compares against, read once.
 struct Torch {
     module: Py<PyType>,
@@ -173,7 +167,7 @@ fn plain_dict<'py>(m: &Bound<'py, PyAny>, attr: &Bound<'py, PyString>) -> PyResu
 /// `(key, value)` pairs of a dict with `str` keys, copied out so that no
 /// Python code can change the dict while we go through it. `None` when a
 /// key is not an exact `str`.
-fn str_items<'py>(d: &Bound<'py, PyDict>) -> Option<Vec<(Bound<'py, PyString>, Bound<'py, PyAny>)>> {
+fn str_items<'py>(d: &Bound<'py, PyDict>) -> Option<Vec<Named<'py>>> {
     let mut out = Vec::with_capacity(d.len());
     for (k, v) in d.iter() {
         // SAFETY: `k` is a valid object and we are attached to Python.
@@ -200,13 +194,11 @@ fn join(prefix: &str, name: &Bound<'_, PyString>) -> Option<String> {
     })
 }
 
-/// `list(root.named_parameters())`, or `None` when `root` is not a torch
-/// module walked by torch's own code (the caller then asks Python).
-pub(super) fn named_parameters<'py>(root: &Bound<'py, PyAny>) -> PyResult<Option<Named<'py>>> {
+/// The modules `root.named_modules()` visits, with their prefixes, or
+/// `None` when `root` is not a torch module walked by torch's own code.
+fn named_modules<'py>(root: &Bound<'py, PyAny>, checked: &mut Checked<'py>) -> PyResult<Option<Vec<Module<'py>>>> {
     let py = root.py();
-    let Some(t) = torch(py) else {
-        return Ok(None);
-    };
+    let t = checked.torch;
     let root_type = root.get_type();
     if !root_type.is_subclass(t.module.bind(py))?
         || !root_type
@@ -218,27 +210,21 @@ pub(super) fn named_parameters<'py>(root: &Bound<'py, PyAny>) -> PyResult<Option
     {
         return Ok(None);
     }
-    let mut checked = Checked {
-        torch: t,
-        modules: AddressSet::default(),
-        tensors: AddressSet::default(),
-    };
     let (modules_attr, parameters_attr) = (intern!(py, "_modules"), intern!(py, "_parameters"));
-
-    // `named_modules`: depth first, a module before its children, each
-    // module once (the first path to it). The stack holds children in
-    // reverse so they pop in dict order; the memo test at pop time sees the
-    // modules in the order torch's recursion does.
-    let mut seen_modules: AddressSet<ffi::PyObject> = AddressSet::default();
+    // Depth first, a module before its children, each module once (the
+    // first path to it). The stack holds children in reverse so they pop in
+    // dict order; the memo test at pop time sees the modules in the order
+    // torch's recursion does.
+    let mut seen: AddressSet<ffi::PyObject> = AddressSet::default();
     let mut stack: Vec<(String, Bound<'py, PyAny>)> = vec![(String::new(), root.clone())];
-    let mut modules: Vec<(String, Bound<'py, PyAny>)> = Vec::new();
+    let mut modules = Vec::new();
     while let Some((prefix, m)) = stack.pop() {
         if !checked.module_ok(&m)? {
             return Ok(None);
         }
         // The stack and `modules` hold a reference to `m`, so its address
         // identifies it for the whole walk.
-        if !seen_modules.insert(m.as_ptr()) {
+        if !seen.insert(m.as_ptr()) {
             continue;
         }
         let Some(children) = plain_dict(&m, modules_attr)? else {
@@ -256,89 +242,184 @@ pub(super) fn named_parameters<'py>(root: &Bound<'py, PyAny>) -> PyResult<Option
             };
             stack.push((name, child));
         }
-        modules.push((prefix, m));
-    }
-
-    // `_named_members`: each module's `_parameters` in order, a tensor once
-    // (under its first name), `None` entries skipped.
-    let mut seen_tensors: AddressSet<ffi::PyObject> = AddressSet::default();
-    let mut out = Vec::new();
-    for (prefix, m) in &modules {
-        let Some(params) = plain_dict(m, parameters_attr)? else {
+        let Some(parameters) = plain_dict(&m, parameters_attr)? else {
             return Ok(None);
         };
-        let Some(params) = str_items(&params) else {
-            return Ok(None);
-        };
-        for (name, v) in params {
-            if v.is_none() {
-                continue;
-            }
-            if !checked.tensor_ok(&v)? {
-                return Ok(None);
-            }
-            if !seen_tensors.insert(v.as_ptr()) {
-                continue;
-            }
-            // A top-level parameter's name is its key (torch's `"" + k`
-            // is `k` too); others are new strings, as in torch.
-            let name = if prefix.is_empty() {
-                name
-            } else {
-                match join(prefix, &name) {
-                    Some(joined) => PyString::new(py, &joined),
-                    None => return Ok(None),
-                }
-            };
-            out.push((name, v));
-        }
+        modules.push(Module { prefix, parameters });
     }
-    Ok(Some(out))
+    Ok(Some(modules))
 }
 
-/// The leaves `weight_checker.walk.collect` gives for a torch module: its
-/// `named_parameters()` (walked here when torch's own walk applies, else
-/// `None`), with every tensor that is not exactly a `Tensor` or `Parameter`
-/// handed to `expand(name, tensor)` (Python: shared-weight partitions,
-/// wrapper subclasses), which yields the `(name, tensor)` pairs holding its
-/// bytes.
-pub(super) fn leaves<'py>(root: &Bound<'py, PyAny>, expand: &Bound<'py, PyAny>) -> PyResult<Option<Leaves<'py>>> {
-    let py = root.py();
-    let Some(pairs) = named_parameters(root)? else {
-        return Ok(None);
-    };
-    let Some(t) = torch(py) else {
-        return Ok(None);
-    };
-    let (plain_tensor, plain_parameter) = (t.tensor.bind(py), t.parameter.bind(py));
-    let names = PyList::empty(py);
-    let mut tensors = Vec::with_capacity(pairs.len());
-    for (name, v) in pairs {
-        let ty = v.get_type();
-        if ty.is(plain_tensor) || ty.is(plain_parameter) {
-            names.append(&name)?;
-            tensors.push(v);
-            continue;
-        }
-        for item in expand.call1((name, v))?.try_iter()? {
-            let item = item?;
-            let pair = item.cast::<PyTuple>().ok().filter(|p| p.len() == 2);
-            let Some((leaf_name, leaf)) = pair.map(|p| (p.get_item(0), p.get_item(1))) else {
-                return Err(pyo3::exceptions::PyTypeError::new_err(format!(
-                    "expected (name, tensor) pairs, got {}",
-                    item.repr()?
-                )));
-            };
-            let (leaf_name, leaf) = (leaf_name?, leaf?);
-            if !leaf_name.is_instance_of::<PyString>() {
-                return Err(pyo3::exceptions::PyTypeError::new_err(format!(
-                    "expected (name, tensor) pairs, got {}",
-                    item.repr()?
-                )));
+/// A `(name, tensor)` pair of the walk.
+type Named<'py> = (Bound<'py, PyString>, Bound<'py, PyAny>);
+
+/// A module on the walk: its name prefix and its `_parameters` dict.
+struct Module<'py> {
+    prefix: String,
+    parameters: Bound<'py, PyDict>,
+}
+
+/// The leaves `weight_checker.walk.collect` gives for a torch module, one at
+/// a time, so that they are hashed while the walk goes on: its
+/// `named_parameters()` (`_named_members` over the modules: each module's
+/// `_parameters` in order, a tensor once under its first name, `None`
+/// entries skipped), with every tensor that is not exactly a `Tensor` or
+/// `Parameter` handed to `expand(name, tensor)` (Python: shared-weight
+/// partitions, wrapper subclasses), which yields the `(name, tensor)` pairs
+/// holding its bytes. Each leaf's name is appended to [`Leaves::names`]
+/// before the leaf is yielded.
+///
+/// The walk stops early when it finds something torch's walk would treat
+/// differently ([`Leaves::declined`]: the caller walks in Python instead) or
+/// when `expand` fails ([`Leaves::error`]).
+pub(super) struct Leaves<'py> {
+    pub(super) names: Bound<'py, PyList>,
+    pub(super) declined: bool,
+    pub(super) error: Option<PyErr>,
+    checked: Checked<'py>,
+    expand: Bound<'py, PyAny>,
+    modules: std::vec::IntoIter<Module<'py>>,
+    /// The current module's prefix and its remaining parameters.
+    current: Option<(String, std::vec::IntoIter<Named<'py>>)>,
+    seen: AddressSet<ffi::PyObject>,
+    /// Leaves of an expanded tensor not yielded yet.
+    expanded: std::vec::IntoIter<Bound<'py, PyAny>>,
+}
+
+impl<'py> Leaves<'py> {
+    /// The walk of `root`, or `None` when `root` is not a torch module walked
+    /// by torch's own code (the caller then asks Python).
+    pub(super) fn new(root: &Bound<'py, PyAny>, expand: &Bound<'py, PyAny>) -> PyResult<Option<Leaves<'py>>> {
+        let py = root.py();
+        let Some(torch) = torch(py) else {
+            return Ok(None);
+        };
+        let mut checked = Checked {
+            torch,
+            modules: AddressSet::default(),
+            tensors: AddressSet::default(),
+        };
+        let Some(modules) = named_modules(root, &mut checked)? else {
+            return Ok(None);
+        };
+        Ok(Some(Leaves {
+            names: PyList::empty(py),
+            declined: false,
+            error: None,
+            checked,
+            expand: expand.clone(),
+            modules: modules.into_iter(),
+            current: None,
+            seen: AddressSet::default(),
+            expanded: Vec::new().into_iter(),
+        }))
+    }
+
+    /// The next `(name, tensor)` of `named_parameters()`; `Ok(None)` at the end.
+    fn next_parameter(&mut self) -> Result<Option<Named<'py>>, Stop> {
+        loop {
+            if let Some((prefix, params)) = &mut self.current {
+                for (name, v) in params.by_ref() {
+                    if v.is_none() {
+                        continue;
+                    }
+                    if !self.checked.tensor_ok(&v)? {
+                        return Err(Stop::Declined);
+                    }
+                    if !self.seen.insert(v.as_ptr()) {
+                        continue;
+                    }
+                    // A top-level parameter's name is its key (torch's
+                    // `"" + k` is `k` too); others are new strings, as in torch.
+                    let name = if prefix.is_empty() {
+                        name
+                    } else {
+                        let joined = join(prefix, &name).ok_or(Stop::Declined)?;
+                        PyString::new(v.py(), &joined)
+                    };
+                    return Ok(Some((name, v)));
+                }
             }
-            names.append(leaf_name)?;
-            tensors.push(leaf);
+            let Some(module) = self.modules.next() else {
+                return Ok(None);
+            };
+            // Its items are read when its turn comes, as torch's generator does.
+            let params = str_items(&module.parameters).ok_or(Stop::Declined)?;
+            self.current = Some((module.prefix, params.into_iter()));
         }
     }
-    Ok(Some((names, tensors)))
+
+    fn next_leaf(&mut self) -> Result<Option<Bound<'py, PyAny>>, Stop> {
+        if let Some(leaf) = self.expanded.next() {
+            return Ok(Some(leaf));
+        }
+        let py = self.names.py();
+        let t = self.checked.torch;
+        while let Some((name, v)) = self.next_parameter()? {
+            let ty = v.get_type();
+            if ty.is(t.tensor.bind(py)) || ty.is(t.parameter.bind(py)) {
+                self.names.append(&name)?;
+                return Ok(Some(v));
+            }
+            let mut leaves = Vec::new();
+            for item in self.expand.call1((name, v))?.try_iter()? {
+                let item = item?;
+                let pair = item.cast::<PyTuple>().ok().filter(|p| p.len() == 2);
+                let Some(pair) = pair else {
+                    return Err(not_a_pair(&item).into());
+                };
+                let (leaf_name, leaf) = (pair.get_item(0)?, pair.get_item(1)?);
+                if !leaf_name.is_instance_of::<PyString>() {
+                    return Err(not_a_pair(&item).into());
+                }
+                self.names.append(leaf_name)?;
+                leaves.push(leaf);
+            }
+            // The names of all of them are in `names` already; the scheduler
+            // takes the tensors one by one.
+            self.expanded = leaves.into_iter();
+            if let Some(leaf) = self.expanded.next() {
+                return Ok(Some(leaf));
+            }
+        }
+        Ok(None)
+    }
+}
+
+fn not_a_pair(item: &Bound<'_, PyAny>) -> PyErr {
+    let shown = item.repr().map(|r| r.to_string()).unwrap_or_default();
+    pyo3::exceptions::PyTypeError::new_err(format!("expected (name, tensor) pairs, got {shown:.80}"))
+}
+
+/// Why the walk stopped before its end.
+enum Stop {
+    Declined,
+    Error(PyErr),
+}
+
+impl From<PyErr> for Stop {
+    fn from(e: PyErr) -> Stop {
+        Stop::Error(e)
+    }
+}
+
+impl<'py> Iterator for Leaves<'py> {
+    type Item = Bound<'py, PyAny>;
+
+    fn next(&mut self) -> Option<Bound<'py, PyAny>> {
+        if self.declined || self.error.is_some() {
+            return None;
+        }
+        match self.next_leaf() {
+            Ok(leaf) => leaf,
+            Err(Stop::Declined) => {
+                self.declined = true;
+                None
+            }
+            Err(Stop::Error(e)) => {
+                self.error = Some(e);
+                None
+            }
+        }
+    }
 }
