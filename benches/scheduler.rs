@@ -1,6 +1,7 @@
 //! Criterion benches: the scheduler against plain `sha2`, one thread, for 1, 2
-//! and 4 interleaved streams, plus all threads. Each case hashes a batch of
-//! equal buffers so the multi-stream scheduler has messages to pair.
+//! and 4 interleaved streams, the same-length path small batches take, plus
+//! all threads. Each case hashes a batch of equal buffers so the
+//! multi-stream scheduler has messages to pair.
 //!
 //!     cargo bench --bench scheduler
 
@@ -43,6 +44,12 @@ fn bench(c: &mut Criterion) {
                 &scheduler,
                 |b, e| b.iter(|| e.hash_many(&bufs)),
             );
+        }
+        if size <= 64 << 10 {
+            // Batches of one length skip the scheduler (what `Batches` does).
+            group.bench_function(format!("{best} 1 thread same-length 4 streams"), |b| {
+                b.iter(|| weight_checker::sha256::digest_same_length(best, 4, &bufs))
+            });
         }
         let all = Scheduler::default();
         group.bench_function(format!("{} all threads {} streams", all.kernel, all.lanes), |b| {

@@ -224,6 +224,15 @@ pub struct Digest {
 }
 
 impl Digest {
+    /// The digest of a finished state (the padding already compressed).
+    fn from_state(h: &[u32; 8], all_zero: bool) -> Digest {
+        let mut bytes = [0u8; 32];
+        for (out, word) in bytes.chunks_exact_mut(4).zip(h) {
+            out.copy_from_slice(&word.to_be_bytes());
+        }
+        Digest { bytes, all_zero }
+    }
+
     pub fn hex(&self) -> String {
         String::from_utf8(self.hex_ascii().to_vec()).expect("hex digits are ASCII")
     }
@@ -369,14 +378,7 @@ impl Sha256 {
         };
         tail[total - 8..total].copy_from_slice(&bit_len.to_be_bytes());
         kernel.compress1(&mut self.h, &tail[..total]);
-        let mut bytes = [0u8; 32];
-        for (out, word) in bytes.chunks_exact_mut(4).zip(self.h) {
-            out.copy_from_slice(&word.to_be_bytes());
-        }
-        Digest {
-            bytes,
-            all_zero: !self.nonzero,
-        }
+        Digest::from_state(&self.h, !self.nonzero)
     }
 }
 
@@ -385,4 +387,75 @@ pub fn digest_with(kernel: Kernel, data: &[u8]) -> Digest {
     let mut s = Sha256::new();
     s.update_with(kernel, data);
     s.finalize_with(kernel)
+}
+
+/// Digests of messages that all have the same length, `lanes` (1, 2 or 4)
+/// at a time through the multi-stream kernel, their padding blocks
+/// included (the scheduler pads each message on its own, one stream).
+/// Many small parameters of one shape are the common case this serves:
+/// there is no queue, no per-message state to allocate, no scheduling.
+///
+/// # Panics
+/// If the messages do not all have the same length.
+pub fn digest_same_length(kernel: Kernel, lanes: usize, msgs: &[&[u8]]) -> Vec<Digest> {
+    let Some(first) = msgs.first() else {
+        return Vec::new();
+    };
+    let len = first.len();
+    assert!(
+        msgs.iter().all(|m| m.len() == len),
+        "digest_same_length needs messages of one length"
+    );
+    let whole = len / BLOCK_LEN * BLOCK_LEN;
+    let rest = len - whole;
+    // The padding: the partial block, 0x80, zeros, the bit length; one
+    // block, or two when the length field does not fit after the rest.
+    let tail_len = if rest < BLOCK_LEN - 8 { BLOCK_LEN } else { 2 * BLOCK_LEN };
+    let bit_len = (len as u64).wrapping_mul(8).to_be_bytes();
+    let tail_of = |m: &[u8]| {
+        let mut tail = [0u8; 2 * BLOCK_LEN];
+        tail[..rest].copy_from_slice(&m[whole..]);
+        tail[rest] = 0x80;
+        tail[tail_len - 8..tail_len].copy_from_slice(&bit_len);
+        tail
+    };
+    let lanes = match lanes.min(kernel.max_lanes()) {
+        0 | 1 => 1,
+        2 | 3 => 2,
+        _ => 4,
+    };
+    let mut out = Vec::with_capacity(msgs.len());
+    let mut groups = msgs.chunks_exact(lanes);
+    for group in &mut groups {
+        let mut states = [H0; 4];
+        let tails: [[u8; 2 * BLOCK_LEN]; 4] =
+            std::array::from_fn(|i| group.get(i).map_or([0; 2 * BLOCK_LEN], |m| tail_of(m)));
+        match group {
+            [a, b, c, d] => {
+                let [sa, sb, sc, sd] = &mut states;
+                kernel.compress4([sa, sb, sc, sd], [&a[..whole], &b[..whole], &c[..whole], &d[..whole]]);
+                let [sa, sb, sc, sd] = &mut states;
+                let t: [&[u8]; 4] = std::array::from_fn(|i| &tails[i][..tail_len]);
+                kernel.compress4([sa, sb, sc, sd], t);
+            }
+            [a, b] => {
+                let [sa, sb, ..] = &mut states;
+                kernel.compress2([sa, sb], [&a[..whole], &b[..whole]]);
+                let [sa, sb, ..] = &mut states;
+                kernel.compress2([sa, sb], [&tails[0][..tail_len], &tails[1][..tail_len]]);
+            }
+            [a] => {
+                kernel.compress1(&mut states[0], &a[..whole]);
+                kernel.compress1(&mut states[0], &tails[0][..tail_len]);
+            }
+            _ => unreachable!("groups have 1, 2 or 4 messages"),
+        }
+        for (state, m) in states.iter().zip(group) {
+            out.push(Digest::from_state(state, is_all_zero(m)));
+        }
+    }
+    for m in groups.remainder() {
+        out.push(digest_with(kernel, m));
+    }
+    out
 }

@@ -292,7 +292,10 @@ proptest! {
         sizes in prop::collection::vec(prop_oneof![0usize..200, 4000usize..4200], 0..700),
         threads in 1usize..4,
         seed in any::<u8>(),
+        one_shape in any::<bool>(),
     ) {
+        // Batches of one length take the same-length path.
+        let sizes: Vec<usize> = if one_shape { sizes.iter().map(|_| sizes[0]).collect() } else { sizes };
         let pool: Vec<Vec<u8>> = sizes
             .iter()
             .enumerate()
@@ -329,6 +332,39 @@ fn an_abandoned_batches_releases_its_helpers() {
         assert!(done.len() <= 1500);
         for (i, d) in done {
             assert_eq!(d.bytes, oracle(&pool[i]));
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    /// Messages of one length, several at a time with their padding blocks
+    /// in the multi-stream kernel: every digest and all-zero flag right, for
+    /// every kernel and lane count, counts that are not multiples of 4.
+    #[test]
+    fn same_length_digests_match_sha2(
+        len in prop_oneof![
+            prop::sample::select(vec![0usize, 1, 55, 56, 57, 63, 64, 65, 119, 120, 127, 128, 129]),
+            0usize..9000,
+        ],
+        count in 0usize..11,
+        zeros in prop::collection::vec(any::<bool>(), 11),
+        seed in any::<u8>(),
+    ) {
+        let msgs: Vec<Vec<u8>> = (0..count)
+            .map(|i| if zeros[i] { vec![0; len] } else { (0..len).map(|j| (i * 7 + j) as u8 ^ seed | 1).collect() })
+            .collect();
+        let refs: Vec<&[u8]> = msgs.iter().map(Vec::as_slice).collect();
+        for kernel in Kernel::all_available() {
+            for lanes in [1, 2, 3, 4] {
+                let got = weight_checker::sha256::digest_same_length(kernel, lanes, &refs);
+                prop_assert_eq!(got.len(), count);
+                for (d, m) in got.iter().zip(&msgs) {
+                    prop_assert_eq!(d.bytes, oracle(m));
+                    prop_assert_eq!(d.all_zero, m.iter().all(|&b| b == 0));
+                }
+            }
         }
     }
 }
