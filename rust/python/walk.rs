@@ -2,16 +2,19 @@
 //! torch's own walk.
 //!
 //! On a model with many small parameters the Python generators of
-//! `named_parameters` cost about a third of a microsecond per parameter,
-//! half as much as hashing a 4 KiB tensor, and they run before any hashing
-//! can start. This walk reads the same dicts (`_modules`, `_parameters`) in
-//! the same order with the same de-duplication, so its output is exactly
-//! torch's, in a tenth of the time. It only runs where that equality is
-//! certain: every module type on the way must inherit torch's
-//! `named_modules`, `named_parameters` and `_named_members` and hash by
-//! identity, every dict must be a plain `dict` with `str` keys, and every
-//! parameter a tensor hashed by identity. Anything else answers `None` and
-//! the caller walks in Python, as before.
+//! `named_parameters` cost about a third of a microsecond per parameter, a
+//! quarter of hashing a 4 KiB tensor on one core, and they ran before any
+//! hashing could start. This walk reads the same dicts (`_modules`,
+//! `_parameters`) in the same order with the same de-duplication, so its
+//! output is exactly torch's, in a sixth of the time, and it yields the
+//! parameters one by one so that hashing starts with the first. It only
+//! runs where that equality is certain: every module type on the way must
+//! inherit torch's `named_modules`, `named_parameters`, `_named_members`,
+//! `__getattribute__` and identity hash, with no instance attribute
+//! shadowing those methods; every dict must be a plain `dict` with `str`
+//! keys, and every parameter a tensor hashed by identity. Anything else
+//! answers `None` (or sets [`Leaves::declined`]) and the caller walks in
+//! Python, as before.
 
 use std::collections::HashSet;
 use std::hash::{BuildHasherDefault, Hasher};
