@@ -300,6 +300,10 @@ impl Scheduler {
 /// produces; when it is done, the caller hashes what is left alongside them
 /// ([`Batches::finish`]). So `threads` threads are busy at any time, never
 /// `threads + 1` on `threads` cores: the producer is one of the hashers.
+/// A producer with work of its own per digest (the Python binding builds a
+/// string for each) collects finished digests as it goes
+/// ([`BatchQueue::take_done`]) and, after [`Batches::close`], alternates
+/// hashing one batch ([`BatchQueue::work_one`]) and collecting.
 ///
 /// ```
 /// # use weight_checker::scheduler::{BatchQueue, Batches, Scheduler};
@@ -319,6 +323,8 @@ pub struct Batches<'s, 'a: 's> {
     batch: Vec<(usize, &'a [u8])>,
     bytes: usize,
     queue: &'s BatchQueue<'a>,
+    /// Closed by the producer, not abandoned: the queued batches are wanted.
+    closed: bool,
 }
 
 /// Where [`Batches`] leaves full batches for the hashing threads, and the
@@ -368,6 +374,22 @@ impl<'a> BatchQueue<'a> {
         self.ready.notify_all();
     }
 
+    /// Every `(index, digest)` hashed since the last call, in no particular
+    /// order: a producer turns them into its results while hashing goes on.
+    pub fn take_done(&self) -> Vec<(usize, Digest)> {
+        std::mem::take(&mut *self.done.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// Hashes one waiting batch with `scheduler`, if there is one; `false`
+    /// when none is waiting (others may still be hashing theirs).
+    pub fn work_one(&self, scheduler: Scheduler) -> bool {
+        let Some(batch) = self.pending().batches.pop_front() else {
+            return false;
+        };
+        self.hash(scheduler, batch);
+        true
+    }
+
     /// Hashes batches until the queue is closed and empty.
     fn work(&self, scheduler: Scheduler) {
         loop {
@@ -383,25 +405,29 @@ impl<'a> BatchQueue<'a> {
                     pending = self.ready.wait(pending).unwrap_or_else(|e| e.into_inner());
                 }
             };
-            let (index, slices): (Vec<usize>, Vec<&[u8]>) = batch.into_iter().unzip();
-            let same_length = slices.windows(2).all(|w| w[0].len() == w[1].len());
-            let digests = if same_length && slices.first().is_some_and(|m| m.len() <= STEP_BYTES) {
-                // Small parameters of one shape (the usual batch); the zero
-                // check and the hash then read the same cache-resident bytes.
-                crate::sha256::digest_same_length(scheduler.kernel, scheduler.effective_lanes(), &slices)
-            } else {
-                scheduler.hash_many(&slices)
-            };
-            self.done
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .extend(index.into_iter().zip(digests));
+            self.hash(scheduler, batch);
         }
+    }
+
+    fn hash(&self, scheduler: Scheduler, batch: Vec<(usize, &'a [u8])>) {
+        let (index, slices): (Vec<usize>, Vec<&[u8]>) = batch.into_iter().unzip();
+        let same_length = slices.windows(2).all(|w| w[0].len() == w[1].len());
+        let digests = if same_length && slices.first().is_some_and(|m| m.len() <= STEP_BYTES) {
+            // Small parameters of one shape (the usual batch); the zero
+            // check and the hash then read the same cache-resident bytes.
+            crate::sha256::digest_same_length(scheduler.kernel, scheduler.effective_lanes(), &slices)
+        } else {
+            scheduler.hash_many(&slices)
+        };
+        self.done
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .extend(index.into_iter().zip(digests));
     }
 }
 
 impl<'s, 'a: 's> Batches<'s, 'a> {
-    pub const MAX_ITEMS: usize = 256;
+    pub const MAX_ITEMS: usize = 64;
     pub const MAX_BYTES: usize = 8 << 20;
 
     /// Starts `scheduler`'s threads minus one helpers in `scope`, each
@@ -419,36 +445,53 @@ impl<'s, 'a: 's> Batches<'s, 'a> {
             batch: Vec::new(),
             bytes: 0,
             queue,
+            closed: false,
         }
     }
 
-    /// Queues message `index`; a full batch goes to the helpers at once.
-    pub fn push(&mut self, index: usize, bytes: &'a [u8]) {
+    /// Queues message `index`; a full batch goes to the helpers at once
+    /// (then `true`: a good moment to collect [`BatchQueue::take_done`]).
+    pub fn push(&mut self, index: usize, bytes: &'a [u8]) -> bool {
         self.bytes += bytes.len();
         self.batch.push((index, bytes));
         if self.batch.len() >= Self::MAX_ITEMS || self.bytes >= Self::MAX_BYTES {
             self.bytes = 0;
             self.queue.put(std::mem::take(&mut self.batch));
+            return true;
         }
+        false
     }
 
     /// Queues the last, partial batch and hashes, on this thread, batches
     /// until none is left. The helpers finish theirs when the scope ends.
-    pub fn finish(mut self) {
+    pub fn finish(self) {
+        let (queue, scheduler) = (self.queue, self.close());
+        while queue.work_one(scheduler) {}
+    }
+
+    /// Queues the last, partial batch and tells the helpers that no more
+    /// will come. The caller then hashes what is left with the returned
+    /// one-thread scheduler ([`BatchQueue::work_one`]) and collects digests
+    /// ([`BatchQueue::take_done`]) between batches, as it likes.
+    pub fn close(mut self) -> Scheduler {
         let last = std::mem::take(&mut self.batch);
         if !last.is_empty() {
             self.queue.put(last);
         }
         self.queue.close(false);
-        self.queue.work(self.scheduler);
+        self.closed = true;
+        self.scheduler
     }
 }
 
 impl Drop for Batches<'_, '_> {
-    /// Without [`Batches::finish`] (the producer failed), the helpers are
-    /// released: they finish the batch in hand and leave, so the scope can end.
+    /// Without [`Batches::finish`] or [`Batches::close`] (the producer
+    /// failed), the helpers are released: they finish the batch in hand and
+    /// leave, so the scope can end.
     fn drop(&mut self) {
-        self.queue.close(true);
+        if !self.closed {
+            self.queue.close(true);
+        }
     }
 }
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -122,12 +123,21 @@ def test_numpy_bytes_memoryview_bytearray():
 
 
 def test_many_small_tensors_take_the_streaming_path():
-    # Over 512 inputs the core hashes batches while it acquires the rest;
+    # Over 128 inputs the core hashes batches while it acquires the rest;
     # mixing in large and strided ones exercises the final pass as well.
     ts = [random_tensor((n % 97,), torch.float16, seed=n) for n in range(1500)]
     ts[100] = random_tensor((3 << 20,), torch.uint8, seed=9)
     ts[700] = random_tensor((40, 30), torch.float32, seed=10).t()
     assert weight_checker.sha256_many(ts) == [vllm_digest(t) for t in ts]
+
+
+@pytest.mark.parametrize("count", [127, 128, 129, 128 + 64, 128 + 65, 1000])
+def test_counts_around_the_streaming_threshold_and_batch_size(count):
+    # 128 inputs start the streaming path; batches close every 64.
+    ts = [random_tensor((n % 300 + 1,), torch.uint8, seed=n) for n in range(count)]
+    before = [sys.getrefcount(t) for t in ts]
+    assert _core.sha256_many(ts) == [vllm_digest(t) for t in ts]
+    assert [sys.getrefcount(t) for t in ts] == before  # every hold released
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
@@ -138,8 +148,10 @@ def test_an_error_late_in_a_long_stream_raises_and_leaves_nothing_running(thread
     try:
         ts = [random_tensor((2048,), torch.uint8, seed=n) for n in range(2000)]
         bad = [*ts[:1500], object(), *ts[1500:]]
+        before = [sys.getrefcount(t) for t in ts]
         with pytest.raises(TypeError, match="buffer #1500"):
             _core.sha256_many(bad)
+        assert [sys.getrefcount(t) for t in ts] == before  # nothing held
         assert _core.sha256_many(ts) == [vllm_digest(t) for t in ts]
     finally:
         _core.set_threads(0)

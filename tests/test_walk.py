@@ -8,6 +8,8 @@ installed in the development environment; the comparison is skipped without it).
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 import weight_checker
@@ -193,11 +195,41 @@ def test_core_walk_of_vllm_parameter_subclasses_and_expansions():
 
 
 def test_core_walk_many_parameters_streams():
-    # Past the streaming threshold (512 inputs), small and large mixed.
+    # Past the streaming threshold (128 inputs), small and large mixed.
     m = nn.Module()
     for i in range(700):
         m.register_parameter(f"p{i}", nn.Parameter(torch.randn(3 if i % 50 else 300_000), requires_grad=False))
     assert_same_walk(m, prefix="dp0:pp0:pcp0:tp0:")
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_core_walk_dict_keeps_torch_order_while_digests_arrive_out_of_order(threads):
+    # Helpers finish batches in any order and large tensors are hashed after
+    # the stream, so digests reach the dict out of order; its keys must still
+    # follow named_parameters(), as vLLM's dict does.
+    _core.set_threads(threads)
+    try:
+        m = nn.Module()
+        for i in range(600):
+            n = 300_000 if i % 97 == 5 else i % 13 + 1  # 1.2 MB: not streamed
+            m.register_parameter(f"p{i}", nn.Parameter(torch.randn(n), requires_grad=False))
+        got, nbytes = _core.checksum_module(m, expand, "dp0:")
+        assert list(got) == ["dp0:" + n for n, _ in m.named_parameters()]
+        assert got == {"dp0:" + n: vllm_digest(p) for n, p in m.named_parameters()}
+        assert nbytes == sum(p.nbytes for p in m.parameters())
+    finally:
+        _core.set_threads(0)
+
+
+def test_core_walk_lets_go_of_every_tensor():
+    # The core holds each tensor while its bytes may be read, then releases
+    # it (streamed ones as their digests come out): no reference is left.
+    m = nn.Module()
+    for i in range(700):
+        m.register_parameter(f"p{i}", nn.Parameter(torch.randn(3 if i % 50 else 300_000), requires_grad=False))
+    before = [sys.getrefcount(p) for p in m._parameters.values()]
+    _core.checksum_module(m, expand, "")
+    assert [sys.getrefcount(p) for p in m._parameters.values()] == before
 
 
 def test_core_walk_duplicate_names_from_expansion_are_refused():

@@ -63,7 +63,7 @@ fn check_names(names: Option<&Bound<'_, PyAny>>, n: usize) -> PyResult<()> {
 }
 
 /// Below this many inputs, acquire everything first, then hash.
-const STREAM_MIN_ITEMS: usize = 512;
+const STREAM_MIN_ITEMS: usize = 128;
 /// Inputs larger than this are not streamed: they wait for the final
 /// all-threads pass, which schedules them largest first.
 const STREAM_MAX_ITEM_BYTES: usize = 1 << 20;
@@ -75,26 +75,34 @@ pub(super) fn digest_objects<'py>(
     names: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Vec<Digest>> {
     check_names(names, objs.len())?;
-    Ok(digest_stream(py, objs.into_iter(), Names(names))?.0)
+    let mut digests: Vec<Option<Digest>> = vec![None; objs.len()];
+    digest_stream(py, objs.into_iter(), Names(names), &mut |i, d| {
+        digests[i] = Some(d);
+        Ok(())
+    })?;
+    Ok(digests.into_iter().map(|d| d.expect("every input digested")).collect())
 }
 
-/// Digests of the objects an iterator yields, and the bytes hashed.
+/// Hashes the objects an iterator yields, handing each `(index, digest)` to
+/// `sink` (with the GIL held, in no particular order, each index once), and
+/// returns the bytes hashed.
 ///
-/// Reading each tensor's address takes a C call into torch, a tenth of the
+/// Reading each tensor's address takes a C call into torch, a fifth of the
 /// cost of hashing a 4 KiB tensor. With many inputs, batches of small ones
 /// are therefore hashed by `threads - 1` pool helpers ([`Batches`]) while
-/// this thread, holding the GIL, goes on acquiring the next ones, then hashes
-/// what is left alongside them (so no more threads than the budget run);
-/// large and strided inputs are hashed at the end by all threads. The result
-/// does not depend on the path taken.
+/// this thread, holding the GIL, goes on acquiring the next ones; then it
+/// hashes what is left alongside them, a batch at a time. Between batches it
+/// hands finished digests to `sink`, so the caller's own per-digest work
+/// (building Python strings) overlaps the hashing instead of following it.
+/// Large and strided inputs are hashed at the end by all threads. The
+/// digests do not depend on the path taken.
 pub(super) fn digest_stream<'py>(
     py: Python<'py>,
     objs: impl Iterator<Item = Bound<'py, PyAny>>,
     names: Names<'_, 'py>,
-) -> PyResult<(Vec<Digest>, u64)> {
+    sink: &mut dyn FnMut(usize, Digest) -> PyResult<()>,
+) -> PyResult<u64> {
     let mut objs = objs.enumerate();
-    // Declared before the scope so that it outlives every spawned batch, even
-    // when an acquisition fails part-way (the scope joins its tasks first).
     let mut held: Vec<Held<'_>> = Vec::new();
     for (i, obj) in objs.by_ref() {
         held.push(acquire(&obj, names, i)?);
@@ -102,51 +110,75 @@ pub(super) fn digest_stream<'py>(
             break;
         }
     }
+    let mut total: u64 = held.iter().map(|h| h.source().len() as u64).sum();
     if held.len() < STREAM_MIN_ITEMS {
-        let total = held.iter().map(|h| h.source().len() as u64).sum();
-        return Ok((digest_held(py, &held), total));
+        for (i, d) in digest_held(py, &held).into_iter().enumerate() {
+            sink(i, d)?;
+        }
+        return Ok(total);
     }
+    // Each input's hold on its Python object, until its digest is out.
+    // Declared before the scope so that it outlives every spawned batch, even
+    // when an acquisition fails part-way (the scope joins its tasks first).
+    let mut held: Vec<Option<Held<'_>>> = held.into_iter().map(Some).collect();
     let queue = BatchQueue::new();
+    // Digests out, releasing what they were read from (as the walk goes on:
+    // not all at the end, on one thread).
+    let mut drain = |held: &mut [Option<Held<'_>>]| -> PyResult<()> {
+        for (i, d) in queue.take_done() {
+            held[i] = None;
+            sink(i, d)?;
+        }
+        Ok(())
+    };
     rayon::in_place_scope(|scope| -> PyResult<()> {
         let mut batches = Batches::new(scope, Scheduler::default(), &queue);
-        let mut stream = |i: usize, h: &Held<'_>| {
+        let mut stream = |i: usize, h: &Held<'_>| -> bool {
             if let Source::Slice(s) = h.source() {
                 if s.len() <= STREAM_MAX_ITEM_BYTES {
                     // SAFETY: the bytes belong to the Python object `h` keeps
-                    // alive (not to `h` itself, which may move); `h` is in
-                    // `held`, which outlives this scope and so every task
-                    // reading the slice.
+                    // alive (not to `h` itself, which may move). `h` goes into
+                    // `held`, which outlives this scope, and leaves it only
+                    // when `drain` has the digest of these bytes: after every
+                    // read of the slice.
                     let s: &[u8] = unsafe { std::slice::from_raw_parts(s.as_ptr(), s.len()) };
-                    batches.push(i, s);
+                    return batches.push(i, s);
                 }
             }
+            false
         };
-        for (i, h) in held.iter().enumerate() {
+        for (i, h) in held.iter().flatten().enumerate() {
             stream(i, h);
         }
         for (i, obj) in objs {
             let h = acquire(&obj, names, i)?;
-            stream(i, &h);
-            held.push(h);
+            total += h.source().len() as u64;
+            let queued = stream(i, &h);
+            held.push(Some(h));
+            if queued {
+                drain(&mut held)?;
+            }
         }
-        py.detach(|| batches.finish());
-        Ok(())
+        let one_thread = batches.close();
+        loop {
+            drain(&mut held)?;
+            if !py.detach(|| queue.work_one(one_thread)) {
+                return Ok(());
+            }
+        }
     })?;
-    let total = held.iter().map(|h| h.source().len() as u64).sum();
-    let mut digests: Vec<Option<Digest>> = vec![None; held.len()];
-    for (i, d) in queue.into_digests() {
-        digests[i] = Some(d);
-    }
+    // The helpers' last batches.
+    drain(&mut held)?;
     // What was not streamed (large or strided) goes through the full scheduler.
-    let rest: Vec<usize> = (0..held.len()).filter(|&i| digests[i].is_none()).collect();
+    let (indices, rest): (Vec<usize>, Vec<&Held<'_>>) = held
+        .iter()
+        .enumerate()
+        .filter_map(|(i, h)| Some((i, h.as_ref()?)))
+        .unzip();
     if !rest.is_empty() {
-        let rest_held: Vec<&Held<'_>> = rest.iter().map(|&i| &held[i]).collect();
-        for (i, d) in rest.iter().zip(digest_held_refs(py, &rest_held)) {
-            digests[*i] = Some(d);
+        for (i, d) in indices.into_iter().zip(digest_held_refs(py, &rest)) {
+            sink(i, d)?;
         }
     }
-    Ok((
-        digests.into_iter().map(|d| d.expect("every input digested")).collect(),
-        total,
-    ))
+    Ok(total)
 }

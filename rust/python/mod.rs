@@ -15,7 +15,7 @@ use std::path::PathBuf;
 use pyo3::exceptions::{PyBufferError, PyIndexError, PyOSError, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyString, PyTuple};
+use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 
 use acquire::{acquire, Names, Source};
 use hashing::{digest_objects, digest_stream};
@@ -97,26 +97,17 @@ fn checksum_module<'py>(
         return Ok(None);
     };
     let names = leaves.names.clone();
-    let (digests, total) = digest_stream(py, leaves.by_ref(), Names(Some(names.as_any())))?;
+    let mut out = Entries::new(PyDict::new(py), &names, prefix);
+    let total = digest_stream(py, leaves.by_ref(), Names(Some(names.as_any())), &mut |i, d| {
+        out.put(i, d)
+    })?;
     if let Some(e) = leaves.error {
         return Err(e);
     }
     if leaves.declined {
         return Ok(None);
     }
-    let out = PyDict::new(py);
-    let mut key = String::from(prefix);
-    for (name, d) in names.iter().zip(&digests) {
-        let hex = d.hex_ascii();
-        let hex = PyString::new(py, std::str::from_utf8(&hex).expect("hex digits are ASCII"));
-        if prefix.is_empty() {
-            out.set_item(name, hex)?;
-        } else {
-            key.truncate(prefix.len());
-            key.push_str(&name.cast_into::<PyString>()?.to_cow()?);
-            out.set_item(PyString::new(py, &key), hex)?;
-        }
-    }
+    let out = out.finish()?;
     if out.len() != names.len() {
         let mut seen = std::collections::HashSet::new();
         for name in names.iter() {
@@ -130,6 +121,66 @@ fn checksum_module<'py>(
         }
     }
     Ok(Some((out, total)))
+}
+
+/// The `{prefix + name: hex}` dict, filled while hashing goes on: digests
+/// arrive in any order and become strings at once; entries go into the dict
+/// in `names` order (the walk's, as vLLM's dict has them) as soon as every
+/// earlier one is in.
+struct Entries<'a, 'py> {
+    out: Bound<'py, PyDict>,
+    names: &'a Bound<'py, PyList>,
+    prefix: &'a str,
+    key: String,
+    ready: Vec<Option<Bound<'py, PyString>>>,
+    next: usize,
+}
+
+impl<'a, 'py> Entries<'a, 'py> {
+    fn new(out: Bound<'py, PyDict>, names: &'a Bound<'py, PyList>, prefix: &'a str) -> Self {
+        Entries {
+            out,
+            names,
+            prefix,
+            key: String::from(prefix),
+            ready: Vec::new(),
+            next: 0,
+        }
+    }
+
+    fn put(&mut self, index: usize, digest: Digest) -> PyResult<()> {
+        let py = self.out.py();
+        let hex = digest.hex_ascii();
+        let hex = PyString::new(py, std::str::from_utf8(&hex).expect("hex digits are ASCII"));
+        if self.ready.len() <= index {
+            self.ready.resize(index + 1, None);
+        }
+        self.ready[index] = Some(hex);
+        while let Some(Some(hex)) = self.ready.get_mut(self.next).map(Option::take) {
+            let name = self.names.get_item(self.next)?;
+            if self.prefix.is_empty() {
+                self.out.set_item(name, hex)?;
+            } else {
+                self.key.truncate(self.prefix.len());
+                self.key.push_str(&name.cast_into::<PyString>()?.to_cow()?);
+                self.out.set_item(PyString::new(py, &self.key), hex)?;
+            }
+            self.next += 1;
+        }
+        Ok(())
+    }
+
+    /// The dict, once every name has its digest.
+    fn finish(self) -> PyResult<Bound<'py, PyDict>> {
+        if self.next != self.names.len() {
+            return Err(PyRuntimeError::new_err(format!(
+                "internal error: {} of {} digests",
+                self.next,
+                self.names.len()
+            )));
+        }
+        Ok(self.out)
+    }
 }
 
 /// Several SHA-256 digests open at once, each fed its bytes in order over

@@ -348,6 +348,7 @@ impl<'py> Leaves<'py> {
             };
             // Its items are read when its turn comes, as torch's generator does.
             let params = str_items(&module.parameters).ok_or(Stop::Declined)?;
+            self.seen.reserve(params.len());
             self.current = Some((module.prefix, params.into_iter()));
         }
     }

@@ -265,18 +265,33 @@ fn progress_can_cancel_a_run() {
     assert!(calls >= 1);
 }
 
-/// Small messages through [`Batches`]: `threads - 1` helpers and the producer.
-fn batched(scheduler: Scheduler, msgs: &[&[u8]]) -> Vec<(usize, [u8; 32])> {
+/// Small messages through [`Batches`]: `threads - 1` helpers and the
+/// producer. With `collect`, the producer works as the Python binding does:
+/// it takes finished digests whenever a batch goes out, then closes the
+/// queue and alternates hashing one batch and collecting.
+fn batched(scheduler: Scheduler, msgs: &[&[u8]], collect: bool) -> Vec<(usize, [u8; 32])> {
     use weight_checker::{BatchQueue, Batches};
     let queue = BatchQueue::new();
+    let mut out: Vec<(usize, [u8; 32])> = Vec::new();
+    let take = |out: &mut Vec<(usize, [u8; 32])>| out.extend(queue.take_done().into_iter().map(|(i, d)| (i, d.bytes)));
     rayon::in_place_scope(|scope| {
         let mut batches = Batches::new(scope, scheduler, &queue);
         for (i, m) in msgs.iter().enumerate() {
-            batches.push(i, m);
+            if batches.push(i, m) && collect {
+                take(&mut out);
+            }
         }
-        batches.finish();
+        if collect {
+            let one_thread = batches.close();
+            while queue.work_one(one_thread) {
+                take(&mut out);
+            }
+        } else {
+            batches.finish();
+        }
     });
-    let mut out: Vec<(usize, [u8; 32])> = queue.into_digests().into_iter().map(|(i, d)| (i, d.bytes)).collect();
+    take(&mut out);
+    out.extend(queue.into_digests().into_iter().map(|(i, d)| (i, d.bytes)));
     out.sort_by_key(|(i, _)| *i);
     out
 }
@@ -293,6 +308,7 @@ proptest! {
         threads in 1usize..4,
         seed in any::<u8>(),
         one_shape in any::<bool>(),
+        collect in any::<bool>(),
     ) {
         // Batches of one length take the same-length path.
         let sizes: Vec<usize> = if one_shape { sizes.iter().map(|_| sizes[0]).collect() } else { sizes };
@@ -303,8 +319,9 @@ proptest! {
             .collect();
         let msgs: Vec<&[u8]> = pool.iter().map(Vec::as_slice).collect();
         for kernel in Kernel::all_available() {
-            let got = batched(Scheduler::new(kernel, 4, threads), &msgs);
-            prop_assert_eq!(got.len(), msgs.len());
+            let got = batched(Scheduler::new(kernel, 4, threads), &msgs, collect);
+            // Exactly once: sorted by index, the indices are 0..n.
+            prop_assert!(got.iter().map(|(i, _)| *i).eq(0..msgs.len()));
             for (i, d) in got {
                 prop_assert_eq!(d, oracle(msgs[i]));
             }
