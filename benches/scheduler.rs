@@ -1,7 +1,8 @@
 //! Criterion benches: the scheduler against plain `sha2`, one thread, for 1, 2
 //! and 4 interleaved streams, the same-length path small batches take, plus
 //! all threads. Each case hashes a batch of equal buffers so the
-//! multi-stream scheduler has messages to pair.
+//! multi-stream scheduler has messages to pair. The last case is 10,000
+//! small parameters as a model holds them, each its own allocation.
 //!
 //!     cargo bench --bench scheduler
 
@@ -9,7 +10,7 @@ use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use sha2::Digest as _;
-use weight_checker::{Kernel, Scheduler};
+use weight_checker::{BatchQueue, Batches, Kernel, Scheduler};
 
 fn cases() -> Vec<(&'static str, usize, usize)> {
     // (label, buffer size, buffer count)
@@ -59,5 +60,41 @@ fn bench(c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, bench);
+/// Small parameters as a model holds them: each its own allocation (41 MB
+/// in all, more than the L3), hashed one group of 4 at a time on one thread,
+/// then through `Batches` on all threads as the Python binding does.
+fn bench_separate(c: &mut Criterion) {
+    let best = Kernel::best_available();
+    let (size, count) = (4 << 10, 10_000);
+    let owned: Vec<Vec<u8>> = (0..count)
+        .map(|i| (0..size).map(|j| (i * 31 + j) as u8).collect())
+        .collect();
+    let bufs: Vec<&[u8]> = owned.iter().map(Vec::as_slice).collect();
+    let mut group = c.benchmark_group("4KiB x 10000 separate allocations");
+    group.throughput(Throughput::Bytes((size * count) as u64));
+    group
+        .sample_size(10)
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(3));
+    group.bench_function(format!("{best} 1 thread same-length 4 streams"), |b| {
+        b.iter(|| weight_checker::sha256::digest_same_length(best, 4, &bufs))
+    });
+    let all = Scheduler::default();
+    group.bench_function(format!("{} Batches all threads", all.kernel), |b| {
+        b.iter(|| {
+            let queue = BatchQueue::new();
+            rayon::in_place_scope(|scope| {
+                let mut batches = Batches::new(scope, all, &queue);
+                for (i, m) in bufs.iter().enumerate() {
+                    batches.push(i, m);
+                }
+                batches.finish();
+            });
+            queue.into_digests()
+        })
+    });
+    group.finish();
+}
+
+criterion_group!(benches, bench, bench_separate);
 criterion_main!(benches);

