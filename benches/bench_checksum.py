@@ -20,7 +20,7 @@ import time
 
 import torch
 import weight_checker
-from ceiling import describe
+from ceiling import contention, describe
 from torch import nn
 from weight_checker import _core
 
@@ -93,6 +93,9 @@ def bench(label, model, ref, repeat, ceiling):
     print(f"  {'weight_checker.checksum':28} {o:9.4f} {nbytes / o / 1e9:7.2f} {o / count * 1e6:10.2f}")
     print(f"  ratio ours / reference: {o / r:.3f}   (speed-up {r / o:.2f}x)")
     print(f"  ours = {nbytes / o / 1e9 / ceiling:.2f} of the machine's hashing ceiling ({ceiling:.2f} GB/s)")
+    warning = contention(ceiling / _core.threads())
+    if warning:
+        print(f"  {warning}")
 
 
 def main():

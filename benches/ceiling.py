@@ -10,6 +10,8 @@ so that figures from different machines can be compared.
 
 from __future__ import annotations
 
+import os
+
 from weight_checker import _core
 
 
@@ -19,10 +21,30 @@ def per_core_gbps() -> tuple[float, int]:
     return best[1], best[0]
 
 
+def per_cpu_gbps() -> dict[int, float]:
+    """Each CPU's best GB/s, the calibration pinned to it in turn.
+
+    On a shared machine one CPU can be slowed by another tenant for seconds
+    at a time; a run on two cores then understates the engine while a
+    one-thread reference does not notice. Measuring each CPU shows it.
+    """
+    if not hasattr(os, "sched_setaffinity"):
+        return {-1: per_core_gbps()[0]}
+    allowed = os.sched_getaffinity(0)
+    out = {}
+    try:
+        for cpu in sorted(allowed):
+            os.sched_setaffinity(0, {cpu})  # this thread only
+            out[cpu] = max(g for _, g in _core.calibrate())
+    finally:
+        os.sched_setaffinity(0, allowed)
+    return out
+
+
 def describe() -> tuple[str, float]:
     """A one-line description and the machine ceiling in GB/s."""
     figures = dict(_core.calibrate())
-    core = max(figures.values())
+    core = max(max(figures.values()), *per_cpu_gbps().values())
     threads = _core.threads()
     line = (
         f"ceiling: one core {core:.2f} GB/s (best of 1/2/4 streams: "
@@ -30,3 +52,13 @@ def describe() -> tuple[str, float]:
         + f"; engine uses {_core.lanes()} lanes) x {threads} threads = {core * threads:.2f} GB/s"
     )
     return line, core * threads
+
+
+def contention(core_ceiling: float, threshold: float = 0.85) -> str | None:
+    """A warning when a CPU now hashes below ``threshold`` of ``core_ceiling``
+    (another tenant is using it), else None. Called right after a timed run."""
+    slow = {cpu: g for cpu, g in per_cpu_gbps().items() if g < threshold * core_ceiling}
+    if not slow:
+        return None
+    shown = ", ".join(f"CPU {cpu} at {g / core_ceiling:.2f}" for cpu, g in sorted(slow.items()))
+    return f"contended: {shown} of its ceiling right after this run; its multi-core figures understate the engine"
