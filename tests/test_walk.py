@@ -232,6 +232,35 @@ def test_core_walk_lets_go_of_every_tensor():
     assert [sys.getrefcount(p) for p in m._parameters.values()] == before
 
 
+def test_core_walk_recognises_this_torchs_tensor_layout():
+    # The walk prefetches each parameter's TensorImpl a few parameters early,
+    # from the word torch's tensor object keeps its address in. Checked here
+    # with ctypes against torch's own `_cdata`: if a torch upgrade moves it,
+    # this fails (the prefetch is then off; digests never depend on it).
+    import ctypes
+
+    offset = _core.tensor_impl_offset()
+    assert isinstance(offset, int)
+    for t in (torch.randn(3), nn.Parameter(torch.randn(2, 2), requires_grad=False), torch.randn(6)[2:]):
+        assert ctypes.c_size_t.from_address(id(t) + offset).value == t._cdata
+
+
+def test_core_walk_prefetch_skips_what_is_not_a_plain_tensor():
+    # The lookahead meets None entries, subclasses and expanded parameters
+    # among many plain ones; the walk's result is unchanged.
+    m = nn.Module()
+    for i in range(60):
+        if i % 7 == 3:
+            m.register_parameter(f"p{i}", None)
+        elif i % 11 == 5 and TwoTensor is not None:
+            m.register_parameter(f"p{i}", nn.Parameter(TwoTensor(torch.randn(4), torch.randn(4)), requires_grad=False))
+        elif i % 13 == 6:
+            m.register_parameter(f"p{i}", vllm_shared_weight_parameter({0: torch.randn(3), 1: torch.randn(2)}))
+        else:
+            m.register_parameter(f"p{i}", nn.Parameter(torch.randn(i + 1), requires_grad=False))
+    assert_same_walk(m)
+
+
 def test_core_walk_duplicate_names_from_expansion_are_refused():
     m = nn.Module()
     m.w = vllm_shared_weight_parameter({0: torch.randn(2)})

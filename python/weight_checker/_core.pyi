@@ -21,6 +21,7 @@ __all__ = [
     "set_threads",
     "sha256_many",
     "streams",
+    "tensor_impl_offset",
     "threads",
 ]
 
@@ -66,6 +67,11 @@ def backend() -> str:
 def threads() -> int:
     """Worker threads the scheduler uses (``WEIGHT_CHECKER_THREADS``, else
     :func:`set_threads`, else the cores in this process's CPU affinity)."""
+
+def tensor_impl_offset() -> int | None:
+    """Where torch's tensor objects keep their ``TensorImpl`` address, as the
+    walk found it to prefetch with; ``None``: layout not recognised (then
+    nothing is prefetched, digests are the same)."""
 
 def lanes() -> int:
     """Streams each scheduler thread interleaves: 1, 2 or 4, the fastest on

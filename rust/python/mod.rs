@@ -183,6 +183,13 @@ impl<'a, 'py> Entries<'a, 'py> {
     }
 }
 
+/// Where torch's tensor objects keep their `TensorImpl` address, as the walk
+/// found it to prefetch with (`None`: layout not recognised, no prefetch).
+#[pyfunction]
+fn tensor_impl_offset(py: Python<'_>) -> Option<usize> {
+    walk::tensor_impl_offset(py)
+}
+
 /// Several SHA-256 digests open at once, each fed its bytes in order over
 /// many `update` calls (the staging pipeline streams large tensors this way).
 #[pyclass(module = "weight_checker._core")]
@@ -460,6 +467,7 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(sha256_many, m)?)?;
     m.add_function(wrap_pyfunction!(digest_many, m)?)?;
     m.add_function(wrap_pyfunction!(checksum_module, m)?)?;
+    m.add_function(wrap_pyfunction!(tensor_impl_offset, m)?)?;
     m.add_function(wrap_pyfunction!(kernel, m)?)?;
     m.add_function(wrap_pyfunction!(backend, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

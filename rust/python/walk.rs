@@ -14,7 +14,9 @@
 //! shadowing those methods; every dict must be a plain `dict` with `str`
 //! keys, and every parameter a tensor hashed by identity. Anything else
 //! answers `None` (or sets [`Leaves::declined`]) and the caller walks in
-//! Python, as before.
+//! Python, as before. Going through a module's parameters, it asks the cache
+//! for each one's `TensorImpl` a few parameters early ([`prefetch_impl`]),
+//! since torch's exchange call otherwise waits on those misses.
 
 use std::collections::HashSet;
 use std::hash::{BuildHasherDefault, Hasher};
@@ -60,6 +62,9 @@ struct Torch {
     tensor: Py<PyType>,
     tensor_hash: Py<PyAny>,
     parameter: Py<PyType>,
+    /// Where a `Tensor` or `Parameter` object holds its `TensorImpl*`, when
+    /// found (see [`impl_offset`]); only ever used as a prefetch address.
+    impl_offset: Option<usize>,
 }
 
 fn torch(py: Python<'_>) -> Option<&Torch> {
@@ -94,8 +99,98 @@ fn torch(py: Python<'_>) -> Option<&Torch> {
             .unbind(),
         module: module.unbind(),
         tensor: tensor.unbind(),
+        impl_offset: None,
+    };
+    let found = Torch {
+        impl_offset: impl_offset(&torch, &found),
+        ..found
     };
     Some(TORCH.get_or_init(py, || found))
+}
+
+/// The byte offset at which both a `Tensor` and a `Parameter` object store
+/// the address of their `TensorImpl`, found by comparing each word of two
+/// probes of each type with what torch reports (`_cdata`); `None` when no
+/// offset fits all four (another torch layout: then nothing is prefetched).
+///
+/// Reading a tensor's address costs a chain of cache misses when 10,000
+/// parameters have been evicted by the hashing of their bytes. Knowing
+/// where the object keeps its `TensorImpl*`, the walk asks the cache for
+/// that `TensorImpl` a few parameters early ([`prefetch_impl`]). The word is
+/// only a hint: it is never dereferenced, and a wrong one costs a wasted
+/// prefetch, never a wrong digest.
+fn impl_offset(torch: &Bound<'_, PyAny>, t: &Torch) -> Option<usize> {
+    let py = torch.py();
+    let mut probes = Vec::new();
+    for _ in 0..2 {
+        let kwargs = pyo3::types::PyDict::new(py);
+        kwargs.set_item("device", "cpu").ok()?;
+        let plain = torch.call_method("empty", (1,), Some(&kwargs)).ok()?;
+        let param = t.parameter.bind(py).call1((plain.clone(), false)).ok()?;
+        probes.push(plain);
+        probes.push(param);
+    }
+    let size = |o: &Bound<'_, PyAny>| -> Option<usize> { o.get_type().getattr("__basicsize__").ok()?.extract().ok() };
+    let words = probes
+        .iter()
+        .map(&size)
+        .collect::<Option<Vec<usize>>>()?
+        .into_iter()
+        .min()?
+        / 8;
+    let expected = probes
+        .iter()
+        .map(|p| p.getattr("_cdata").ok()?.extract::<usize>().ok())
+        .collect::<Option<Vec<usize>>>()?;
+    // Past the object header (reference count and type).
+    (2..words).map(|w| 8 * w).find(|&offset| {
+        probes.iter().zip(&expected).all(|(p, &want)| {
+            // SAFETY: `offset + 8 <= tp_basicsize` of the probe's exact type,
+            // so the read stays inside the live object `p`.
+            let word = unsafe { std::ptr::read_unaligned((p.as_ptr() as *const u8).add(offset) as *const usize) };
+            word == want && want != 0
+        })
+    })
+}
+
+/// Where this torch's `Tensor` objects keep their `TensorImpl*` (the
+/// walk's prefetch hint), or `None` when the layout was not recognised.
+pub(super) fn tensor_impl_offset(py: Python<'_>) -> Option<usize> {
+    torch(py)?.impl_offset
+}
+
+/// Parameters ahead of the current one whose `TensorImpl` is prefetched:
+/// far enough for the lines to arrive before torch's exchange call reads
+/// them, near enough for them to stay in L1/L2.
+const IMPL_LOOKAHEAD: usize = 16;
+
+/// Asks the cache for the first 256 bytes of `v`'s `TensorImpl`, when `v` is
+/// exactly a `Tensor` or `Parameter` and the layout was recognised.
+fn prefetch_impl(t: &Torch, v: &Bound<'_, PyAny>) {
+    let Some(offset) = t.impl_offset else {
+        return;
+    };
+    let py = v.py();
+    let ty = v.get_type();
+    if !(ty.is(t.tensor.bind(py)) || ty.is(t.parameter.bind(py))) {
+        return;
+    }
+    // SAFETY: `v` is alive and of a type whose basic size exceeds
+    // `offset + 8` (checked by `impl_offset` on both types), so the read is
+    // inside the object. The word is only a prefetch address.
+    let address = unsafe { std::ptr::read_unaligned((v.as_ptr() as *const u8).add(offset) as *const usize) };
+    #[cfg(target_arch = "x86_64")]
+    for line in 0..4 {
+        // SAFETY: a prefetch reads nothing architecturally and never faults,
+        // whatever the address; SSE is baseline on x86-64.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                address.wrapping_add(64 * line) as *const i8
+            )
+        };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = address;
 }
 
 /// Types already checked during one walk (a model has a handful).
@@ -322,7 +417,10 @@ impl<'py> Leaves<'py> {
     fn next_parameter(&mut self) -> Result<Option<Named<'py>>, Stop> {
         loop {
             if let Some((prefix, params)) = &mut self.current {
-                for (name, v) in params.by_ref() {
+                while let Some((name, v)) = params.next() {
+                    if let Some((_, ahead)) = params.as_slice().get(IMPL_LOOKAHEAD) {
+                        prefetch_impl(self.checked.torch, ahead);
+                    }
                     if v.is_none() {
                         continue;
                     }
