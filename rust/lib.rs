@@ -5,6 +5,7 @@
 
 pub mod checkpoint;
 pub mod error;
+mod prefetch;
 pub mod scheduler;
 pub mod sha256;
 pub mod strided;

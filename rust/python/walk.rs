@@ -179,18 +179,7 @@ fn prefetch_impl(t: &Torch, v: &Bound<'_, PyAny>) {
     // `offset + 8` (checked by `impl_offset` on both types), so the read is
     // inside the object. The word is only a prefetch address.
     let address = unsafe { std::ptr::read_unaligned((v.as_ptr() as *const u8).add(offset) as *const usize) };
-    #[cfg(target_arch = "x86_64")]
-    for line in 0..4 {
-        // SAFETY: a prefetch reads nothing architecturally and never faults,
-        // whatever the address; SSE is baseline on x86-64.
-        unsafe {
-            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
-                address.wrapping_add(64 * line) as *const i8
-            )
-        };
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = address;
+    crate::prefetch::lines(address, 4);
 }
 
 /// Types already checked during one walk (a model has a handful).

@@ -403,19 +403,9 @@ const PREFETCH_LINES: usize = 4;
 /// A prefetch is a hint: for cached data it costs an instruction.
 #[inline]
 fn prefetch_heads(msgs: &[&[u8]]) {
-    #[cfg(target_arch = "x86_64")]
     for m in msgs {
-        for line in 0..PREFETCH_LINES.min(m.len().div_ceil(64)) {
-            // SAFETY: a prefetch reads nothing architecturally and never
-            // faults; the address is inside `m` anyway. SSE is baseline on
-            // x86-64.
-            unsafe {
-                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(m.as_ptr().add(64 * line).cast())
-            };
-        }
+        crate::prefetch::lines(m.as_ptr() as usize, PREFETCH_LINES.min(m.len().div_ceil(64)));
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = msgs;
 }
 
 /// Digests of messages that all have the same length, `lanes` (1, 2 or 4)
