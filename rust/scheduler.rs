@@ -495,6 +495,38 @@ impl Drop for Batches<'_, '_> {
     }
 }
 
+/// The hashing floor for many small messages: `count` separately allocated
+/// buffers of `nbytes` each, hashed `repeat` times through [`Batches`] on all
+/// of `scheduler`'s threads (the path the Python binding feeds small tensors
+/// through), after one untimed pass so that every timed pass finds the
+/// buffers where a repeated checksum finds a model's (just hashed). Returns
+/// each pass's time. No producer work is included: a benchmark prints this
+/// beside the binding's figure, measured in the same minute, so that what
+/// the machine could do right now and what the binding adds are told apart.
+pub fn batches_floor(scheduler: Scheduler, count: usize, nbytes: usize, repeat: usize) -> Vec<Duration> {
+    // Separate allocations, as a model's parameters are (each one a new
+    // memory stream for the prefetcher); the content does not change the
+    // cost, but a non-zero first byte keeps the all-zero check as short as
+    // on real weights.
+    let owned: Vec<Vec<u8>> = (0..count).map(|i| vec![(i % 251 + 1) as u8; nbytes]).collect();
+    let messages: Vec<&[u8]> = owned.iter().map(Vec::as_slice).collect();
+    let pass = || {
+        let start = std::time::Instant::now();
+        let queue = BatchQueue::new();
+        rayon::in_place_scope(|scope| {
+            let mut batches = Batches::new(scope, scheduler, &queue);
+            for (i, m) in messages.iter().enumerate() {
+                batches.push(i, m);
+            }
+            batches.finish();
+        });
+        std::hint::black_box(queue.into_digests());
+        start.elapsed()
+    };
+    pass();
+    (0..repeat).map(|_| pass()).collect()
+}
+
 /// One message for one lane: its bytes hashed in order into `state`.
 struct Task<'a, S> {
     state: &'a mut Sha256,

@@ -85,6 +85,14 @@ def test_multihasher_errors():
         m.update([(0, b"x")])
 
 
+def test_hash_floor_times_each_pass_and_refuses_bad_sizes():
+    times = _core.hash_floor(300, 4096, repeat=2)
+    assert len(times) == 2 and all(0 < t < 10 for t in times)
+    for bad in [(0, 4096), (10, 4096, 0), (1 << 20, 1 << 13)]:
+        with pytest.raises(ValueError, match="hash_floor"):
+            _core.hash_floor(*bad)
+
+
 def test_lanes_are_calibrated_and_the_env_var_overrides():
     assert _core.lanes() in (1, 2, 4)
     figures = dict(_core.calibrate())

@@ -15,6 +15,7 @@ __all__ = [
     "checksum_safetensors",
     "copy_into",
     "digest_many",
+    "hash_floor",
     "kernel",
     "lanes",
     "safetensors_tensors",
@@ -79,6 +80,13 @@ def lanes() -> int:
 
 def calibrate() -> list[tuple[int, float]]:
     """This core's GB/s with 1, 2 and 4 interleaved streams (best of 5 short runs)."""
+
+def hash_floor(count: int, nbytes: int, repeat: int = 3) -> list[float]:
+    """Seconds each of ``repeat`` passes takes to hash ``count`` separately
+    allocated ``nbytes`` buffers on all threads through the batch path
+    :func:`checksum_module` uses, with no Python objects: the floor under the
+    binding's per-tensor work, on this machine as it is now. Raises
+    ``ValueError`` for a zero count or repeat, or more than 4 GiB."""
 
 def streams() -> int:
     """Messages the scheduler keeps in flight: threads x lanes."""

@@ -448,6 +448,27 @@ fn calibrate(py: Python<'_>) -> Vec<(usize, f64)> {
     py.detach(|| Kernel::active().calibrate_lanes().1.to_vec())
 }
 
+/// Seconds each of `repeat` passes takes to hash `count` separately
+/// allocated buffers of `nbytes` on all threads, through the batch path
+/// `checksum_module` feeds small tensors to, with no Python objects
+/// involved: the hashing floor under the binding's per-tensor work, on this
+/// machine as it is now (benchmarks print it beside their own figure).
+#[pyfunction]
+#[pyo3(signature = (count, nbytes, repeat=3))]
+fn hash_floor(py: Python<'_>, count: usize, nbytes: usize, repeat: usize) -> PyResult<Vec<f64>> {
+    const LIMIT: usize = 4 << 30;
+    if count == 0 || repeat == 0 {
+        return Err(PyValueError::new_err("hash_floor: count and repeat must be at least 1"));
+    }
+    if count.checked_mul(nbytes).is_none_or(|total| total > LIMIT) {
+        return Err(PyValueError::new_err(format!(
+            "hash_floor: {count} x {nbytes} bytes is more than the 4 GiB this measurement allocates at most"
+        )));
+    }
+    let times = py.detach(|| crate::scheduler::batches_floor(Scheduler::default(), count, nbytes, repeat));
+    Ok(times.iter().map(|t| t.as_secs_f64()).collect())
+}
+
 /// Messages the scheduler keeps in flight: threads x lanes.
 #[pyfunction]
 fn streams() -> usize {
@@ -475,6 +496,7 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(streams, m)?)?;
     m.add_function(wrap_pyfunction!(lanes, m)?)?;
     m.add_function(wrap_pyfunction!(calibrate, m)?)?;
+    m.add_function(wrap_pyfunction!(hash_floor, m)?)?;
     m.add_function(wrap_pyfunction!(copy_into, m)?)?;
     m.add_function(wrap_pyfunction!(set_threads, m)?)?;
     m.add_function(wrap_pyfunction!(checksum_safetensors, m)?)?;

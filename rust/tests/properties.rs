@@ -385,3 +385,11 @@ proptest! {
         }
     }
 }
+
+/// The floor measurement times each pass it was asked for.
+#[test]
+fn batches_floor_times_every_pass() {
+    let times = weight_checker::scheduler::batches_floor(Scheduler::default(), 200, 4096, 3);
+    assert_eq!(times.len(), 3);
+    assert!(times.iter().all(|t| !t.is_zero()));
+}
