@@ -407,8 +407,9 @@ impl<'py> Leaves<'py> {
         loop {
             if let Some((prefix, params)) = &mut self.current {
                 while let Some((name, v)) = params.next() {
-                    if let Some((_, ahead)) = params.as_slice().get(IMPL_LOOKAHEAD) {
+                    if let Some((ahead_name, ahead)) = params.as_slice().get(IMPL_LOOKAHEAD) {
                         prefetch_impl(self.checked.torch, ahead);
+                        crate::prefetch::lines(ahead_name.as_ptr() as usize, 1);
                     }
                     if v.is_none() {
                         continue;
