@@ -10,7 +10,8 @@ use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use sha2::Digest as _;
-use weight_checker::{BatchQueue, Batches, Kernel, Scheduler};
+use weight_checker::scheduler::hash_batched;
+use weight_checker::{Kernel, Scheduler};
 
 fn cases() -> Vec<(&'static str, usize, usize)> {
     // (label, buffer size, buffer count)
@@ -89,17 +90,7 @@ fn bench_separate(c: &mut Criterion) {
     });
     let all = Scheduler::default();
     group.bench_function(format!("{} Batches all threads", all.kernel), |b| {
-        b.iter(|| {
-            let queue = BatchQueue::new();
-            rayon::in_place_scope(|scope| {
-                let mut batches = Batches::new(scope, all, &queue);
-                for (i, m) in bufs.iter().enumerate() {
-                    batches.push(i, m);
-                }
-                batches.finish();
-            });
-            queue.into_digests()
-        })
+        b.iter(|| hash_batched(all, &bufs))
     });
     group.finish();
 }

@@ -495,6 +495,21 @@ impl Drop for Batches<'_, '_> {
     }
 }
 
+/// `(index, digest)` of every message, hashed through [`Batches`] on all of
+/// `scheduler`'s threads with nothing else to do between pushes (the
+/// producer joins the hashing at once), in no particular order.
+pub fn hash_batched(scheduler: Scheduler, messages: &[&[u8]]) -> Vec<(usize, Digest)> {
+    let queue = BatchQueue::new();
+    rayon::in_place_scope(|scope| {
+        let mut batches = Batches::new(scope, scheduler, &queue);
+        for (i, m) in messages.iter().enumerate() {
+            batches.push(i, m);
+        }
+        batches.finish();
+    });
+    queue.into_digests()
+}
+
 /// The hashing floor for many small messages: `count` separately allocated
 /// buffers of `nbytes` each, hashed `repeat` times through [`Batches`] on all
 /// of `scheduler`'s threads (the path the Python binding feeds small tensors
@@ -512,15 +527,7 @@ pub fn batches_floor(scheduler: Scheduler, count: usize, nbytes: usize, repeat: 
     let messages: Vec<&[u8]> = owned.iter().map(Vec::as_slice).collect();
     let pass = || {
         let start = std::time::Instant::now();
-        let queue = BatchQueue::new();
-        rayon::in_place_scope(|scope| {
-            let mut batches = Batches::new(scope, scheduler, &queue);
-            for (i, m) in messages.iter().enumerate() {
-                batches.push(i, m);
-            }
-            batches.finish();
-        });
-        std::hint::black_box(queue.into_digests());
+        std::hint::black_box(hash_batched(scheduler, &messages));
         start.elapsed()
     };
     pass();
