@@ -750,7 +750,7 @@ fn worker<S: ChunkSource>(shared: &Shared<'_, S>, w: usize) {
         }
         if n == 3 {
             // Three lanes at equal steps run as two plus one, below what two
-            // alone do (2.6 vs 3.4 GB/s here). Run two: the waiting one (the
+            // alone do (2.5 vs 3.3 GB/s here). Run two: the waiting one (the
             // third) swaps in once it has `SWAP_BYTES` more left than the
             // shorter running one. So the longest messages, which end the
             // run, get the faster streams, and level ones take turns, in
