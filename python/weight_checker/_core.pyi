@@ -76,7 +76,8 @@ def tensor_impl_offset() -> int | None:
 
 def lanes() -> int:
     """Streams each scheduler thread interleaves: 1, 2 or 4, the fastest on
-    this CPU as measured at first use (``WEIGHT_CHECKER_LANES`` overrides)."""
+    this CPU as measured at first use (``WEIGHT_CHECKER_LANES`` overrides).
+    Where it is 4, a run of a few big tensors may use 2 (faster streams)."""
 
 def calibrate() -> list[tuple[int, float]]:
     """This core's GB/s with 1, 2 and 4 interleaved streams (best of 5 short runs)."""

@@ -433,7 +433,8 @@ fn threads() -> usize {
 }
 
 /// Streams each scheduler thread interleaves (measured at first use, or
-/// `WEIGHT_CHECKER_LANES`).
+/// `WEIGHT_CHECKER_LANES`); where it is 4, a run of a few big tensors may
+/// use 2 (see `Scheduler::fit_to_largest`).
 #[pyfunction]
 fn lanes() -> usize {
     Scheduler::default().effective_lanes()

@@ -108,8 +108,20 @@ impl Kernel {
         if let Some(n) = env_lanes() {
             return n.min(self.max_lanes());
         }
-        static CHOSEN: OnceLock<usize> = OnceLock::new();
-        *CHOSEN.get_or_init(|| self.calibrate_lanes().0)
+        self.calibrated().0
+    }
+
+    /// This core's GB/s with 1, 2 and 4 lanes as measured for
+    /// [`Kernel::default_lanes`], when the lane count comes from that
+    /// measurement (`None` for a one-lane kernel or when [`LANES_ENV`] fixes
+    /// it). A scheduler uses them to run fewer lanes on a few big messages.
+    pub fn lane_rates(self) -> Option<[(usize, f64); 3]> {
+        (self.max_lanes() > 1 && env_lanes().is_none()).then(|| self.calibrated().1)
+    }
+
+    fn calibrated(self) -> (usize, [(usize, f64); 3]) {
+        static CHOSEN: OnceLock<(usize, [(usize, f64); 3])> = OnceLock::new();
+        *CHOSEN.get_or_init(|| self.calibrate_lanes())
     }
 
     /// Measures this core's throughput with 1, 2 and 4 interleaved streams
