@@ -243,9 +243,8 @@ impl Scheduler {
     /// lower: on the Llama-shaped set (largest 131 MB of 0.98 GB) and on 70B
     /// layers, not on eight equal tensors or many small ones.
     fn fit_to_largest(&self, largest: u64, total: u64, workers: usize) -> usize {
-        let Some(rates) = self.kernel.lane_rates() else {
-            return 4;
-        };
+        // `fit_lanes` is only set where the count came from the calibration.
+        let rates = self.kernel.calibrated().1;
         let rate = |lanes: usize| rates.iter().find(|r| r.0 == lanes).map_or(0.0, |r| r.1);
         lanes_for_run(rate(2), rate(4), largest, total, workers)
     }
@@ -823,19 +822,7 @@ fn worker<S: ChunkSource>(shared: &Shared<'_, S>, w: usize) {
         if step == STEP_BYTES && n > 1 && dephase(shared, active) {
             continue;
         }
-        for l in active.iter_mut().flatten() {
-            let bytes = &l.task.source.chunk()[l.pos..l.pos + step];
-            l.task.state.observe(bytes);
-        }
-        compress_lanes(shared.kernel, active, step);
-        for l in active.iter_mut().flatten() {
-            l.task.state.note_blocks(step);
-            l.pos += step;
-            l.left = l.left.saturating_sub(step as u64);
-        }
-        if shared.count_progress {
-            shared.done.fetch_add((step * n) as u64, Ordering::Relaxed);
-        }
+        advance(shared, active, step);
     }
     let mut finished = shared.finished.lock().unwrap_or_else(|e| e.into_inner());
     *finished += 1;
@@ -886,16 +873,26 @@ fn dephase<S: ChunkSource>(shared: &Shared<'_, S>, lanes: &mut [Option<Lane<'_, 
     let bytes = DEPHASE_BYTES.min(l.pending_len() / BLOCK_LEN * BLOCK_LEN);
     #[cfg(test)]
     tests::DEPHASED.fetch_add(1, Ordering::Relaxed);
-    let data = &l.task.source.chunk()[l.pos..l.pos + bytes];
-    l.task.state.observe(data);
-    shared.kernel.compress1(&mut l.task.state.h, data);
-    l.task.state.note_blocks(bytes);
-    l.pos += bytes;
-    l.left = l.left.saturating_sub(bytes as u64);
-    if shared.count_progress {
-        shared.done.fetch_add(bytes as u64, Ordering::Relaxed);
-    }
+    advance(shared, std::slice::from_mut(&mut lanes[j]), bytes);
     true
+}
+
+/// Hashes the next `step` bytes (whole blocks, ready in each chunk) of every
+/// lane given, all open, through the widest kernel that fits.
+fn advance<S: ChunkSource>(shared: &Shared<'_, S>, lanes: &mut [Option<Lane<'_, S>>], step: usize) {
+    for l in lanes.iter_mut().flatten() {
+        let bytes = &l.task.source.chunk()[l.pos..l.pos + step];
+        l.task.state.observe(bytes);
+    }
+    compress_lanes(shared.kernel, lanes, step);
+    for l in lanes.iter_mut().flatten() {
+        l.task.state.note_blocks(step);
+        l.pos += step;
+        l.left = l.left.saturating_sub(step as u64);
+    }
+    if shared.count_progress {
+        shared.done.fetch_add((step * lanes.len()) as u64, Ordering::Relaxed);
+    }
 }
 
 /// Runs the `step` bytes ahead of each lane through the widest kernel that

@@ -119,7 +119,8 @@ impl Kernel {
         (self.max_lanes() > 1 && env_lanes().is_none()).then(|| self.calibrated().1)
     }
 
-    fn calibrated(self) -> (usize, [(usize, f64); 3]) {
+    /// The lane calibration, run once per process.
+    pub(crate) fn calibrated(self) -> (usize, [(usize, f64); 3]) {
         static CHOSEN: OnceLock<(usize, [(usize, f64); 3])> = OnceLock::new();
         *CHOSEN.get_or_init(|| self.calibrate_lanes())
     }
