@@ -1,5 +1,6 @@
 # weight-checker: the two commands are `make demo` (the main job) and
-# `make test` (everything CI runs). Both set up .venv first.
+# `make test` (everything CI runs). Every target that runs a tool from .venv
+# depends on `env`, which sets it up (idempotent), so each works from a fresh clone.
 
 PY := .venv/bin/python
 
@@ -11,7 +12,7 @@ env:
 ## Everything CI runs: lint, Rust tests, the wheel, the Python suite with both kernels.
 test: env lint test-rust wheel test-python
 
-lint:
+lint: env
 	cargo fmt --check
 	cargo clippy --all-targets -- -D warnings
 	cargo clippy --features python -- -D warnings
@@ -21,7 +22,7 @@ lint:
 
 ## A release build: the abi3 manylinux wheel (maturin's compliance check on)
 ## and the sdist, into dist/. Installs without Rust (tests/test_wheel.py).
-wheel:
+wheel: env
 	rm -rf dist
 	.venv/bin/maturin build --release --auditwheel check -o dist
 	.venv/bin/maturin sdist -o dist
@@ -31,7 +32,7 @@ test-rust:
 
 # The whole suite with the best kernel, then the digest suites again with the
 # portable fallback forced, so both kernels are checked against hashlib.
-test-python:
+test-python: env
 	$(PY) -m pytest
 	WEIGHT_CHECKER_KERNEL=portable $(PY) -m pytest -q tests/test_digests.py tests/test_core.py tests/test_walk.py
 

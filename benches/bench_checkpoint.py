@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+from ceiling import machine
+
 ROOT = Path(__file__).resolve().parent.parent
 
 BASELINE = r"""
@@ -109,6 +111,7 @@ def main() -> None:
     b = statistics.median(r["seconds"] for r in base)
     o = statistics.median(r["seconds"] for r in ours)
     c = statistics.median(cli)
+    print(machine())
     print(f"checkpoint: {len(files)} shards, {nbytes / 1e9:.2f} GB, {base[0]['n']} tensors (median of {args.repeat})")
     print(f"  {'':36} {'seconds':>8} {'GB/s':>6} {'peak RSS growth':>16}")
     growth = lambda rs: max(r["rss_growth"] for r in rs) / 2**20  # noqa: E731

@@ -24,7 +24,7 @@ import time
 
 import torch
 import weight_checker
-from ceiling import contention, describe
+from ceiling import contention, cpu_model, describe, engine_choice
 from torch import nn
 from weight_checker import _core
 
@@ -96,6 +96,7 @@ def bench(label, model, ref, repeat, ceiling, floor=None):
     assert got == want, "digests differ from the reference"
     r, o = statistics.median(t_ref), statistics.median(t_ours)
     print(f"\n{label}: {count} tensors, {nbytes / 1e9:.3f} GB (median of {repeat}; best in the last column)")
+    print(f"  on {cpu_model()}; {engine_choice()}")
     print(f"  {'':28} {'seconds':>9} {'GB/s':>7} {'us/tensor':>10} {'best':>7}")
 
     def row(name, times):

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 import weight_checker
-from ceiling import describe
+from ceiling import cpu_model, describe
 from weight_checker import _core, staging
 from weight_checker.checkpoint import checksum_checkpoint
 
@@ -189,6 +189,7 @@ def few_large_tensors(repeat: int, ceiling: float) -> None:
             ours_fn = lambda f=file: checksum_checkpoint([f])  # noqa: E731
         nbytes = sum(sizes)
         print(f" {label}: {len(sizes)} tensors, {nbytes / 1e9:.2f} GB, largest {max(sizes) / 2**20:.0f} MiB")
+        print(f"  on {cpu_model()}; kernel {_core.kernel()}, {_core.lanes()} lanes")
         assert ours_fn() == ref_fn(), "digests differ from hashlib"
         ref, ours = pair("hashlib, one tensor at a time", ref_fn, "weight_checker", ours_fn, repeat, nbytes)
         by_ceiling, by_stream = nbytes / 1e9 / ceiling, max(sizes) / 1e9 / one_stream
@@ -278,11 +279,8 @@ def main() -> None:
     ap.add_argument("--no-cold", action="store_true", help="skip the cold-cache checkpoint run")
     ap.add_argument("--only", choices=["a", "b", "c"], help="run one part")
     args = ap.parse_args()
-    print(
-        f"engine: kernel {_core.kernel()}, {_core.threads()} threads, {_core.streams()} streams in flight; "
-        f"{os.cpu_count()} cores"
-    )
     line, ceiling = describe()
+    print(f"engine: {_core.streams()} messages in flight")
     print(line)
     if args.only in (None, "a"):
         checkpoint_vs_memory(args.repeat, not args.no_cold, ceiling)

@@ -22,6 +22,7 @@ import statistics
 import time
 from pathlib import Path
 
+from ceiling import machine
 from weight_checker.launch import vllm_server, write_tiny_llama
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,6 +61,7 @@ def reference(server) -> dict:
 def report(label: str, base: list[float], ours: list[float], nbytes: int) -> None:
     b, o = statistics.median(base), statistics.median(ours)
     print(f"\n{label} (median of {len(base)}, {nbytes / 1e9:.3f} GB hashed per request)")
+    print(f"  {machine()}")
     print(f"  {'vLLM built-in':32} {b * 1e3:9.1f} ms  {nbytes / b / 1e9:6.2f} GB/s")
     print(f"  {'weight_checker plugin':32} {o * 1e3:9.1f} ms  {nbytes / o / 1e9:6.2f} GB/s")
     print(f"  ratio plugin / built-in: {o / b:.3f}  (speed-up {b / o:.2f}x)")

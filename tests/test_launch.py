@@ -1,0 +1,108 @@
+"""The launcher that starts every vLLM process of the tests, the demo and the
+benchmarks: the CPU binding it derives, and the AMX tile request it puts on
+``PYTHONPATH`` (checked against the kernel's own answer, ``ARCH_GET_XCOMP_PERM``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from weight_checker.launch import AMX_SITE_DIR, local_workers, omp_threads_bind, vllm_env
+
+ARCH_GET_XCOMP_PERM = 0x1022
+XFEATURE_XTILEDATA = 18
+
+
+def has_amx() -> bool:
+    with open("/proc/cpuinfo") as f:
+        return any(line.startswith("flags") and "amx_tile" in line.split() for line in f)
+
+
+@pytest.mark.parametrize(
+    ("args", "workers"),
+    [
+        ([], 1),
+        (["-tp", "2"], 2),
+        (["--tensor-parallel-size=4"], 4),
+        (["-dp", "2", "-tp", "2"], 4),
+        (["--pipeline-parallel-size", "2", "--data-parallel-size", "3"], 6),
+        (["--max-model-len", "256"], 1),
+    ],
+)
+def test_local_workers_from_vllm_arguments(args, workers):
+    assert local_workers(args) == workers
+
+
+@pytest.mark.parametrize(
+    ("workers", "cpus", "bind"),
+    [
+        (2, [0, 1], "0|1"),
+        (2, [0, 1, 2, 3], "0,1|2,3"),
+        (3, [4, 5, 6, 7, 8, 9, 10], "4,5,6|7,8|9,10"),
+        (4, [0, 1], "0|1|0|1"),
+        (1, [3, 7], "3,7"),
+    ],
+)
+def test_omp_binding_splits_the_given_cpus(workers, cpus, bind):
+    assert omp_threads_bind(workers, cpus) == bind
+
+
+def test_omp_binding_covers_this_process_affinity_once():
+    cpus = sorted(os.sched_getaffinity(0))
+    bind = omp_threads_bind(2)
+    groups = [[int(c) for c in g.split(",")] for g in bind.split("|")]
+    assert len(groups) == 2
+    if len(cpus) >= 2:
+        assert sorted(c for g in groups for c in g) == cpus
+
+
+def test_env_binds_only_several_workers_and_never_overrides_the_caller():
+    base = {"PATH": "/usr/bin"}
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in vllm_env([], base=base)
+    assert vllm_env(["-tp", "2"], base=base)["VLLM_CPU_OMP_THREADS_BIND"] == omp_threads_bind(2)
+    mine = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    assert vllm_env(["-tp", "2"], mine, base=base)["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    assert vllm_env([], base=base)["PYTHONPATH"].split(os.pathsep)[0] == str(AMX_SITE_DIR)
+    assert "PYTHONPATH" not in vllm_env([], base=base, amx_tile=False)
+
+
+PROBE = f"""
+import ctypes, json, sys
+libc = ctypes.CDLL(None, use_errno=True)
+mask = ctypes.c_uint64(0)
+rc = libc.syscall(158, {ARCH_GET_XCOMP_PERM}, ctypes.byref(mask))
+site = sys.modules.get("sitecustomize")
+print(json.dumps({{"rc": rc, "mask": mask.value, "granted": getattr(site, "AMX_TILE_GRANTED", "absent")}}))
+"""
+
+
+def run_probe(env: dict[str, str]) -> dict:
+    out = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_launched_processes_hold_the_amx_tile_state_exactly_where_the_cpu_has_amx(tmp_path):
+    without = run_probe(vllm_env([], amx_tile=False))
+    launched = run_probe(vllm_env([]))
+    tile = 1 << XFEATURE_XTILEDATA
+    assert launched["rc"] == 0 and without["rc"] == 0
+    assert without["mask"] & tile == 0, "a plain process already holds the tile state: nothing to prove here"
+    if has_amx():
+        assert launched["granted"] is True
+        assert launched["mask"] & tile
+    else:
+        assert launched["granted"] is None
+        assert launched["mask"] & tile == 0
+
+
+def test_another_sitecustomize_on_the_path_still_runs(tmp_path):
+    (tmp_path / "sitecustomize.py").write_text("import os\nos.environ['MARK'] = 'ran'\n")
+    env = vllm_env([], {"PYTHONPATH": os.pathsep.join([str(AMX_SITE_DIR), str(tmp_path)])})
+    code = "import os, sys; print(os.environ.get('MARK'), sys.modules['sitecustomize'].__file__)"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    mark, first = out.stdout.split()
+    assert mark == "ran"
+    assert first == str(AMX_SITE_DIR / "sitecustomize.py")
