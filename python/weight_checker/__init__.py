@@ -7,6 +7,7 @@ checker, computed by a parallel multi-stream Rust core.
 from weight_checker._core import DeviceTensorError, SafetensorsError, backend, kernel
 from weight_checker._core import __version__ as __version__
 from weight_checker.digests import CompareResult, checksum, compare, reset, sha256_many
+from weight_checker.expected import ExpectedDigests, ExpectedDigestsError, expected_digests
 from weight_checker.keys import DuplicateKeysError, rank_prefix
 from weight_checker.verify import (
     ReplicaResult,
@@ -23,6 +24,8 @@ __all__ = [
     "CompareResult",
     "DeviceTensorError",
     "DuplicateKeysError",
+    "ExpectedDigests",
+    "ExpectedDigestsError",
     "ReplicaResult",
     "SafetensorsError",
     "VerifyError",
@@ -33,6 +36,7 @@ __all__ = [
     "backend",
     "checksum",
     "compare",
+    "expected_digests",
     "kernel",
     "rank_prefix",
     "replicas",

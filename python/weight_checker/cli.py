@@ -3,8 +3,10 @@ RL weight update.
 
     weight-checker checksum PATH... [--prefix P | --no-prefix] [-o FILE]
     weight-checker compare BASELINE CURRENT [--json]
+    weight-checker expect CKPT [--tp T] [--pp P] [--dp D] [--dtype DTYPE] [-o FILE]
     weight-checker verify --url URL [--url URL ...] [--api-key KEY]
                           (--transfer reload | --transfer-cmd CMD | --wait | --baseline FILE)
+                          [--expected FILE]
     weight-checker replicas --url URL [--url URL ...] [--api-key KEY]
 
 Exit codes: 0 match / success, 1 mismatch, 2 bad input or a failed step,
@@ -26,6 +28,8 @@ from weight_checker.keys import rank_prefix
 EXIT_OK, EXIT_MISMATCH, EXIT_BAD, EXIT_INTERRUPTED = 0, 1, 2, 130
 DEFAULT_PREFIX = rank_prefix(0, 0, 0, 0)
 DEBUG_ENV = "WEIGHT_CHECKER_DEBUG"
+#: The fields of a manifest: ``checksums`` and, from ``expect``, its provenance.
+MANIFEST_FIELDS = {"checksums", "vllm_version", "layout", "unwritten"}
 
 
 class UsageError(Exception):
@@ -108,6 +112,60 @@ def cmd_checksum(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# --- expect --------------------------------------------------------------------
+
+
+def cmd_expect(args: argparse.Namespace) -> int:
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM's INFO lines are not this command's output
+    from weight_checker.expected import ExpectedDigestsError, expected_digests
+
+    ranks = args.tp * args.pp
+    show = sys.stderr.isatty() and not args.no_progress
+    done = [0]
+
+    def progress(rank: str) -> None:
+        done[0] += 1
+        if show:
+            sys.stderr.write(f"\rexpect: loading and hashing {rank} ({done[0]}/{ranks})   ")
+            sys.stderr.flush()
+
+    try:
+        expected = expected_digests(
+            args.checkpoint,
+            tp=args.tp,
+            pp=args.pp,
+            dp=args.dp,
+            dtype=args.dtype,
+            allow_unwritten=args.allow_unwritten,
+            progress=progress,
+        )
+    except ExpectedDigestsError as e:
+        raise UsageError(str(e)) from None
+    finally:
+        if show and done[0]:
+            sys.stderr.write("\n")
+    write_output(json.dumps(expected.manifest(), indent=2, sort_keys=True) + "\n", args.output)
+    return EXIT_OK
+
+
+def load_expected(path: str):
+    """An ``expect`` manifest (or any manifest) as :class:`ExpectedDigests`."""
+    from weight_checker.expected import ExpectedDigests
+
+    digests = load_manifest(path, [False])
+    out = ExpectedDigests(digests)
+    try:
+        raw = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        raw = {}
+    meta = raw if isinstance(raw, dict) else {}
+    out.vllm_version = meta.get("vllm_version", "") if isinstance(meta.get("vllm_version"), str) else ""
+    out.layout = meta.get("layout", {}) if isinstance(meta.get("layout"), dict) else {}
+    unwritten = meta.get("unwritten", [])
+    out.unwritten = [k for k in unwritten if isinstance(k, str)] if isinstance(unwritten, list) else []
+    return out
+
+
 # --- compare -------------------------------------------------------------------
 
 
@@ -130,7 +188,7 @@ def load_manifest(path: str, stdin_used: list[bool]) -> dict[str, str]:
         raise UsageError(f"{where}: invalid JSON: nested too deeply") from None
     except ValueError as e:  # JSONDecodeError, or a number too long to convert
         raise UsageError(f"{where}: invalid JSON: {str(e)[:200]}") from None
-    if isinstance(data, dict) and set(data) == {"checksums"}:
+    if isinstance(data, dict) and "checksums" in data and set(data) <= MANIFEST_FIELDS:
         data = data["checksums"]
     if not isinstance(data, dict):
         raise UsageError(f'{where}: expected {{key: sha256 hex}} or {{"checksums": {{...}}}}')
@@ -154,8 +212,10 @@ def classify(baseline: dict[str, str], current: dict[str, str], post_reset: dict
 
 def print_mismatches(result: dict, out=sys.stdout) -> None:
     names = {k: c for c, ks in result["classes"].items() for k in ks}
+    details = result.get("details", {})
     for k in result["mismatches"]:
-        print(f"  {names[k]:<22} {k}", file=out)
+        detail = f"  ({details[k]})" if k in details else ""
+        print(f"  {names[k]:<22} {k}{detail}", file=out)
 
 
 def summary_line(result: dict, nbase: int, ncur: int) -> str:
@@ -239,9 +299,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     target = http_target(args)
     baseline = load_manifest(args.baseline, [False]) if args.baseline is not None else None
+    expected = load_expected(args.expected) if args.expected is not None else None
+    if baseline is not None and expected is not None:
+        raise UsageError("--baseline and --expected exclude each other")
     interrupted = False
     try:
-        result = verify(target, transfer_for(args, target) if baseline is None else None, baseline=baseline)
+        transfer = transfer_for(args, target) if baseline is None else None
+        result = verify(target, transfer, baseline=baseline, expected=expected)
     except VerifyError as e:
         result = e.result or VerifyResult(servers=target.urls, error=str(e))
     except KeyboardInterrupt as e:
@@ -271,8 +335,10 @@ def print_verify_report(report: dict) -> None:
     if report.get("error") and not report.get("keys"):
         print(f"result: ERROR: {report['error']}")
         return
+    with_expected = any(s["step"] == "checksum (after)" for s in report["steps"])
+    reference = "the expected digest" if with_expected else "the baseline"
     if report["match"]:
-        print(f"result: MATCH: {report['keys']} keys, every digest equals the baseline")
+        print(f"result: MATCH: {report['keys']} keys, every digest equals {reference}")
     else:
         counts = ", ".join(f"{len(v)} {c}" for c, v in sorted(report["classes"].items()))
         print(f"result: MISMATCH: {len(report['mismatches'])} keys ({counts})")
@@ -305,6 +371,16 @@ def cmd_replicas(args: argparse.Namespace) -> int:
 # --- entry point -------------------------------------------------------------------
 
 
+def positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {n}")
+    return n
+
+
 def build_parser() -> argparse.ArgumentParser:
     from weight_checker import __version__
 
@@ -326,6 +402,19 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     c.set_defaults(func=cmd_checksum)
 
+    e = sub.add_parser(
+        "expect", help="the digests every rank must hold after loading a checkpoint (vLLM's own loader, on the CPU)"
+    )
+    e.add_argument("checkpoint", metavar="CKPT", help="model directory: config.json and *.safetensors")
+    e.add_argument("--tp", type=positive, default=1, help="tensor-parallel size (default 1)")
+    e.add_argument("--pp", type=positive, default=1, help="pipeline-parallel size (default 1)")
+    e.add_argument("--dp", type=positive, default=1, help="data-parallel size (default 1)")
+    e.add_argument("--dtype", help="the engine's --dtype (default: vLLM's choice for the config)")
+    e.add_argument("--allow-unwritten", action="store_true", help="leave out parameters the checkpoint never writes")
+    e.add_argument("-o", "--output", metavar="FILE", help="write here instead of stdout")
+    e.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    e.set_defaults(func=cmd_expect)
+
     m = sub.add_parser("compare", help="compare two manifests ({checksums} or {key: hex})")
     m.add_argument("baseline", metavar="BASELINE", help="file or -")
     m.add_argument("current", metavar="CURRENT", help="file or -")
@@ -339,6 +428,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--transfer-cmd", metavar="CMD", help="shell command that transfers the weights")
     t.add_argument("--wait", action="store_true", help="wait for Enter while the trainer transfers")
     v.add_argument("--baseline", metavar="FILE", help="skip pause/checksum/reset: compare to this manifest")
+    v.add_argument(
+        "--expected", metavar="FILE", help="no reset: checksum before and after the transfer, compare with `expect`'s"
+    )
     v.add_argument("--json", action="store_true", help="machine-readable report")
     v.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default 600)")
     v.add_argument("--api-key", metavar="KEY", help="the servers' API key (default: $VLLM_API_KEY)")

@@ -87,17 +87,22 @@ def vllm_env(
     base: dict[str, str] | None = None,
 ) -> dict[str, str]:
     """The environment of a vLLM process started for tests, the demo or a
-    benchmark (see the module docstring). ``env`` is applied last and wins;
-    ``amx_tile=False`` leaves the AMX request out (to show what it prevents)."""
+    benchmark (see the module docstring). ``env`` is applied last and wins,
+    except ``PYTHONPATH``, which goes after the AMX directory; ``amx_tile=False``
+    leaves the AMX request out (to show what it prevents)."""
     full = dict(os.environ if base is None else base)
     full.update({"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"})
     workers = local_workers(extra_args)
     if workers > 1:
         full.setdefault("VLLM_CPU_OMP_THREADS_BIND", omp_threads_bind(workers))
-    if amx_tile:
-        paths = [str(AMX_SITE_DIR), *[p for p in full.get("PYTHONPATH", "").split(os.pathsep) if p]]
-        full["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
-    full.update(env or {})
+    extra = dict(env or {})
+    # PYTHONPATH is composed, not replaced: the AMX directory first, so that
+    # its sitecustomize runs and chains to one that ``env`` adds (a test hook).
+    paths = [str(AMX_SITE_DIR)] if amx_tile else []
+    paths += extra.pop("PYTHONPATH", "").split(os.pathsep) + full.get("PYTHONPATH", "").split(os.pathsep)
+    if any(paths):
+        full["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in paths if p))
+    full.update(extra)
     return full
 
 

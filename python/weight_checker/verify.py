@@ -10,6 +10,14 @@ classed ``missing`` (baseline only), ``unexpected`` (current only),
 ``untouched-since-reset`` (still its post-reset digest: the update never
 reached it) or ``changed``.
 
+With ``expected`` (the digests every rank must hold, from
+:func:`weight_checker.expected_digests`), there is no reset: pause, checksum
+(before), transfer, checksum (after), compare with ``expected``, resume. Each
+mismatching key is then classed ``stale`` (after equals before: the update
+never reached it), ``wrong-shard`` (it holds the expected digest of another tp
+rank or another key; ``details`` says which), ``changed``, ``missing`` or
+``unexpected``.
+
 Targets, each an adapter with the same four operations:
 
 - HTTP: one URL or several (external load balancing: keys merged, a key
@@ -30,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import sys
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -41,6 +50,7 @@ from weight_checker.keys import DuplicateKeysError, merge_digests, split_key
 
 EMPTY_DIGEST = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
 CLASSES = ("missing", "unexpected", "untouched-since-reset", "changed")
+EXPECTED_CLASSES = ("missing", "unexpected", "stale", "wrong-shard", "changed")
 
 
 class WeightCheckerError(Exception):
@@ -93,6 +103,9 @@ class VerifyResult:
     keys: int = 0
     servers: list[str] = field(default_factory=list)
     error: str | None = None
+    #: key -> what a ``wrong-shard`` key holds instead (the key whose expected
+    #: digest it has), with ``expected``.
+    details: dict[str, str] = field(default_factory=dict)
 
     def raise_for_mismatch(self) -> None:
         if self.mismatches:
@@ -114,6 +127,7 @@ class VerifyResult:
             "classes": self.classes(),
             "keys": self.keys,
             "warnings": self.warnings,
+            **({"details": self.details} if self.details else {}),
             **({"error": self.error} if self.error else {}),
         }
 
@@ -133,6 +147,57 @@ def classify(
         else:
             out[k] = "changed"
     return out
+
+
+def _rank_and_name(key: str) -> tuple[str, str]:
+    """``("dp0:pp0:pcp0", "name")`` and the tp rank apart: keys that differ
+    only in their tp rank are shards of one tensor."""
+    parts = key.split(":", 4)
+    if len(parts) < 5:
+        return key, ""
+    return ":".join(parts[:3]) + ":" + parts[4], parts[3]
+
+
+def classify_expected(
+    expected: Mapping[str, str], before: Mapping[str, str] | None, after: Mapping[str, str]
+) -> tuple[dict[str, str], dict[str, str]]:
+    """``(key -> class, key -> detail)`` for every key whose digest after the
+    transfer is not the expected one.
+
+    ``wrong-shard`` first where the key holds the expected digest of the same
+    tensor on another tp rank (every rank loading shard 0 looks the same
+    before and after); then ``stale`` where it is unchanged by the transfer;
+    then ``wrong-shard`` where it holds another key's expected digest;
+    else ``changed``. ``missing`` / ``unexpected``: expected only / after only.
+    """
+    by_digest: dict[str, list[str]] = {}
+    for k, v in expected.items():
+        by_digest.setdefault(v, []).append(k)
+    classes: dict[str, str] = {}
+    details: dict[str, str] = {}
+    for k in sorted(set(expected) | set(after)):
+        if k not in after:
+            classes[k] = "missing"
+            continue
+        if k not in expected:
+            classes[k] = "unexpected"
+            continue
+        got = after[k]
+        if got == expected[k]:
+            continue
+        holders = [h for h in by_digest.get(got, []) if h != k]
+        name, _ = _rank_and_name(k)
+        shards = [h for h in holders if _rank_and_name(h)[0] == name]
+        if shards:
+            other = shards[0]
+            classes[k], details[k] = "wrong-shard", f"holds the expected digest of {_rank_and_name(other)[1]} ({other})"
+        elif before is not None and before.get(k) == got:
+            classes[k] = "stale"
+        elif holders:
+            classes[k], details[k] = "wrong-shard", f"holds the expected digest of {holders[0]}"
+        else:
+            classes[k] = "changed"
+    return classes, details
 
 
 def already_zeroed_warning(baseline: Mapping[str, str], post_reset: Mapping[str, str]) -> str | None:
@@ -209,6 +274,24 @@ class HttpTarget:
         for url in self.urls:
             self._post(url, "/weight_checker", {"action": "reset"}, step)
 
+    def versions(self) -> dict[str, str | None]:
+        """Each server's vLLM version (``GET /version``), None where unknown."""
+        from weight_checker.httpclient import request
+
+        out: dict[str, str | None] = {}
+        for url in self.urls:
+            try:
+                status, body = request("GET", url, "/version", timeout=min(self.timeout, 30), api_key=self.api_key)
+                out[url] = body.get("version") if status == 200 and isinstance(body, dict) else None
+            except HttpError:
+                out[url] = None
+        return out
+
+
+def _in_process_vllm_version() -> str | None:
+    vllm = sys.modules.get("vllm")
+    return getattr(vllm, "__version__", None)
+
 
 def _merge_workers(results: list[Any], step: str, name: str) -> dict[str, str]:
     if not isinstance(results, list) or not all(isinstance(r, dict) for r in results):
@@ -245,6 +328,9 @@ class LLMTarget:
 
     def reset(self, step: str) -> None:
         self._rpc("weight_checker_reset", step)
+
+    def versions(self) -> dict[str, str | None]:
+        return {self.name: _in_process_vllm_version()}
 
 
 class AsyncLLMTarget:
@@ -288,6 +374,9 @@ class AsyncLLMTarget:
     async def reset(self, step: str) -> None:
         await self._rpc("weight_checker_reset", step)
 
+    def versions(self) -> dict[str, str | None]:
+        return {self.name: _in_process_vllm_version()}
+
 
 def target_for(target: Any, *, api_key: str | None = None, timeout: float | None = None) -> Any:
     """The adapter for ``target``: a URL or list of URLs, an ``LLM``, an
@@ -322,24 +411,62 @@ class _Run:
     def end(self, name: str, start: float, *, ok: bool, detail: str = "") -> None:
         self.result.steps.append(Step(name, time.perf_counter() - start, ok, detail))
 
-    def finish(self, baseline, current, post_reset) -> None:
+    def finish(self, values: dict[str, Any]) -> None:
         start = self.begin()
-        self.result.mismatches = classify(baseline, current, post_reset)
+        expected = values.get("expected")
+        if expected is not None:
+            unwritten = set(getattr(expected, "unwritten", ()))
+            after = {k: v for k, v in values["current"].items() if k not in unwritten}
+            self.result.mismatches, self.result.details = classify_expected(expected, values.get("before"), after)
+            self.result.keys = len(expected)
+            if unwritten:
+                self.result.warnings.append(
+                    f"{len(unwritten)} key(s) not checked: the expected weights never wrote them"
+                )
+        else:
+            baseline, post_reset = values["baseline"], values.get("post_reset")
+            self.result.mismatches = classify(baseline, values["current"], post_reset)
+            self.result.keys = len(baseline)
+            if post_reset is not None and (w := already_zeroed_warning(baseline, post_reset)):
+                self.result.warnings.append(w)
         self.result.match = not self.result.mismatches
-        self.result.keys = len(baseline)
-        if post_reset is not None and (w := already_zeroed_warning(baseline, post_reset)):
-            self.result.warnings.append(w)
         self.end("compare", start, ok=True)
 
 
-def _load_baseline(baseline: Mapping[str, str] | None) -> dict[str, str] | None:
-    if baseline is None:
+def _load_digests(digests: Mapping[str, str] | None, what: str) -> Mapping[str, str] | None:
+    if digests is None:
         return None
-    if not isinstance(baseline, Mapping) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in baseline.items()
+    if not isinstance(digests, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in digests.items()
     ):
-        raise TypeError("baseline must be a mapping key -> sha256 hex")
-    return dict(baseline)
+        raise TypeError(f"{what} must be a mapping key -> sha256 hex")
+    return digests
+
+
+def _mode(transfer: Any, baseline: Any, expected: Any, name: str) -> str:
+    if baseline is not None and expected is not None:
+        raise TypeError(f"{name} takes a baseline or expected digests, not both")
+    if expected is not None:
+        if transfer is None:
+            raise TypeError(f"{name} with expected digests needs a transfer callable")
+        return "expected"
+    if baseline is not None:
+        return "baseline"
+    if transfer is None:
+        raise TypeError(f"{name} needs a transfer callable (or a baseline to compare with)")
+    return "reset"
+
+
+def version_warnings(expected: Mapping[str, str] | None, versions: Mapping[str, str | None]) -> list[str]:
+    """One warning per engine whose vLLM is not the one that computed ``expected``."""
+    want = getattr(expected, "vllm_version", "") or ""
+    if not want:
+        return []
+    return [
+        f"{name} runs vLLM {got}, the expected digests were computed with vLLM {want}"
+        for name, got in versions.items()
+        if got and got != want
+    ]
 
 
 def verify(
@@ -347,6 +474,7 @@ def verify(
     transfer: Callable[[], Any] | None = None,
     *,
     baseline: Mapping[str, str] | None = None,
+    expected: Mapping[str, str] | None = None,
     timeout: float | None = None,
     api_key: str | None = None,
 ) -> VerifyResult:
@@ -363,14 +491,16 @@ def verify(
     t = target_for(target, api_key=api_key, timeout=timeout)
     if isinstance(t, AsyncLLMTarget):
         raise TypeError("an AsyncLLM is verified with `await weight_checker.verify_async(...)`")
-    baseline = _load_baseline(baseline)
-    if baseline is None and transfer is None:
-        raise TypeError("verify needs a transfer callable (or a baseline to compare with)")
+    baseline = _load_digests(baseline, "baseline")
+    expected = _load_digests(expected, "expected")
+    mode = _mode(transfer, baseline, expected, "verify")
     run = _Run(t)
-    values: dict[str, Any] = {"baseline": baseline}
+    values: dict[str, Any] = {"baseline": baseline, "expected": expected}
     error: BaseException | None = None
     try:
-        for name, fn, key in _steps(t, transfer, baseline is None, _call_transfer):
+        if expected is not None:
+            run.result.warnings += version_warnings(expected, t.versions())
+        for name, fn, key in _steps(t, transfer, mode, _call_transfer):
             start = run.begin()
             try:
                 value = fn()
@@ -380,7 +510,7 @@ def verify(
             run.end(name, start, ok=True)
             if key:
                 values[key] = value
-        run.finish(values["baseline"], values["current"], values.get("post_reset"))
+        run.finish(values)
     except BaseException as e:
         error = e
     finally:
@@ -396,6 +526,7 @@ async def verify_async(
     transfer: Callable[[], Any] | None = None,
     *,
     baseline: Mapping[str, str] | None = None,
+    expected: Mapping[str, str] | None = None,
     timeout: float | None = None,
     api_key: str | None = None,
 ) -> VerifyResult:
@@ -403,15 +534,17 @@ async def verify_async(
     ``pause_generation``); also accepts URL(s) and an ``LLM``, run in a thread."""
     t = target_for(target, api_key=api_key, timeout=timeout)
     if not isinstance(t, AsyncLLMTarget):
-        return await asyncio.to_thread(verify, t, transfer, baseline=baseline, timeout=timeout)
-    baseline = _load_baseline(baseline)
-    if baseline is None and transfer is None:
-        raise TypeError("verify_async needs a transfer callable (or a baseline to compare with)")
+        return await asyncio.to_thread(verify, t, transfer, baseline=baseline, expected=expected, timeout=timeout)
+    baseline = _load_digests(baseline, "baseline")
+    expected = _load_digests(expected, "expected")
+    mode = _mode(transfer, baseline, expected, "verify_async")
     run = _Run(t)
-    values: dict[str, Any] = {"baseline": baseline}
+    values: dict[str, Any] = {"baseline": baseline, "expected": expected}
     error: BaseException | None = None
     try:
-        for name, fn, key in _steps(t, transfer, baseline is None, _call_transfer_async):
+        if expected is not None:
+            run.result.warnings += version_warnings(expected, t.versions())
+        for name, fn, key in _steps(t, transfer, mode, _call_transfer_async):
             start = run.begin()
             try:
                 value = await fn()
@@ -421,7 +554,7 @@ async def verify_async(
             run.end(name, start, ok=True)
             if key:
                 values[key] = value
-        run.finish(values["baseline"], values["current"], values.get("post_reset"))
+        run.finish(values)
     except BaseException as e:
         error = e
     finally:
@@ -433,12 +566,22 @@ async def verify_async(
 
 
 def _steps(
-    t: Any, transfer: Callable[[], Any] | None, full: bool, call_transfer: Callable[[Any], Any]
+    t: Any, transfer: Callable[[], Any] | None, mode: str, call_transfer: Callable[[Any], Any]
 ) -> list[tuple[str, Callable[[], Any], str | None]]:
     """The workflow, once for both runners: ``(step, call, result key)``.
-    The calls return values (sync targets) or awaitables (async targets)."""
+    The calls return values (sync targets) or awaitables (async targets).
+    ``mode``: ``reset`` (the seed's flow), ``expected`` (no reset: before,
+    transfer, after) or ``baseline`` (the current checksum only)."""
     steps: list[tuple[str, Callable[[], Any], str | None]] = []
-    if full:
+    if mode == "expected":
+        steps += [
+            ("pause", t.pause, None),
+            ("checksum (before)", lambda: t.checksum("checksum (before)"), "before"),
+            ("transfer", lambda: call_transfer(transfer), None),
+            ("checksum (after)", lambda: t.checksum("checksum (after)"), "current"),
+        ]
+        return steps
+    if mode == "reset":
         steps += [
             ("pause", t.pause, None),
             ("checksum (baseline)", lambda: t.checksum("checksum (baseline)"), "baseline"),

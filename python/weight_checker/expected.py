@@ -1,0 +1,360 @@
+"""The digests every rank of an engine must hold, computed from the weights
+themselves: vLLM's own model class and ``load_weights`` for each rank's
+layout, run on the CPU in this process, then hashed exactly like
+:func:`weight_checker.checksum`.
+
+    expected = weight_checker.expected_digests("ckpt/", tp=2)             # a checkpoint
+    expected = weight_checker.expected_digests("ckpt/", trainer_state.items(), tp=2)   # a trainer's tensors
+    result = weight_checker.verify(url, transfer=push, expected=expected)
+
+No engine, no GPU, no process group: for rank (pp, tp) of a layout, vLLM's
+parallel-state groups are set to that rank's coordinates (nothing is ever
+communicated while a model is built and loaded), the model is built on the
+CPU with vLLM's ``initialize_model`` and fed the ``(name, tensor)`` pairs the
+trainer would hand to ``load_weights``: vLLM itself fuses ``qkv_proj`` and
+``gate_up_proj``, shards columns and rows, pads the vocabulary per shard,
+ties ``lm_head``, replicates KV heads and casts dtypes. One rank is held at a
+time. The GPU layout is what is hashed: the CPU backend's repacking
+(``process_weights_after_loading``) is never run; layers whose post-load
+processing would change bytes on a GPU (quantized ones) are refused by name.
+DP replicas hold their dp0 digests under their own ``dp`` prefix.
+
+A checkpoint is read through a private memory map: every rank's loader
+narrows a zero-copy view, so a rank touches only the pages of its shard
+(plus the rows of row-parallel tensors), and t ranks never mean t reads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import mmap
+import os
+import struct
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from weight_checker.keys import rank_prefix
+
+
+class ExpectedDigestsError(ValueError):
+    """The expected digests cannot be computed exactly: names the tensor, the
+    layer or the reason (an unknown architecture, a quantized model, a tensor
+    the model does not have or whose shape disagrees, a truncated file)."""
+
+
+class ExpectedDigests(dict):
+    """``{key: hex}`` for every key the engine reports, plus what produced them."""
+
+    #: The vLLM version whose model class and loader ran.
+    vllm_version: str = ""
+    #: ``{"tp": T, "pp": P, "dp": D, "dtype": ..., "architecture": ...}``
+    layout: dict[str, Any]
+    #: Keys of parameters the weights never wrote (not in the mapping: their
+    #: bytes would be uninitialized memory, so they are never hashed).
+    unwritten: list[str]
+
+    def manifest(self) -> dict[str, Any]:
+        """The ``checksum`` manifest format, with the provenance beside it."""
+        return {
+            "checksums": dict(sorted(self.items())),
+            "vllm_version": self.vllm_version,
+            "layout": self.layout,
+            "unwritten": self.unwritten,
+        }
+
+
+# --- weights --------------------------------------------------------------------
+
+SAFETENSORS_DTYPES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+    "U16": "uint16", "U32": "uint32", "U64": "uint64",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+}  # fmt: skip
+
+
+class CheckpointWeights:
+    """The ``(name, tensor)`` pairs of a safetensors checkpoint, re-iterable,
+    each tensor a zero-copy view of a private (copy-on-write) memory map, so a
+    loader that narrows it reads only the pages it copies. Headers are
+    validated by the Rust core first (truncated files, overlapping or
+    out-of-range offsets, a shard missing from the index)."""
+
+    def __init__(self, paths: str | Path | Iterable[str | Path]):
+        from weight_checker import _core
+        from weight_checker.checkpoint import CheckpointError, resolve
+
+        paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
+        try:
+            self.files, _ = resolve(paths)
+            for f in self.files:
+                _core.safetensors_tensors(str(f))
+        except (CheckpointError, ValueError) as e:
+            raise ExpectedDigestsError(str(e)) from None
+        self.nbytes = sum(f.stat().st_size for f in self.files)
+
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        import torch
+
+        for path in self.files:
+            with open(path, "rb") as f:
+                (header_len,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(header_len))
+                if os.fstat(f.fileno()).st_size == 0:
+                    continue
+                mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            base = 8 + header_len
+            for name, info in header.items():
+                if name == "__metadata__":
+                    continue
+                start, end = info["data_offsets"]
+                dtype = getattr(torch, SAFETENSORS_DTYPES.get(info["dtype"], ""), None)
+                if dtype is None:
+                    raise ExpectedDigestsError(f"{path}: tensor '{name}': dtype {info['dtype']} is not supported")
+                if end == start:
+                    yield name, torch.empty(info["shape"], dtype=dtype)
+                    continue
+                flat = torch.frombuffer(mapping, dtype=torch.uint8, count=end - start, offset=base + start)
+                yield name, flat.view(dtype).reshape(info["shape"])
+
+
+def _weights_source(weights: Any, checkpoint: Path | None) -> Callable[[], Iterable[tuple[str, Any]]]:
+    """A callable giving a fresh iterable of the weights for each rank."""
+    if weights is None:
+        if checkpoint is None:
+            raise ExpectedDigestsError("no weights given and the model is not a checkpoint directory")
+        source = CheckpointWeights(checkpoint)
+        return lambda: source
+    if isinstance(weights, (str, Path)):
+        source = CheckpointWeights(weights)
+        return lambda: source
+    if isinstance(weights, Mapping):
+        return lambda: weights.items()
+    if callable(weights):
+        return weights
+    if iter(weights) is weights:
+        raise ExpectedDigestsError(
+            "weights is a one-shot iterator: every rank reads the whole stream, so pass a list, a mapping "
+            "(state_dict), dict.items(), or a callable that returns a fresh iterable"
+        )
+    return lambda: weights
+
+
+class _Tracked:
+    """Iterates the weights while remembering the tensor being loaded, so a
+    loader failure names it."""
+
+    def __init__(self, items: Iterable[tuple[str, Any]]):
+        self.items = items
+        self.current: str | None = None
+        self.count = 0
+
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        for item in self.items:
+            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+                raise ExpectedDigestsError(f"weights must be (name, tensor) pairs, got {type(item).__name__}")
+            self.current = item[0]
+            self.count += 1
+            yield item
+        self.current = None
+
+
+# --- vLLM's parallel state, one rank at a time ---------------------------------------
+
+
+@dataclass
+class _Group:
+    """What model construction and ``load_weights`` read of a vLLM group
+    coordinator: one rank's coordinates, no communicator."""
+
+    rank_in_group: int
+    world_size: int
+    ranks: list[int]
+    rank: int
+    local_rank: int = 0
+    device_group: Any = None
+    cpu_group: Any = None
+
+    @property
+    def is_first_rank(self) -> bool:
+        return self.rank_in_group == 0
+
+    @property
+    def is_last_rank(self) -> bool:
+        return self.rank_in_group == self.world_size - 1
+
+
+@contextlib.contextmanager
+def _rank_groups(tp_rank: int, tp: int, pp_rank: int, pp: int) -> Iterator[None]:
+    from vllm.distributed import parallel_state as ps
+
+    names = ("_TP", "_PP", "_DP", "_EP", "_PCP", "_DCP", "_WORLD")
+    saved = {n: getattr(ps, n, None) for n in names}
+    global_rank = pp_rank * tp + tp_rank
+    groups = {
+        "_TP": _Group(tp_rank, tp, [pp_rank * tp + i for i in range(tp)], global_rank),
+        "_PP": _Group(pp_rank, pp, [p * tp + tp_rank for p in range(pp)], global_rank),
+        "_DP": _Group(0, 1, [global_rank], global_rank),
+        "_EP": _Group(tp_rank, tp, [pp_rank * tp + i for i in range(tp)], global_rank),
+        "_PCP": _Group(0, 1, [global_rank], global_rank),
+        "_DCP": _Group(0, 1, [global_rank], global_rank),
+        "_WORLD": _Group(global_rank, tp * pp, list(range(tp * pp)), global_rank),
+    }
+    try:
+        for n, g in groups.items():
+            if hasattr(ps, n):
+                setattr(ps, n, g)
+        yield
+    finally:
+        for n, g in saved.items():
+            setattr(ps, n, g)
+
+
+# --- the computation -------------------------------------------------------------------
+
+
+def _engine_args(model: Any, tp: int, pp: int, dtype: str | None, engine_args: Mapping[str, Any]):
+    from vllm.engine.arg_utils import EngineArgs
+
+    if isinstance(model, EngineArgs):
+        return model
+    if isinstance(model, Mapping):
+        engine_args = {**model, **engine_args}
+    else:
+        engine_args = {"model": str(model), **engine_args}
+    defaults = {"skip_tokenizer_init": True, "enforce_eager": True, "max_model_len": 256}
+    args = {**defaults, **engine_args, "tensor_parallel_size": tp, "pipeline_parallel_size": pp}
+    if dtype is not None:
+        args["dtype"] = dtype
+    return EngineArgs(**args)
+
+
+_NO_OP_ON_GPU = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod", "UnquantizedFusedMoEMethod")
+
+
+def _refuse_byte_changing_post_load(model: Any) -> None:
+    """Post-load processing that changes parameter bytes on a GPU cannot be
+    reproduced here exactly: name the layers instead of approximating."""
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+    changing = []
+    for name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if isinstance(method, QuantizeMethodBase) and type(method).__name__ not in _NO_OP_ON_GPU:
+            changing.append(f"{name or '<root>'} ({type(method).__name__})")
+    if changing:
+        shown = ", ".join(changing[:5]) + (f" and {len(changing) - 5} more" if len(changing) > 5 else "")
+        raise ExpectedDigestsError(f"post-load processing changes the bytes of these layers: {shown}")
+    if callable(getattr(type(model), "process_weights_after_loading", None)):
+        raise ExpectedDigestsError(f"{type(model).__name__} post-processes its weights after loading")
+
+
+def expected_digests(
+    model: Any,
+    weights: Any = None,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    dp: int = 1,
+    dtype: str | None = None,
+    allow_unwritten: bool = False,
+    progress: Callable[[str], None] | None = None,
+    **engine_args: Any,
+) -> ExpectedDigests:
+    """``{key: hex}`` for every ``dp{d}:pp{p}:pcp0:tp{t}:{name}`` an engine
+    started with this model and layout reports after loading ``weights``.
+
+    ``model``: a checkpoint directory (its config and, unless ``weights`` is
+    given, its weights), a ``vllm.EngineArgs``, or a mapping of the engine
+    arguments the server was started with (``{"model": dir, "dtype": ...}``;
+    ``engine_args`` add to them). ``weights``: a checkpoint (path), or the
+    trainer's ``(hf_name, tensor)`` pairs as a mapping, a list, ``.items()``
+    or a callable returning a fresh iterable (every rank reads them all).
+
+    Raises :class:`ExpectedDigestsError` naming the tensor or the reason, and,
+    unless ``allow_unwritten``, when the weights leave a parameter unwritten.
+    """
+    for label, n in (("tp", tp), ("pp", pp), ("dp", dp)):
+        if not isinstance(n, int) or n < 1:
+            raise ExpectedDigestsError(f"{label} must be a positive integer, got {n!r}")
+    checkpoint = Path(model) if isinstance(model, (str, Path)) else None
+    if checkpoint is not None and not (checkpoint / "config.json").is_file():
+        raise ExpectedDigestsError(f"{checkpoint}: not a model directory (no config.json)")
+    source = _weights_source(weights, checkpoint)
+
+    import torch
+    import vllm
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.model_executor.model_loader.weight_tying import maybe_retie_word_embeddings
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    import weight_checker
+
+    try:
+        config = _engine_args(model, tp, pp, dtype, engine_args).create_engine_config()
+    except Exception as e:
+        raise ExpectedDigestsError(f"vLLM cannot configure this model: {' '.join(str(e).split())[:300]}") from None
+    model_config = config.model_config
+    if model_config.quantization is not None:
+        raise ExpectedDigestsError(f"quantized model ({model_config.quantization}): not supported")
+    out = ExpectedDigests()
+    out.vllm_version = vllm.__version__
+    out.layout = {
+        "tp": tp, "pp": pp, "dp": dp, "dtype": str(model_config.dtype).removeprefix("torch."),
+        "architecture": model_config.architecture,
+    }  # fmt: skip
+    out.unwritten = []
+    for pp_rank in range(pp):
+        for tp_rank in range(tp):
+            if progress is not None:
+                progress(f"pp{pp_rank}:tp{tp_rank}")
+            config.compilation_config.static_forward_context.clear()
+            with (
+                _rank_groups(tp_rank, tp, pp_rank, pp),
+                set_current_vllm_config(config),
+                set_default_torch_dtype(model_config.dtype),
+                torch.device("cpu"),
+            ):
+                try:
+                    rank_model = initialize_model(vllm_config=config)
+                except ExpectedDigestsError:
+                    raise
+                except Exception as e:
+                    raise ExpectedDigestsError(
+                        f"vLLM cannot build {model_config.architecture}: {' '.join(str(e).split())[:300]}"
+                    ) from None
+                _refuse_byte_changing_post_load(rank_model)
+                tracked = _Tracked(source())
+                try:
+                    loaded = rank_model.load_weights(iter(tracked))
+                except ExpectedDigestsError:
+                    raise
+                except Exception as e:
+                    where = f"tensor '{tracked.current}'" if tracked.current else "the weights"
+                    message = " ".join(str(e).split())[:300] or type(e).__name__
+                    raise ExpectedDigestsError(f"{where}: vLLM's loader failed: {message}") from None
+                maybe_retie_word_embeddings(rank_model, model_config)
+            names = [n for n, _ in rank_model.named_parameters()]
+            unwritten = sorted(set(names) - set(loaded)) if isinstance(loaded, set) else []
+            if unwritten and not allow_unwritten:
+                shown = ", ".join(unwritten[:5]) + (" ..." if len(unwritten) > 5 else "")
+                raise ExpectedDigestsError(
+                    f"the weights never wrote {len(unwritten)} parameter(s) of pp{pp_rank}:tp{tp_rank}: {shown}"
+                )
+            prefix = rank_prefix(0, pp_rank, 0, tp_rank)
+            digests = weight_checker.checksum(rank_model, prefix=prefix)
+            skipped = {prefix + n for n in unwritten}
+            for key in list(digests):
+                # A SharedWeightParameter or tensor subclass reports name.{part}.
+                if key in skipped or key.rsplit(".", 1)[0] in skipped:
+                    del digests[key]
+            for d in range(dp):
+                replica = rank_prefix(d, pp_rank, 0, tp_rank)
+                out.update({replica + k[len(prefix) :]: v for k, v in digests.items()})
+                out.unwritten += [replica + k[len(prefix) :] for k in sorted(skipped)]
+            del rank_model, digests
+    return out

@@ -1,0 +1,33 @@
+"""Test-only worker extension (``--worker-extension-cls
+weight_checker_test_hooks.TestHooks``): faults that a real weight update can
+have, made on purpose inside each worker through ``collective_rpc``."""
+
+from __future__ import annotations
+
+import glob
+import os
+
+
+class TestHooks:
+    def weight_checker_test_load_tp0_shard(self, weights_path: str) -> None:
+        """Every rank loads tensor-parallel rank 0's shard of the checkpoint
+        at ``weights_path`` (the bug of vllm-gguf-plugin#103): each layer's and
+        parameter's ``tp_rank`` is set to 0 while ``load_weights`` runs."""
+        import torch
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
+
+        model = self.model_runner.get_model()
+        saved = []
+        for module in model.modules():
+            for obj in (module, *module.parameters(recurse=False)):
+                if isinstance(getattr(obj, "tp_rank", None), int):
+                    saved.append((obj, obj.tp_rank))
+                    obj.tp_rank = 0
+        try:
+            files = sorted(glob.glob(os.path.join(weights_path, "*.safetensors")))
+            with set_current_vllm_config(self.vllm_config), torch.no_grad():
+                model.load_weights(safetensors_weights_iterator(files, False))
+        finally:
+            for obj, rank in saved:
+                obj.tp_rank = rank

