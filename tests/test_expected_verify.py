@@ -28,7 +28,7 @@ pytestmark = [
     pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed"),
 ]
 
-SITE = str(Path(__file__).with_name("keep_linear_site"))
+SITE = str(Path(__file__).with_name("gpu_layout_site"))
 SKIPPED = "model.layers.0.mlp.down_proj.weight"
 
 

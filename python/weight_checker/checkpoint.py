@@ -3,8 +3,9 @@
 A checkpoint is given as ``.safetensors`` files, a directory of them, or a
 ``model.safetensors.index.json``. The Rust core validates each header, maps
 each file and hashes every tensor's byte range in parallel; a tensor's digest
-equals ``weight_checker.checksum`` of the same tensor loaded by torch, so a
-checkpoint's digests are the baseline a freshly loaded engine must match.
+equals ``weight_checker.checksum`` of the same tensor loaded by torch. An
+engine fuses and shards tensors, so its keys are not a checkpoint's: the
+digests an engine must hold come from :mod:`weight_checker.expected`.
 """
 
 from __future__ import annotations

@@ -116,7 +116,11 @@ def cmd_checksum(args: argparse.Namespace) -> int:
 
 
 def cmd_expect(args: argparse.Namespace) -> int:
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM's INFO lines are not this command's output
+    # vLLM's INFO and WARNING lines are not this command's output (its errors become ours).
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    import logging
+
+    logging.getLogger("vllm").setLevel(logging.ERROR)
     from weight_checker.expected import ExpectedDigestsError, expected_digests
 
     ranks = args.tp * args.pp

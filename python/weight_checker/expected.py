@@ -31,6 +31,7 @@ import json
 import mmap
 import os
 import struct
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +56,8 @@ class ExpectedDigests(dict):
     #: Keys of parameters the weights never wrote (not in the mapping: their
     #: bytes would be uninitialized memory, so they are never hashed).
     unwritten: list[str]
+    #: Seconds spent building and loading the rank models, and hashing them.
+    seconds: dict[str, float]
 
     def manifest(self) -> dict[str, Any]:
         """The ``checksum`` manifest format, with the provenance beside it."""
@@ -121,8 +124,8 @@ class CheckpointWeights:
                 yield name, flat.view(dtype).reshape(info["shape"])
 
 
-def _weights_source(weights: Any, checkpoint: Path | None) -> Callable[[], Iterable[tuple[str, Any]]]:
-    """A callable giving a fresh iterable of the weights for each rank."""
+def _weights_source(weights: Any, checkpoint: Path | None, ranks: int) -> Callable[[], Iterable[tuple[str, Any]]]:
+    """A callable giving a fresh iterable of the weights for each of ``ranks`` ranks."""
     if weights is None:
         if checkpoint is None:
             raise ExpectedDigestsError("no weights given and the model is not a checkpoint directory")
@@ -135,7 +138,7 @@ def _weights_source(weights: Any, checkpoint: Path | None) -> Callable[[], Itera
         return lambda: weights.items()
     if callable(weights):
         return weights
-    if iter(weights) is weights:
+    if iter(weights) is weights and ranks > 1:
         raise ExpectedDigestsError(
             "weights is a one-shot iterator: every rank reads the whole stream, so pass a list, a mapping "
             "(state_dict), dict.items(), or a callable that returns a fresh iterable"
@@ -166,6 +169,21 @@ class _Tracked:
 
 
 @dataclass
+class _ProcessGroupShape:
+    """The size and rank of a torch process group, without the group (model
+    constructors read them, e.g. Mixtral's expert-parallel size)."""
+
+    world_size: int
+    rank_in_group: int
+
+    def size(self) -> int:
+        return self.world_size
+
+    def rank(self) -> int:
+        return self.rank_in_group
+
+
+@dataclass
 class _Group:
     """What model construction and ``load_weights`` read of a vLLM group
     coordinator: one rank's coordinates, no communicator."""
@@ -175,8 +193,12 @@ class _Group:
     ranks: list[int]
     rank: int
     local_rank: int = 0
-    device_group: Any = None
-    cpu_group: Any = None
+
+    @property
+    def device_group(self) -> _ProcessGroupShape:
+        return _ProcessGroupShape(self.world_size, self.rank_in_group)
+
+    cpu_group = device_group
 
     @property
     def is_first_rank(self) -> bool:
@@ -232,6 +254,22 @@ def _engine_args(model: Any, tp: int, pp: int, dtype: str | None, engine_args: M
     return EngineArgs(**args)
 
 
+def _refuse_quantized_config(checkpoint: Path) -> None:
+    """A model directory's config, checked before vLLM reads it."""
+    try:
+        config = json.loads((checkpoint / "config.json").read_text())
+    except FileNotFoundError:
+        raise ExpectedDigestsError(f"{checkpoint}: not a model directory (no config.json)") from None
+    except (OSError, ValueError) as e:
+        raise ExpectedDigestsError(f"{checkpoint / 'config.json'}: cannot read: {e}") from None
+    quant = config.get("quantization_config") if isinstance(config, dict) else None
+    if quant is not None:
+        method = quant.get("quant_method", "unknown method") if isinstance(quant, dict) else "unknown method"
+        raise ExpectedDigestsError(
+            f"{checkpoint}: quantized model ({method}): its post-load processing changes bytes; not supported"
+        )
+
+
 _NO_OP_ON_GPU = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod", "UnquantizedFusedMoEMethod")
 
 
@@ -281,9 +319,9 @@ def expected_digests(
         if not isinstance(n, int) or n < 1:
             raise ExpectedDigestsError(f"{label} must be a positive integer, got {n!r}")
     checkpoint = Path(model) if isinstance(model, (str, Path)) else None
-    if checkpoint is not None and not (checkpoint / "config.json").is_file():
-        raise ExpectedDigestsError(f"{checkpoint}: not a model directory (no config.json)")
-    source = _weights_source(weights, checkpoint)
+    if checkpoint is not None:
+        _refuse_quantized_config(checkpoint)
+    source = _weights_source(weights, checkpoint, tp * pp)
 
     import torch
     import vllm
@@ -297,10 +335,13 @@ def expected_digests(
     try:
         config = _engine_args(model, tp, pp, dtype, engine_args).create_engine_config()
     except Exception as e:
-        raise ExpectedDigestsError(f"vLLM cannot configure this model: {' '.join(str(e).split())[:300]}") from None
+        reason = " ".join(str(e).split()).split(" Supported architectures:")[0]
+        raise ExpectedDigestsError(f"vLLM cannot configure this model: {reason[:300]}") from None
     model_config = config.model_config
     if model_config.quantization is not None:
-        raise ExpectedDigestsError(f"quantized model ({model_config.quantization}): not supported")
+        raise ExpectedDigestsError(
+            f"quantized model ({model_config.quantization}): its post-load processing changes bytes; not supported"
+        )
     out = ExpectedDigests()
     out.vllm_version = vllm.__version__
     out.layout = {
@@ -308,11 +349,13 @@ def expected_digests(
         "architecture": model_config.architecture,
     }  # fmt: skip
     out.unwritten = []
+    out.seconds = {"load": 0.0, "hash": 0.0}
     for pp_rank in range(pp):
         for tp_rank in range(tp):
             if progress is not None:
                 progress(f"pp{pp_rank}:tp{tp_rank}")
             config.compilation_config.static_forward_context.clear()
+            started = time.perf_counter()
             with (
                 _rank_groups(tp_rank, tp, pp_rank, pp),
                 set_current_vllm_config(config),
@@ -346,7 +389,10 @@ def expected_digests(
                     f"the weights never wrote {len(unwritten)} parameter(s) of pp{pp_rank}:tp{tp_rank}: {shown}"
                 )
             prefix = rank_prefix(0, pp_rank, 0, tp_rank)
+            loaded_at = time.perf_counter()
             digests = weight_checker.checksum(rank_model, prefix=prefix)
+            out.seconds["load"] += loaded_at - started
+            out.seconds["hash"] += time.perf_counter() - loaded_at
             skipped = {prefix + n for n in unwritten}
             for key in list(digests):
                 # A SharedWeightParameter or tensor subclass reports name.{part}.

@@ -9,6 +9,18 @@ import os
 
 
 class TestHooks:
+    def weight_checker_test_gpu_layout_digests(self) -> dict[str, str]:
+        """``{key: digest}`` of the parameters the CPU backend repacked after
+        loading, as the loader left them (see ``sitecustomize``)."""
+        from weight_checker.vllm import worker_prefix
+
+        prefix = worker_prefix(self)
+        out = {}
+        for name, module in self.model_runner.get_model().named_modules():
+            for param, digest in getattr(module, "_weight_checker_gpu_layout", {}).items():
+                out[f"{prefix}{name}.{param}"] = digest
+        return out
+
     def weight_checker_test_load_tp0_shard(self, weights_path: str) -> None:
         """Every rank loads tensor-parallel rank 0's shard of the checkpoint
         at ``weights_path`` (the bug of vllm-gguf-plugin#103): each layer's and

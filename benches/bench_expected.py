@@ -1,0 +1,188 @@
+"""expected_digests on a ~1B-parameter Llama-shaped checkpoint, against the
+time to hash the same bytes.
+
+    .venv/bin/python benches/bench_expected.py [--repeat 3] [--no-cold]
+
+The checkpoint (hidden 2048, intermediate 5632, 16 layers, 16 heads, 4 KV
+heads, vocab 32000: 0.97 B parameters, 1.94 GB bf16, one shard) is written
+once under .bench/. Each figure runs in a fresh process:
+
+- ``sha256_many``: the checkpoint's tensors already in memory, hashed; the
+  floor for hashing those bytes (the engine's ranks hold about the same bytes);
+- ``expected_digests`` at TP=1 and TP=2 (both ranks), page cache warm: total
+  time, its split into building + loading the rank models and hashing them,
+  and the peak RSS against a process that imports vLLM and configures the
+  same model without loading it;
+- cold (page cache dropped before the run, as root): the bytes read from the
+  disk (``/proc/self/io`` read_bytes) against the checkpoint's size, so that
+  t ranks are seen not to mean t reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from ceiling import machine
+
+ROOT = Path(__file__).resolve().parent.parent
+SHAPE = {
+    "vocab_size": 32000,
+    "hidden_size": 2048,
+    "intermediate_size": 5632,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 256,
+}
+
+COMMON = """
+import json, resource, sys, time
+def io_read():
+    with open("/proc/self/io") as f:
+        return int(next(l for l in f if l.startswith("read_bytes")).split()[1])
+def peak_mib():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+"""
+
+HASH_ONLY = (
+    COMMON
+    + """
+from safetensors.torch import load_file
+import weight_checker
+tensors = list(load_file(sys.argv[1] + "/model.safetensors").values())
+t = time.perf_counter()
+weight_checker.sha256_many(tensors)
+print(json.dumps({"seconds": time.perf_counter() - t, "bytes": sum(x.nbytes for x in tensors)}))
+"""
+)
+
+VLLM_ONLY = (
+    COMMON
+    + """
+import os
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+from vllm.engine.arg_utils import EngineArgs
+import weight_checker, torch
+EngineArgs(model=sys.argv[1], skip_tokenizer_init=True, enforce_eager=True, max_model_len=256,
+           tensor_parallel_size=int(sys.argv[2])).create_engine_config()
+print(json.dumps({"peak_mib": peak_mib()}))
+"""
+)
+
+EXPECT = (
+    COMMON
+    + """
+import os
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+import vllm, weight_checker, torch
+before = io_read()
+t = time.perf_counter()
+out = weight_checker.expected_digests(sys.argv[1], tp=int(sys.argv[2]))
+seconds = time.perf_counter() - t
+print(json.dumps({"seconds": seconds, "split": out.seconds, "keys": len(out),
+                  "peak_mib": peak_mib(), "read_bytes": io_read() - before}))
+"""
+)
+
+
+def make_checkpoint(path: Path) -> Path:
+    if (path / "model.safetensors").exists():
+        return path
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = transformers.LlamaConfig(**SHAPE, torch_dtype="bfloat16")
+    cfg.architectures = ["LlamaForCausalLM"]
+    cfg.save_pretrained(path)
+    h, i, v, layers = SHAPE["hidden_size"], SHAPE["intermediate_size"], SHAPE["vocab_size"], SHAPE["num_hidden_layers"]
+    kv = h // SHAPE["num_attention_heads"] * SHAPE["num_key_value_heads"]
+    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
+    for n in range(layers):
+        pre = f"model.layers.{n}."
+        shapes |= {
+            pre + "self_attn.q_proj.weight": (h, h),
+            pre + "self_attn.k_proj.weight": (kv, h),
+            pre + "self_attn.v_proj.weight": (kv, h),
+            pre + "self_attn.o_proj.weight": (h, h),
+            pre + "mlp.gate_proj.weight": (i, h),
+            pre + "mlp.up_proj.weight": (i, h),
+            pre + "mlp.down_proj.weight": (h, i),
+            pre + "input_layernorm.weight": (h,),
+            pre + "post_attention_layernorm.weight": (h,),
+        }
+    torch.manual_seed(0)
+    tensors = {}
+    for name, shape in shapes.items():
+        t = torch.empty(shape, dtype=torch.bfloat16)
+        t.view(torch.int16).random_(-16000, 16000)  # finite bf16 values
+        tensors[name] = t
+    save_file(tensors, str(path / "model.safetensors"))
+    return path
+
+
+def run(script: str, *args: str, cold: bool = False) -> dict:
+    if cold:
+        subprocess.run(["sync"], check=True)
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    out = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def warm(path: Path) -> None:
+    with open(path / "model.safetensors", "rb") as f:
+        while f.read(64 << 20):
+            pass
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--no-cold", action="store_true", help="skip the cold-cache runs (they need root)")
+    args = ap.parse_args()
+    ckpt = make_checkpoint(ROOT / ".bench" / "expected-1b")
+    size = (ckpt / "model.safetensors").stat().st_size
+    print(machine())
+    print(f"checkpoint: {ckpt}, {size / 1e9:.2f} GB (Llama-shaped, {SHAPE['num_hidden_layers']} layers)")
+    warm(ckpt)
+    hashes = [run(HASH_ONLY, str(ckpt)) for _ in range(args.repeat)]
+    h = statistics.median(r["seconds"] for r in hashes)
+    print(f"  sha256_many over the tensors in memory: {h:.3f} s ({hashes[0]['bytes'] / h / 1e9:.2f} GB/s)")
+    cold_ok = not args.no_cold
+    for tp in (1, 2):
+        base = run(VLLM_ONLY, str(ckpt), str(tp))["peak_mib"]
+        runs = [run(EXPECT, str(ckpt), str(tp)) for _ in range(args.repeat)]
+        t = statistics.median(r["seconds"] for r in runs)
+        best = min(runs, key=lambda r: r["seconds"])
+        shard = size / tp / 2**20
+        print(f"\n expected_digests, TP={tp} (all {tp} rank(s), {best['keys']} keys), median of {args.repeat}, warm")
+        print(
+            f"  total {t:.3f} s = {t / h:.2f} x the hashing time (goal <= 1.5); "
+            f"load {best['split']['load']:.3f} s + hash {best['split']['hash']:.3f} s (best run)"
+        )
+        print(
+            f"  peak RSS {max(r['peak_mib'] for r in runs):.0f} MiB; vLLM imported and configured alone {base:.0f} MiB;"
+            f" one rank's shard {shard:.0f} MiB"
+        )
+        if cold_ok:
+            try:
+                cold = run(EXPECT, str(ckpt), str(tp), cold=True)
+            except OSError:
+                print("  cold: skipped (cannot write /proc/sys/vm/drop_caches; run as root)")
+                cold_ok = False
+                continue
+            print(
+                f"  cold: {cold['seconds']:.3f} s, read from disk {cold['read_bytes'] / 1e9:.2f} GB"
+                f" = {cold['read_bytes'] / size:.2f} x the checkpoint"
+            )
+            warm(ckpt)
+
+
+if __name__ == "__main__":
+    main()
