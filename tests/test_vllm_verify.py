@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 import subprocess
 import sys
@@ -116,11 +117,11 @@ def test_unreachable_server_names_server_and_step():
     assert "step 'pause' on http://127.0.0.1:9" in r.stderr
 
 
-def test_duplicate_keys_across_servers_are_an_error(server):
-    r = verify("--url", server.url, "--url", server.url, "--transfer", "reload")
-    assert r.returncode == 2 and "keys also served by another server" in r.stderr
+def test_a_server_given_twice_is_refused_before_anything_is_paused(server):
+    r = verify("--url", server.url, "--url", server.url + "/", "--transfer", "reload")
+    assert r.returncode == 2 and "given twice" in r.stderr and server.url in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
     assert_resumed(server)
-    server.post("/collective_rpc", {"method": "reload_weights"})
 
 
 def test_ctrl_c_during_transfer_resumes_and_exits_130(server):
@@ -233,3 +234,30 @@ def test_verify_library_over_http(server):
     assert_resumed(server)
     with pytest.raises(weight_checker.VerifyError, match=r"step 'pause' on http://127\.0\.0\.1:9"):
         weight_checker.verify("http://127.0.0.1:9", transfer=lambda: None, timeout=5)
+
+
+def test_two_independent_servers_verified_at_once_each_against_its_own_baseline(server, second_server):
+    """A fleet of replicas (the same keys on every engine): kept apart by
+    engine, checked concurrently; a transfer that skips one names it."""
+    r = verify("--url", server.url, "--url", second_server.url, "--transfer", "reload", "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    report = json.loads(r.stdout)
+    assert report["match"] is True and report["keys"] == 2 * 15
+    assert {s["step"] for s in report["steps"] if "slowest" in s} >= {"pause", "checksum (baseline)"}
+    post = (
+        "import sys, urllib.request as u; u.urlopen(u.Request(sys.argv[1] + '/collective_rpc',"
+        " b'{\"method\": \"reload_weights\"}', {'Content-Type': 'application/json'}), timeout=300)"
+    )
+    skip_second = shlex.join([sys.executable, "-c", post, server.url])
+    r = verify("--url", server.url, "--url", second_server.url, "--transfer-cmd", skip_second, "--json")
+    try:
+        assert r.returncode == 1, r.stdout + r.stderr
+        classes = json.loads(r.stdout)["classes"]
+        assert set(classes) == {"untouched-since-reset"}
+        assert classes["untouched-since-reset"] and all(
+            k.startswith(f"{second_server.url} dp0:") for k in classes["untouched-since-reset"]
+        )
+    finally:
+        second_server.post("/collective_rpc", {"method": "reload_weights"})
+    assert_resumed(server)
+    assert_resumed(second_server)

@@ -251,7 +251,7 @@ def http_target(args: argparse.Namespace):
     from weight_checker.verify import HttpTarget
 
     try:
-        return HttpTarget(args.url, api_key=args.api_key, timeout=args.timeout)
+        return HttpTarget(args.url, api_key=args.api_key, timeout=args.timeout, concurrency=args.concurrency)
     except ValueError as e:
         raise UsageError(str(e)) from None
 
@@ -333,7 +333,9 @@ def print_verify_report(report: dict) -> None:
     print(f"weight-checker verify: {len(report['servers'])} server(s): {' '.join(report['servers'])}")
     for i, s in enumerate(report["steps"], 1):
         status = "ok" if s["ok"] else "FAILED"
-        print(f"  {i}. {s['step']:<24} {status:<6} {s['seconds']:8.3f} s")
+        slowest = s.get("slowest")
+        slow = f"   slowest {slowest['engine']} {slowest['seconds']:.3f} s" if slowest else ""
+        print(f"  {i}. {s['step']:<24} {status:<6} {s['seconds']:8.3f} s{slow}")
     for w in report.get("warnings", []):
         print(f"warning: {w}")
     if report.get("error") and not report.get("keys"):
@@ -436,14 +438,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--expected", metavar="FILE", help="no reset: checksum before and after the transfer, compare with `expect`'s"
     )
     v.add_argument("--json", action="store_true", help="machine-readable report")
-    v.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default 600)")
+    v.add_argument("--timeout", type=float, default=600.0, help="seconds per request to each server (default 600)")
+    v.add_argument("--concurrency", type=positive, default=32, help="servers asked at once (default 32)")
     v.add_argument("--api-key", metavar="KEY", help="the servers' API key (default: $VLLM_API_KEY)")
     v.set_defaults(func=cmd_verify)
 
     r = sub.add_parser("replicas", help="check that the replicas of a model hold the same weights (no pause, no reset)")
     r.add_argument("--url", action="append", required=True, help="API server (repeat for several)")
     r.add_argument("--json", action="store_true", help="machine-readable report")
-    r.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default 600)")
+    r.add_argument("--timeout", type=float, default=600.0, help="seconds per request to each server (default 600)")
+    r.add_argument("--concurrency", type=positive, default=32, help="servers asked at once (default 32)")
     r.add_argument("--api-key", metavar="KEY", help="the servers' API key (default: $VLLM_API_KEY)")
     r.set_defaults(func=cmd_replicas)
     return p

@@ -254,6 +254,49 @@ def _engine_args(model: Any, tp: int, pp: int, dtype: str | None, engine_args: M
     return EngineArgs(**args)
 
 
+class _Arena:
+    """One rank's parameter memory, kept from call to call.
+
+    A freshly built model's parameters are untouched allocations, so the
+    loader's copy into them pays a page fault and the kernel's zeroing for
+    every 4 KiB (here 0.38 s for 1.7 GB, against 0.10 s for the same copy
+    into memory already touched). Each rank's parameters are rebound to views
+    of this one buffer instead, which is zeroed first: bytes that the weights
+    do not write read as zeros, never as what an earlier rank or step left
+    there. The buffer is the size of the largest rank seen;
+    :func:`release_buffers` frees it.
+    """
+
+    ALIGN = 64
+
+    def __init__(self) -> None:
+        self.buffer: Any = None
+
+    def bind(self, model: Any) -> None:
+        import torch
+
+        params = [p for _, p in model.named_parameters() if p.device.type == "cpu" and p.numel() > 0]
+        sizes = [-(-p.nbytes // self.ALIGN) * self.ALIGN for p in params]
+        total = sum(sizes)
+        if self.buffer is None or self.buffer.numel() < total:
+            self.buffer = None
+            self.buffer = torch.empty(total, dtype=torch.uint8)
+        self.buffer[:total].zero_()
+        offset = 0
+        for p, size in zip(params, sizes, strict=True):
+            view = self.buffer[offset : offset + p.nbytes].view(p.dtype).view(p.shape)
+            p.data = view
+            offset += size
+
+
+_ARENA = _Arena()
+
+
+def release_buffers() -> None:
+    """Frees the parameter memory :func:`expected_digests` keeps between calls."""
+    _ARENA.buffer = None
+
+
 def _refuse_quantized_config(checkpoint: Path) -> None:
     """A model directory's config, checked before vLLM reads it."""
     try:
@@ -371,6 +414,7 @@ def expected_digests(
                         f"vLLM cannot build {model_config.architecture}: {' '.join(str(e).split())[:300]}"
                     ) from None
                 _refuse_byte_changing_post_load(rank_model)
+                _ARENA.bind(rank_model)
                 tracked = _Tracked(source())
                 try:
                     loaded = rank_model.load_weights(iter(tracked))

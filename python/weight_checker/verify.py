@@ -38,23 +38,46 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import sys
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from weight_checker.digests import compare
-from weight_checker.httpclient import HttpError, api_key_from_env, post_json, validate_url
-from weight_checker.keys import DuplicateKeysError, merge_digests, split_key
+from weight_checker.errors import VerifyError, WeightCheckerError
+from weight_checker.keys import split_key
+from weight_checker.targets import (
+    DEFAULT_CONCURRENCY,
+    AsyncLLMTarget,
+    Fleet,
+    HttpTarget,
+    LLMTarget,
+    Target,
+    target_for,
+)
+
+__all__ = [
+    "AsyncLLMTarget",
+    "Fleet",
+    "HttpTarget",
+    "LLMTarget",
+    "ReplicaResult",
+    "Target",
+    "VerifyError",
+    "VerifyResult",
+    "WeightCheckerError",
+    "WeightMismatchError",
+    "classify",
+    "classify_expected",
+    "replicas",
+    "target_for",
+    "verify",
+    "verify_async",
+]
 
 EMPTY_DIGEST = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
 CLASSES = ("missing", "unexpected", "untouched-since-reset", "changed")
 EXPECTED_CLASSES = ("missing", "unexpected", "stale", "wrong-shard", "changed")
-
-
-class WeightCheckerError(Exception):
-    """Base class of the verify workflow's errors."""
 
 
 class WeightMismatchError(WeightCheckerError):
@@ -71,24 +94,14 @@ class WeightMismatchError(WeightCheckerError):
         self.mismatches = dict(mismatches)
 
 
-class VerifyError(WeightCheckerError):
-    """A step of the workflow failed (not a mismatch): names the step and the server."""
-
-    def __init__(self, step: str, server: str | None, message: str):
-        where = f" on {server}" if server else ""
-        super().__init__(f"step '{step}'{where}: {message}")
-        self.step = step
-        self.server = server
-        self.message = message
-        self.result: VerifyResult | None = None
-
-
 @dataclass
 class Step:
     name: str
     seconds: float
     ok: bool
     detail: str = ""
+    #: ``(engine, seconds)`` of the slowest engine, when the step ran on several.
+    slowest: tuple[str, float] | None = None
 
 
 @dataclass
@@ -121,7 +134,11 @@ class VerifyResult:
     def to_json(self) -> dict[str, Any]:
         return {
             "servers": self.servers,
-            "steps": [{"step": s.name, "ok": s.ok, "seconds": s.seconds, "detail": s.detail} for s in self.steps],
+            "steps": [
+                {"step": s.name, "ok": s.ok, "seconds": s.seconds, "detail": s.detail}
+                | ({"slowest": {"engine": s.slowest[0], "seconds": s.slowest[1]}} if s.slowest else {})
+                for s in self.steps
+            ],
             "match": self.match,
             "mismatches": sorted(self.mismatches),
             "classes": self.classes(),
@@ -212,210 +229,34 @@ def already_zeroed_warning(baseline: Mapping[str, str], post_reset: Mapping[str,
     return None
 
 
-# --- targets -------------------------------------------------------------------
-
-
-class HttpTarget:
-    """One API server or several (``--data-parallel-external-lb``)."""
-
-    def __init__(self, urls: str | Iterable[str], *, api_key: str | None = None, timeout: float | None = None):
-        urls = [urls] if isinstance(urls, str) else list(urls)
-        if not urls:
-            raise ValueError("no server URL given")
-        self.urls = [validate_url(u) for u in urls]
-        self.api_key = api_key_from_env(api_key)
-        self.timeout = 600.0 if timeout is None else timeout
-        self.paused: list[str] = []
-
-    @property
-    def names(self) -> list[str]:
-        return list(self.urls)
-
-    def _post(self, url: str, path: str, body: Any, step: str) -> Any:
-        try:
-            return post_json(url, path, body, timeout=self.timeout, api_key=self.api_key)
-        except HttpError as e:
-            raise VerifyError(step, url, e.message) from None
-
-    def pause(self) -> None:
-        for url in self.urls:
-            self._post(url, "/pause?mode=abort", None, "pause")
-            self.paused.append(url)
-
-    def resume(self) -> list[str]:
-        """Resumes every server paused so far; returns one message per failure."""
-        failures = []
-        for url in list(self.paused):
-            try:
-                self._post(url, "/resume", None, "resume")
-                self.paused.remove(url)
-            except VerifyError as e:
-                failures.append(str(e))
-        return failures
-
-    def checksums_by_server(self, step: str) -> list[dict[str, str]]:
-        out = []
-        for url in self.urls:
-            answer = self._post(url, "/weight_checker", {"action": "checksum"}, step)
-            sums = answer.get("checksums") if isinstance(answer, dict) else None
-            if not isinstance(sums, dict) or not all(isinstance(v, str) for v in sums.values()):
-                raise VerifyError(step, url, f"unexpected answer {str(answer)[:200]}")
-            out.append(sums)
-        return out
-
-    def checksum(self, step: str) -> dict[str, str]:
-        per_server = self.checksums_by_server(step)
-        try:
-            return merge_digests(per_server, self.urls)
-        except DuplicateKeysError as e:
-            raise VerifyError(step, str(e.source), f"keys also served by another server: {e.keys[:5]}") from None
-
-    def reset(self, step: str) -> None:
-        for url in self.urls:
-            self._post(url, "/weight_checker", {"action": "reset"}, step)
-
-    def versions(self) -> dict[str, str | None]:
-        """Each server's vLLM version (``GET /version``), None where unknown."""
-        from weight_checker.httpclient import request
-
-        out: dict[str, str | None] = {}
-        for url in self.urls:
-            try:
-                status, body = request("GET", url, "/version", timeout=min(self.timeout, 30), api_key=self.api_key)
-                out[url] = body.get("version") if status == 200 and isinstance(body, dict) else None
-            except HttpError:
-                out[url] = None
-        return out
-
-
-def _in_process_vllm_version() -> str | None:
-    vllm = sys.modules.get("vllm")
-    return getattr(vllm, "__version__", None)
-
-
-def _merge_workers(results: list[Any], step: str, name: str) -> dict[str, str]:
-    if not isinstance(results, list) or not all(isinstance(r, dict) for r in results):
-        raise VerifyError(step, name, f"unexpected answer {str(results)[:200]}")
-    try:
-        return merge_digests(results)
-    except DuplicateKeysError as e:
-        raise VerifyError(step, name, f"two workers produced the same keys: {e.keys[:5]}") from None
-
-
-class LLMTarget:
-    """An in-process ``vllm.LLM``: the plugin's worker methods over ``collective_rpc``."""
-
-    def __init__(self, llm: Any, *, timeout: float | None = None):
-        self.llm = llm
-        self.timeout = timeout
-        self.name = f"in-process {type(llm).__name__}"
-        self.names = [self.name]
-
-    def _rpc(self, method: str, step: str) -> Any:
-        try:
-            return self.llm.collective_rpc(method, timeout=self.timeout)
-        except Exception as e:
-            raise VerifyError(step, self.name, f"collective_rpc({method!r}) failed: {e}") from None
-
-    def pause(self) -> None:  # an offline engine serves nothing during the call
-        pass
-
-    def resume(self) -> list[str]:
-        return []
-
-    def checksum(self, step: str) -> dict[str, str]:
-        return _merge_workers(self._rpc("weight_checker_checksums", step), step, self.name)
-
-    def reset(self, step: str) -> None:
-        self._rpc("weight_checker_reset", step)
-
-    def versions(self) -> dict[str, str | None]:
-        return {self.name: _in_process_vllm_version()}
-
-
-class AsyncLLMTarget:
-    """An in-process ``vllm.AsyncLLM`` (or any engine client with an async
-    ``collective_rpc``); paused with ``pause_generation``."""
-
-    def __init__(self, engine: Any, *, timeout: float | None = None):
-        self.engine = engine
-        self.timeout = timeout
-        self.name = f"in-process {type(engine).__name__}"
-        self.names = [self.name]
-        self.paused = False
-
-    async def _rpc(self, method: str, step: str) -> Any:
-        try:
-            return await self.engine.collective_rpc(method, timeout=self.timeout)
-        except Exception as e:
-            raise VerifyError(step, self.name, f"collective_rpc({method!r}) failed: {e}") from None
-
-    async def pause(self) -> None:
-        if hasattr(self.engine, "pause_generation"):
-            try:
-                await self.engine.pause_generation(mode="abort")
-            except Exception as e:
-                raise VerifyError("pause", self.name, str(e)) from None
-            self.paused = True
-
-    async def resume(self) -> list[str]:
-        if not self.paused:
-            return []
-        try:
-            await self.engine.resume_generation()
-            self.paused = False
-            return []
-        except Exception as e:
-            return [str(VerifyError("resume", self.name, str(e)))]
-
-    async def checksum(self, step: str) -> dict[str, str]:
-        return _merge_workers(await self._rpc("weight_checker_checksums", step), step, self.name)
-
-    async def reset(self, step: str) -> None:
-        await self._rpc("weight_checker_reset", step)
-
-    def versions(self) -> dict[str, str | None]:
-        return {self.name: _in_process_vllm_version()}
-
-
-def target_for(target: Any, *, api_key: str | None = None, timeout: float | None = None) -> Any:
-    """The adapter for ``target``: a URL or list of URLs, an ``LLM``, an
-    ``AsyncLLM``, or an adapter already."""
-    if isinstance(target, (HttpTarget, LLMTarget, AsyncLLMTarget)):
-        return target
-    if isinstance(target, str) or (
-        isinstance(target, (list, tuple)) and target and all(isinstance(t, str) for t in target)
-    ):
-        return HttpTarget(target, api_key=api_key, timeout=timeout)
-    rpc = getattr(target, "collective_rpc", None)
-    if rpc is not None and inspect.iscoroutinefunction(rpc):
-        return AsyncLLMTarget(target, timeout=timeout)
-    if rpc is not None:
-        return LLMTarget(target, timeout=timeout)
-    raise TypeError(f"cannot verify a {type(target).__name__}: expected URL(s), a vllm.LLM or a vllm.AsyncLLM")
-
-
 # --- the workflow --------------------------------------------------------------------
+#
+# One workflow for sync and async targets: a generator that yields each
+# operation's return value (a value, or an awaitable for async targets and
+# async transfers) and is sent back the result. `verify` resolves them in
+# place, `verify_async` awaits them.
 
 
 class _Run:
-    """Bookkeeping shared by the sync and async workflows."""
+    """Bookkeeping of one run: the steps, their timings, the result."""
 
     def __init__(self, target: Any):
         self.target = target
-        self.result = VerifyResult(servers=list(getattr(target, "names", [])))
+        self.result = VerifyResult(servers=list(target.names))
 
-    def begin(self) -> float:
-        return time.perf_counter()
-
-    def end(self, name: str, start: float, *, ok: bool, detail: str = "") -> None:
-        self.result.steps.append(Step(name, time.perf_counter() - start, ok, detail))
+    def step(self, name: str, seconds: float, *, ok: bool, detail: str = "") -> None:
+        timing = getattr(self.target, "timings", {}).get(name)
+        slowest = timing.slowest if timing is not None and len(timing.seconds) > 1 else None
+        self.result.steps.append(Step(name, seconds, ok, detail, slowest))
 
     def finish(self, values: dict[str, Any]) -> None:
-        start = self.begin()
+        start = time.perf_counter()
         expected = values.get("expected")
         if expected is not None:
             unwritten = set(getattr(expected, "unwritten", ()))
+            if getattr(self.target, "kept_apart", False):  # one copy of the expectation per engine
+                unwritten = {f"{n} {k}" for n in self.target.names for k in unwritten}
+                expected = {f"{n} {k}": v for n in self.target.names for k, v in expected.items()}
             after = {k: v for k, v in values["current"].items() if k not in unwritten}
             self.result.mismatches, self.result.details = classify_expected(expected, values.get("before"), after)
             self.result.keys = len(expected)
@@ -430,7 +271,7 @@ class _Run:
             if post_reset is not None and (w := already_zeroed_warning(baseline, post_reset)):
                 self.result.warnings.append(w)
         self.result.match = not self.result.mismatches
-        self.end("compare", start, ok=True)
+        self.step("compare", time.perf_counter() - start, ok=True)
 
 
 def _load_digests(digests: Mapping[str, str] | None, what: str) -> Mapping[str, str] | None:
@@ -469,6 +310,108 @@ def version_warnings(expected: Mapping[str, str] | None, versions: Mapping[str, 
     ]
 
 
+def _steps(t: Target, transfer: Callable[[], Any] | None, mode: str) -> list[tuple[str, Callable[[], Any], str | None]]:
+    """``(step, call, result key)`` in order. ``mode``: ``reset`` (the seed's
+    flow), ``expected`` (no reset: before, transfer, after) or ``baseline``
+    (the current checksum only)."""
+    call_transfer = lambda: _call_transfer(transfer)  # noqa: E731
+    if mode == "expected":
+        return [
+            ("pause", t.pause, None),
+            ("checksum (before)", lambda: t.checksum("checksum (before)"), "before"),
+            ("transfer", call_transfer, None),
+            ("checksum (after)", lambda: t.checksum("checksum (after)"), "current"),
+        ]
+    steps: list[tuple[str, Callable[[], Any], str | None]] = []
+    if mode == "reset":
+        steps += [
+            ("pause", t.pause, None),
+            ("checksum (baseline)", lambda: t.checksum("checksum (baseline)"), "baseline"),
+            ("reset", lambda: t.reset("reset"), None),
+            ("checksum (post-reset)", lambda: t.checksum("checksum (post-reset)"), "post_reset"),
+            ("transfer", call_transfer, None),
+        ]
+    steps.append(("checksum (current)", lambda: t.checksum("checksum (current)"), "current"))
+    return steps
+
+
+def _call_transfer(transfer: Callable[[], Any] | None) -> Any:
+    """Calls the transfer; its awaitable (if any) is resolved by the driver."""
+    try:
+        return transfer()  # type: ignore[misc]
+    except (KeyboardInterrupt, VerifyError):
+        raise
+    except Exception as e:
+        raise VerifyError("transfer", None, f"the transfer failed: {type(e).__name__}: {e}") from e
+
+
+def _workflow(t: Target, transfer: Callable[[], Any] | None, mode: str, values: dict[str, Any], run: _Run):
+    """The check as a generator (see the section comment); returns the result."""
+    error: BaseException | None = None
+    try:
+        if values.get("expected") is not None:
+            run.result.warnings += version_warnings(values["expected"], t.versions())
+        for name, fn, key in _steps(t, transfer, mode):
+            start = time.perf_counter()
+            try:
+                value = yield (name, fn())
+            except BaseException:
+                run.step(name, time.perf_counter() - start, ok=False)
+                raise
+            run.step(name, time.perf_counter() - start, ok=True)
+            if key:
+                values[key] = value
+        run.finish(values)
+    except BaseException as e:
+        error = e
+    finally:
+        if t.paused:
+            start = time.perf_counter()
+            failures = yield ("resume", t.resume())
+            run.step("resume", time.perf_counter() - start, ok=not failures, detail="; ".join(failures))
+            run.result.warnings.extend(f"could not resume: {f}" for f in failures)
+    return _conclude(run, error)
+
+
+def _as_step_error(step: str, e: BaseException) -> BaseException:
+    """An awaited transfer's own failure, named as the transfer step's."""
+    if step == "transfer" and isinstance(e, Exception) and not isinstance(e, VerifyError):
+        return VerifyError("transfer", None, f"the transfer failed: {type(e).__name__}: {e}")
+    return e
+
+
+def _drive_sync(gen) -> VerifyResult:
+    try:
+        step, item = next(gen)
+        while True:
+            try:
+                resolved = asyncio.run(_await(item)) if inspect.isawaitable(item) else item
+            except BaseException as e:
+                step, item = gen.throw(_as_step_error(step, e))
+                continue
+            step, item = gen.send(resolved)
+    except StopIteration as done:
+        return done.value
+
+
+async def _drive_async(gen) -> VerifyResult:
+    try:
+        step, item = next(gen)
+        while True:
+            try:
+                resolved = (await item) if inspect.isawaitable(item) else item
+            except BaseException as e:
+                step, item = gen.throw(_as_step_error(step, e))
+                continue
+            step, item = gen.send(resolved)
+    except StopIteration as done:
+        return done.value
+
+
+async def _await(value: Awaitable[Any]) -> Any:
+    return await value
+
+
 def verify(
     target: Any,
     transfer: Callable[[], Any] | None = None,
@@ -477,48 +420,29 @@ def verify(
     expected: Mapping[str, str] | None = None,
     timeout: float | None = None,
     api_key: str | None = None,
+    concurrency: int = DEFAULT_CONCURRENCY,
 ) -> VerifyResult:
-    """Runs the weight-update check against ``target`` (URL(s) or an in-process
-    ``vllm.LLM``; use :func:`verify_async` for an ``AsyncLLM``).
+    """Runs the weight-update check against ``target``: URL(s), an in-process
+    ``vllm.LLM``, a Ray actor handle hosting an engine, or a list of engines of
+    one kind (use :func:`verify_async` for ``AsyncLLM``).
 
     ``transfer`` pushes the weights (a callable; a coroutine function is run
     to completion). With ``baseline``, only the current checksum and the
-    comparison run. A mismatch is in the result (``.match``,
-    ``.raise_for_mismatch()``); a failed step raises :class:`VerifyError`
-    (with ``.result`` holding the steps so far), after every paused server
-    was resumed.
+    comparison run; with ``expected`` (:func:`weight_checker.expected_digests`)
+    there is no reset. Every step runs on all engines at once (at most
+    ``concurrency``), each request with its own ``timeout``. A mismatch is in
+    the result (``.match``, ``.raise_for_mismatch()``); a failed step raises
+    :class:`VerifyError` (with ``.result`` holding the steps so far), after
+    every paused engine was resumed.
     """
-    t = target_for(target, api_key=api_key, timeout=timeout)
-    if isinstance(t, AsyncLLMTarget):
+    t = target_for(target, api_key=api_key, timeout=timeout, concurrency=concurrency)
+    if t.is_async:
         raise TypeError("an AsyncLLM is verified with `await weight_checker.verify_async(...)`")
     baseline = _load_digests(baseline, "baseline")
     expected = _load_digests(expected, "expected")
     mode = _mode(transfer, baseline, expected, "verify")
     run = _Run(t)
-    values: dict[str, Any] = {"baseline": baseline, "expected": expected}
-    error: BaseException | None = None
-    try:
-        if expected is not None:
-            run.result.warnings += version_warnings(expected, t.versions())
-        for name, fn, key in _steps(t, transfer, mode, _call_transfer):
-            start = run.begin()
-            try:
-                value = fn()
-            except BaseException:
-                run.end(name, start, ok=False)
-                raise
-            run.end(name, start, ok=True)
-            if key:
-                values[key] = value
-        run.finish(values)
-    except BaseException as e:
-        error = e
-    finally:
-        if getattr(t, "paused", None):
-            start = run.begin()
-            failures = t.resume()
-            _note_resume(run, failures, run.begin() - start, True)
-    return _conclude(run, error)
+    return _drive_sync(_workflow(t, transfer, mode, {"baseline": baseline, "expected": expected}, run))
 
 
 async def verify_async(
@@ -529,104 +453,18 @@ async def verify_async(
     expected: Mapping[str, str] | None = None,
     timeout: float | None = None,
     api_key: str | None = None,
+    concurrency: int = DEFAULT_CONCURRENCY,
 ) -> VerifyResult:
-    """:func:`verify` for an in-process ``vllm.AsyncLLM`` (paused with
-    ``pause_generation``); also accepts URL(s) and an ``LLM``, run in a thread."""
-    t = target_for(target, api_key=api_key, timeout=timeout)
-    if not isinstance(t, AsyncLLMTarget):
+    """:func:`verify` for in-process ``vllm.AsyncLLM`` engines (paused with
+    ``pause_generation``); other targets are run in a thread."""
+    t = target_for(target, api_key=api_key, timeout=timeout, concurrency=concurrency)
+    if not t.is_async:
         return await asyncio.to_thread(verify, t, transfer, baseline=baseline, expected=expected, timeout=timeout)
     baseline = _load_digests(baseline, "baseline")
     expected = _load_digests(expected, "expected")
     mode = _mode(transfer, baseline, expected, "verify_async")
     run = _Run(t)
-    values: dict[str, Any] = {"baseline": baseline, "expected": expected}
-    error: BaseException | None = None
-    try:
-        if expected is not None:
-            run.result.warnings += version_warnings(expected, t.versions())
-        for name, fn, key in _steps(t, transfer, mode, _call_transfer_async):
-            start = run.begin()
-            try:
-                value = await fn()
-            except BaseException:
-                run.end(name, start, ok=False)
-                raise
-            run.end(name, start, ok=True)
-            if key:
-                values[key] = value
-        run.finish(values)
-    except BaseException as e:
-        error = e
-    finally:
-        if t.paused:
-            start = run.begin()
-            failures = await t.resume()
-            _note_resume(run, failures, run.begin() - start, True)
-    return _conclude(run, error)
-
-
-def _steps(
-    t: Any, transfer: Callable[[], Any] | None, mode: str, call_transfer: Callable[[Any], Any]
-) -> list[tuple[str, Callable[[], Any], str | None]]:
-    """The workflow, once for both runners: ``(step, call, result key)``.
-    The calls return values (sync targets) or awaitables (async targets).
-    ``mode``: ``reset`` (the seed's flow), ``expected`` (no reset: before,
-    transfer, after) or ``baseline`` (the current checksum only)."""
-    steps: list[tuple[str, Callable[[], Any], str | None]] = []
-    if mode == "expected":
-        steps += [
-            ("pause", t.pause, None),
-            ("checksum (before)", lambda: t.checksum("checksum (before)"), "before"),
-            ("transfer", lambda: call_transfer(transfer), None),
-            ("checksum (after)", lambda: t.checksum("checksum (after)"), "current"),
-        ]
-        return steps
-    if mode == "reset":
-        steps += [
-            ("pause", t.pause, None),
-            ("checksum (baseline)", lambda: t.checksum("checksum (baseline)"), "baseline"),
-            ("reset", lambda: t.reset("reset"), None),
-            ("checksum (post-reset)", lambda: t.checksum("checksum (post-reset)"), "post_reset"),
-            ("transfer", lambda: call_transfer(transfer), None),
-        ]
-    steps.append(("checksum (current)", lambda: t.checksum("checksum (current)"), "current"))
-    return steps
-
-
-def _call_transfer(transfer: Callable[[], Any] | None) -> Any:
-    try:
-        value = transfer()  # type: ignore[misc]
-        if inspect.isawaitable(value):
-            value = asyncio.run(_await(value))
-    except (KeyboardInterrupt, VerifyError):
-        raise
-    except Exception as e:
-        raise VerifyError("transfer", None, f"the transfer failed: {type(e).__name__}: {e}") from e
-    return value
-
-
-async def _call_transfer_async(transfer: Callable[[], Any] | None) -> Any:
-    try:
-        value = transfer()  # type: ignore[misc]
-        if inspect.isawaitable(value):
-            value = await value
-    except (KeyboardInterrupt, VerifyError):
-        raise
-    except Exception as e:
-        raise VerifyError("transfer", None, f"the transfer failed: {type(e).__name__}: {e}") from e
-    return value
-
-
-async def _await(value: Awaitable[Any]) -> Any:
-    return await value
-
-
-def _note_resume(run: _Run, failures: list[str], seconds: float, attempted: bool) -> None:
-    if not attempted:
-        return
-    run.result.steps.append(Step("resume", seconds, not failures, "; ".join(failures)))
-    if failures:
-        run.result.warnings.extend(f"could not resume: {f}" for f in failures)
+    return await _drive_async(_workflow(t, transfer, mode, {"baseline": baseline, "expected": expected}, run))
 
 
 def _conclude(run: _Run, error: BaseException | None) -> VerifyResult:
@@ -666,17 +504,16 @@ class ReplicaResult:
         }
 
 
-def replicas(target: Any, *, timeout: float | None = None, api_key: str | None = None) -> ReplicaResult:
+def replicas(
+    target: Any, *, timeout: float | None = None, api_key: str | None = None, concurrency: int = DEFAULT_CONCURRENCY
+) -> ReplicaResult:
     """One checksum of every replica (no pause, no reset), keys grouped by
-    everything but the replica: the ``dp`` rank inside one server, and the
-    server itself when several are given."""
-    t = target_for(target, api_key=api_key, timeout=timeout)
-    if isinstance(t, AsyncLLMTarget):
+    everything but the replica: the ``dp`` rank inside one engine, and the
+    engine itself when several are given."""
+    t = target_for(target, api_key=api_key, timeout=timeout, concurrency=concurrency)
+    if t.is_async:
         raise TypeError("replicas() of an AsyncLLM: run it in process with an LLM or over HTTP")
-    if isinstance(t, HttpTarget):
-        per_source = list(zip(t.urls, t.checksums_by_server("checksum"), strict=True))
-    else:
-        per_source = [(t.name, t.checksum("checksum"))]
+    per_source = t.per_engine("checksum")
     several = len(per_source) > 1
     groups: dict[str, dict[str, str]] = {}
     names: list[str] = []

@@ -1,0 +1,22 @@
+"""The exceptions of the verify workflow, shared by its targets and runners."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class WeightCheckerError(Exception):
+    """Base class of the verify workflow's errors."""
+
+
+class VerifyError(WeightCheckerError):
+    """A step of the workflow failed (not a mismatch): names the step and the server."""
+
+    def __init__(self, step: str, server: str | None, message: str):
+        where = f" on {server}" if server else ""
+        super().__init__(f"step '{step}'{where}: {message}")
+        self.step = step
+        self.server = server
+        self.message = message
+        #: The steps so far (a ``VerifyResult``), set by the runner.
+        self.result: Any = None

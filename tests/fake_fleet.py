@@ -1,0 +1,108 @@
+"""Local fake API servers for fleet tests: vLLM's dev-mode control routes with
+a checksum that takes a set time (or hangs, boundedly), on 127.0.0.1 only.
+
+Each server serves ``dp{rank}:pp0:pcp0:tp0:w{j}`` keys; ``independent=True``
+makes every server serve ``dp0`` (a fleet of replicas)."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+HANG_S = 20.0  # a hung request ends by itself after this (the tests use timeouts far below)
+
+
+class FakeServer:
+    def __init__(self, rank: int, *, delay: float = 0.0, hang: bool = False, fail_pause: bool = False):
+        self.rank = rank
+        self.delay = delay
+        self.hang = hang
+        self.fail_pause = fail_pause
+        self.paused = False
+        self.loaded = {f"w{j}": hashlib.sha256(f"{rank}-{j}".encode()).hexdigest() for j in range(3)}
+        self.weights = dict(self.loaded)
+        self.prefix = f"dp{rank}:pp0:pcp0:tp0:"
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def _handler(self):
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def reply(self, status: int, body: object) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                if self.path == "/is_paused":
+                    return self.reply(200, {"is_paused": server.paused})
+                if self.path == "/version":
+                    return self.reply(200, {"version": "0.32.0"})
+                return self.reply(404, {"detail": "not found"})
+
+            def do_POST(self):
+                length = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(length) or b"null")
+                if self.path.startswith("/pause"):
+                    if server.fail_pause:
+                        return self.reply(500, {"detail": "cannot pause"})
+                    server.paused = True
+                    return self.reply(200, {"status": "paused"})
+                if self.path == "/resume":
+                    server.paused = False
+                    return self.reply(200, {"status": "resumed"})
+                if self.path == "/collective_rpc" and body.get("method") == "reload_weights":
+                    server.weights = dict(server.loaded)
+                    return self.reply(200, {"results": [None]})
+                if self.path == "/weight_checker" and body.get("action") == "checksum":
+                    if server.hang:
+                        time.sleep(HANG_S)
+                    time.sleep(server.delay)
+                    return self.reply(200, {"checksums": {server.prefix + k: v for k, v in server.weights.items()}})
+                if self.path == "/weight_checker" and body.get("action") == "reset":
+                    server.weights = {k: hashlib.sha256(b"\0").hexdigest() for k in server.weights}
+                    return self.reply(200, {"status": "reset"})
+                return self.reply(400, {"detail": "bad request"})
+
+        return Handler
+
+
+@contextlib.contextmanager
+def fake_fleet(n: int, *, independent: bool = False, **special: dict) -> Iterator[list[FakeServer]]:
+    """``n`` fake servers, started and stopped together; ``special`` maps a
+    server index (as a string) to its options, e.g. ``{"3": {"hang": True}}``."""
+    servers = []
+    for i in range(n):
+        options = special.get(str(i), {})
+        s = FakeServer(0 if independent else i, **options)
+        servers.append(s)
+    threads = [threading.Thread(target=s.httpd.serve_forever, daemon=True) for s in servers]
+    for t in threads:
+        t.start()
+    try:
+        yield servers
+    finally:
+        for s in servers:
+            s.httpd.shutdown()
+            s.httpd.server_close()
+
+
+def reload_all(servers: list[FakeServer]):
+    def transfer() -> None:
+        for s in servers:
+            s.weights = dict(s.loaded)
+
+    return transfer

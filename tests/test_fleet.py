@@ -1,0 +1,141 @@
+"""A fleet of engines in one check: every step on all servers at once, a hung
+server costing its timeout and naming itself, pause and resume all or none,
+independent replicas kept apart (local fake servers; the real vLLM fleet is in
+test_vllm_verify.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import weight_checker
+from weight_checker.targets import Progress, combine
+
+from .fake_fleet import fake_fleet, reload_all
+
+CLI = [sys.executable, "-m", "weight_checker.cli"]
+
+
+def timed_verify(servers, **kw) -> tuple[float, weight_checker.VerifyResult]:
+    start = time.perf_counter()
+    result = weight_checker.verify([s.url for s in servers], transfer=reload_all(servers), **kw)
+    return time.perf_counter() - start, result
+
+
+def test_32_servers_take_about_as_long_as_one():
+    with fake_fleet(1, **{"0": {"delay": 1.0}}) as one:
+        t1, r1 = timed_verify(one)
+    special = {str(i): {"delay": 1.0} for i in range(32)}
+    with fake_fleet(32, **special) as fleet:
+        t32, r32 = timed_verify(fleet)
+    assert r1.match and r32.match and r32.keys == 32 * 3
+    print(f"\nverify: 1 server {t1:.2f} s, 32 servers {t32:.2f} s: ratio {t32 / t1:.2f} (one after another: ~32)")
+    # Three checksums of ~1 s each: sequentially 32 servers would take ~96 s.
+    assert t32 < 2 * t1
+    baseline = next(s for s in r32.steps if s.name == "checksum (baseline)")
+    assert baseline.slowest is not None and baseline.slowest[1] >= 1.0
+
+
+def test_bounded_concurrency_is_respected():
+    special = {str(i): {"delay": 0.5} for i in range(4)}
+    with fake_fleet(4, **special) as fleet:
+        t, result = timed_verify(fleet, concurrency=2)
+    assert result.match
+    assert t >= 3 * 2 * 0.5  # three checksum steps, each two rounds of two
+
+
+def test_a_hung_server_fails_within_its_timeout_names_itself_and_the_others_resume():
+    with fake_fleet(4, **{"2": {"hang": True}}) as fleet:
+        urls = [a for s in fleet for a in ("--url", s.url)]
+        start = time.perf_counter()
+        r = subprocess.run(
+            [*CLI, "verify", *urls, "--timeout", "2", "--transfer-cmd", "true"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        elapsed = time.perf_counter() - start
+        assert r.returncode == 2, r.stdout + r.stderr
+        assert fleet[2].url in r.stderr and "checksum (baseline)" in r.stderr
+        assert elapsed < 12, elapsed  # the timeout (2 s) plus start-up and the resumes, not the hang (20 s)
+        assert [s.paused for i, s in enumerate(fleet) if i != 2] == [False] * 3
+        assert all(s.weights == s.loaded for s in fleet)  # nothing was reset
+
+
+def test_a_failed_pause_resumes_every_server_that_did_pause():
+    with fake_fleet(5, **{"3": {"fail_pause": True}}) as fleet:
+        with pytest.raises(weight_checker.VerifyError, match="step 'pause'") as err:
+            timed_verify(fleet)
+        assert fleet[3].url in str(err.value)
+        assert not any(s.paused for s in fleet)
+        assert all(s.weights == s.loaded for s in fleet)
+        assert err.value.result.steps[-1].name == "resume" and err.value.result.steps[-1].ok
+
+
+def test_independent_replicas_are_kept_apart_and_a_mismatch_names_its_engine():
+    with fake_fleet(3, independent=True) as fleet:
+
+        def transfer_skipping_one() -> None:
+            for s in fleet[:2]:
+                s.weights = dict(s.loaded)
+
+        result = weight_checker.verify([s.url for s in fleet], transfer=transfer_skipping_one)
+        assert result.classes() == {
+            "untouched-since-reset": sorted(f"{fleet[2].url} dp0:pp0:pcp0:tp0:w{j}" for j in range(3))
+        }
+        reload_all(fleet)()  # the engine the transfer skipped is still zeroed
+        assert weight_checker.verify([s.url for s in fleet], transfer=reload_all(fleet)).match
+        fleet[1].weights["w0"] = "0" * 64
+        rep = weight_checker.replicas([s.url for s in fleet])
+        assert not rep.consistent
+        assert list(rep.inconsistent) == ["pp0:pcp0:tp0:w0"]
+        assert rep.inconsistent["pp0:pcp0:tp0:w0"][f"{fleet[1].url} dp0"] == "0" * 64
+
+
+def test_expected_digests_apply_to_every_engine_of_a_fleet():
+    with fake_fleet(2, independent=True) as fleet:
+        expected = {f"dp0:pp0:pcp0:tp0:{k}": v for k, v in fleet[0].loaded.items()}
+
+        def push_first_only() -> None:
+            fleet[0].weights = dict(fleet[0].loaded)
+
+        for s in fleet:
+            s.weights = {k: "1" * 64 for k in s.weights}
+        result = weight_checker.verify([s.url for s in fleet], transfer=push_first_only, expected=expected)
+        assert result.classes() == {"stale": sorted(f"{fleet[1].url} dp0:pp0:pcp0:tp0:w{j}" for j in range(3))}
+
+
+def test_a_server_given_twice_is_refused_before_anything_is_paused():
+    with fake_fleet(1) as fleet:
+        with pytest.raises(ValueError, match="given twice"):
+            weight_checker.verify([fleet[0].url, fleet[0].url], transfer=reload_all(fleet))
+        assert not fleet[0].paused
+
+
+def test_partly_shared_keys_merge_only_when_disjoint():
+    a, b = {"dp0:x": "1"}, {"dp1:x": "2"}
+    assert combine([("a", a), ("b", b)]) == ({"dp0:x": "1", "dp1:x": "2"}, False)
+    assert combine([("a", a), ("b", a)]) == ({"a dp0:x": "1", "b dp0:x": "1"}, True)
+
+
+def test_progress_line_names_done_total_and_the_slowest(capsys, monkeypatch):
+    update = Progress(enabled=True).start("checksum (baseline)", 3)
+    monkeypatch.setattr(time, "monotonic", lambda: 1e9)  # past the one-second delay
+    update(2, ("http://127.0.0.1:1", 1.5))
+    err = capsys.readouterr().err
+    assert "checksum (baseline): 2/3 engines done" in err and "slowest so far http://127.0.0.1:1 1.5 s" in err
+
+
+def test_cli_report_shows_the_slowest_server():
+    with fake_fleet(3, **{"1": {"delay": 0.3}}) as fleet:
+        urls = [a for s in fleet for a in ("--url", s.url)]
+        r = subprocess.run(
+            [*CLI, "verify", *urls, "--transfer-cmd", "true", "--json"], capture_output=True, text=True, timeout=60
+        )
+        report = json.loads(r.stdout)
+        assert r.returncode == 1  # the command did not reload: untouched-since-reset
+        baseline = next(s for s in report["steps"] if s["step"] == "checksum (baseline)")
+        assert baseline["slowest"]["engine"] == fleet[1].url
