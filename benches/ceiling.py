@@ -37,8 +37,13 @@ def cpu_model() -> str:
 
 
 def engine_choice() -> str:
-    """The kernel and lane count the engine runs with on this CPU."""
-    return f"kernel {_core.kernel()}, {_core.lanes()} lanes per thread, {_core.threads()} threads"
+    """The kernel and lane counts the engine runs with on this CPU."""
+    small = _core.small_lanes()
+    wide = "16-lane AVX-512" if small == 16 else f"{small} lanes"
+    return (
+        f"kernel {_core.kernel()}, {_core.lanes()} lanes per thread for large tensors, {wide} for small ones,"
+        f" {_core.threads()} threads"
+    )
 
 
 def machine() -> str:
@@ -84,6 +89,12 @@ def describe() -> tuple[str, float]:
         + ", ".join(f"{k}: {v:.2f}" for k, v in sorted(figures.items()))
         + f"; engine uses {_core.lanes()} lanes) x {threads} threads = {core * threads:.2f} GB/s"
     )
+    wide, narrow = _core.calibrate_small()
+    if wide:
+        line += (
+            f"\nsmall messages (64 x 4 KiB, one core, L2-hot): 16-lane AVX-512 {wide:.2f} GB/s,"
+            f" {_core.kernel()} x{_core.lanes()} {narrow:.2f} GB/s"
+        )
     return line, core * threads
 
 

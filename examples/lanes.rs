@@ -1,6 +1,8 @@
 //! Per-core SHA-256 throughput with 1, 2 and 4 interleaved streams, on this
 //! machine: the calibration's L2-hot figures and 4 x 64 MiB buffers streamed
-//! from DRAM, one thread. Compare with the C probe in shared/shani-probe.
+//! from DRAM, one thread; and the small-message calibration (the 16-lane
+//! AVX-512 kernel against this kernel's lanes). Compare with the C probes in
+//! shared/shani-probe and shared/mb-probe.
 //!
 //!     cargo run --release --example lanes
 
@@ -24,4 +26,11 @@ fn main() {
         }
         println!("{kernel} {lanes} lanes, one thread, 4 x 64 MiB: {best:.2} GB/s");
     }
+    let (wide, own) = kernel.calibrate_small();
+    println!(
+        "64 x 4 KiB of one length, L2-hot: 16-lane AVX-512 {wide:.2} GB/s, {kernel} x{} {own:.2} GB/s; \
+         small messages use {} lanes",
+        kernel.default_lanes(),
+        kernel.small_message_lanes()
+    );
 }

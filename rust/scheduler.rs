@@ -179,6 +179,20 @@ impl Scheduler {
         }
     }
 
+    /// Lanes for a batch of small messages of one length: the wide
+    /// (16-lane AVX-512) kernel where the calibration at first use found it
+    /// faster on this CPU ([`Kernel::small_message_lanes`]) or where 16 lanes
+    /// were asked for; else this scheduler's lanes.
+    pub fn same_length_lanes(&self) -> usize {
+        if self.fit_lanes {
+            self.kernel.small_message_lanes()
+        } else if self.lanes >= crate::sha256::WIDE_LANES {
+            crate::sha256::WIDE_LANES
+        } else {
+            self.effective_lanes()
+        }
+    }
+
     /// Worker threads this scheduler runs.
     pub fn effective_threads(&self) -> usize {
         if self.threads == 0 {
@@ -470,7 +484,7 @@ impl<'a> BatchQueue<'a> {
         let digests = if same_length && slices.first().is_some_and(|m| m.len() <= STEP_BYTES) {
             // Small parameters of one shape (the usual batch); the zero
             // check and the hash then read the same cache-resident bytes.
-            crate::sha256::digest_same_length(scheduler.kernel, scheduler.effective_lanes(), &slices)
+            crate::sha256::digest_same_length(scheduler.kernel, scheduler.same_length_lanes(), &slices)
         } else {
             scheduler.hash_many(&slices)
         };

@@ -11,6 +11,7 @@ __all__ = [
     "__version__",
     "backend",
     "calibrate",
+    "calibrate_small",
     "checksum_module",
     "checksum_safetensors",
     "copy_into",
@@ -21,6 +22,7 @@ __all__ = [
     "safetensors_tensors",
     "set_threads",
     "sha256_many",
+    "small_lanes",
     "streams",
     "tensor_impl_offset",
     "threads",
@@ -81,6 +83,14 @@ def lanes() -> int:
 
 def calibrate() -> list[tuple[int, float]]:
     """This core's GB/s with 1, 2 and 4 interleaved streams (best of 5 short runs)."""
+
+def small_lanes() -> int:
+    """Lanes for many small tensors of one length: 16 where the 16-lane
+    AVX-512 kernel was measured faster on this CPU at first use, else ``lanes()``."""
+
+def calibrate_small() -> tuple[float, float]:
+    """``(wide, narrow)`` GB/s of one core on 64 x 4 KiB: the 16-lane AVX-512
+    kernel and the active kernel's lanes (0.0, 0.0 without AVX-512)."""
 
 def hash_floor(count: int, nbytes: int, repeat: int = 3) -> list[float]:
     """Seconds each of ``repeat`` passes takes to hash ``count`` separately

@@ -449,6 +449,30 @@ fn calibrate(py: Python<'_>) -> Vec<(usize, f64)> {
     py.detach(|| Kernel::active().calibrate_lanes().1.to_vec())
 }
 
+/// Lanes for many small tensors of one length: 16 where the wide
+/// (AVX-512 multi-buffer) kernel was measured faster on this CPU at first
+/// use, else [`lanes`].
+#[pyfunction]
+fn small_lanes(py: Python<'_>) -> usize {
+    py.detach(|| Scheduler::default().same_length_lanes())
+}
+
+/// `(wide, narrow)`: this core's GB/s on 64 messages of 4 KiB with the
+/// 16-lane AVX-512 kernel and with the active kernel's lanes, as the
+/// small-message calibration measured them (`wide` is 0.0 where the CPU has
+/// no AVX-512 or the portable kernel is forced).
+#[pyfunction]
+fn calibrate_small(py: Python<'_>) -> (f64, f64) {
+    py.detach(|| {
+        let kernel = Kernel::active();
+        if kernel == Kernel::Portable || crate::sha256::Wide::detect().is_none() {
+            (0.0, 0.0)
+        } else {
+            kernel.calibrate_small()
+        }
+    })
+}
+
 /// Seconds each of `repeat` passes takes to hash `count` separately
 /// allocated buffers of `nbytes` on all threads, through the batch path
 /// `checksum_module` feeds small tensors to, with no Python objects
@@ -497,6 +521,8 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(streams, m)?)?;
     m.add_function(wrap_pyfunction!(lanes, m)?)?;
     m.add_function(wrap_pyfunction!(calibrate, m)?)?;
+    m.add_function(wrap_pyfunction!(small_lanes, m)?)?;
+    m.add_function(wrap_pyfunction!(calibrate_small, m)?)?;
     m.add_function(wrap_pyfunction!(hash_floor, m)?)?;
     m.add_function(wrap_pyfunction!(copy_into, m)?)?;
     m.add_function(wrap_pyfunction!(set_threads, m)?)?;

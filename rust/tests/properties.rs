@@ -365,8 +365,8 @@ proptest! {
             prop::sample::select(vec![0usize, 1, 55, 56, 57, 63, 64, 65, 119, 120, 127, 128, 129]),
             0usize..9000,
         ],
-        count in 0usize..11,
-        zeros in prop::collection::vec(any::<bool>(), 11),
+        count in prop_oneof![0usize..11, 14usize..40],
+        zeros in prop::collection::vec(any::<bool>(), 40),
         seed in any::<u8>(),
     ) {
         let msgs: Vec<Vec<u8>> = (0..count)
@@ -374,7 +374,9 @@ proptest! {
             .collect();
         let refs: Vec<&[u8]> = msgs.iter().map(Vec::as_slice).collect();
         for kernel in Kernel::all_available() {
-            for lanes in [1, 2, 3, 4] {
+            // 16: the wide (AVX-512) kernel where the CPU has it, in groups of
+            // sixteen with this kernel's lanes for the rest.
+            for lanes in [1, 2, 3, 4, weight_checker::sha256::WIDE_LANES] {
                 let got = weight_checker::sha256::digest_same_length(kernel, lanes, &refs);
                 prop_assert_eq!(got.len(), count);
                 for (d, m) in got.iter().zip(&msgs) {
@@ -382,6 +384,31 @@ proptest! {
                     prop_assert_eq!(d.all_zero, m.iter().all(|&b| b == 0));
                 }
             }
+        }
+    }
+}
+
+/// Sixteen different messages per group, each with its own bytes in every
+/// word position, so that a transposition that swapped two lanes or two
+/// words of the wide kernel could not give the right digests.
+#[test]
+fn wide_kernel_keeps_every_lane_apart() {
+    let Some(_) = weight_checker::sha256::Wide::detect() else {
+        eprintln!("no AVX-512 on this CPU: the wide kernel is not used");
+        return;
+    };
+    for len in [0usize, 1, 63, 64, 65, 4096, 4096 + 13, 65_536 + 64] {
+        let msgs: Vec<Vec<u8>> = (0..35)
+            .map(|i| {
+                (0..len)
+                    .map(|j| (j as u32).wrapping_mul(31).wrapping_add(i * 977) as u8)
+                    .collect()
+            })
+            .collect();
+        let refs: Vec<&[u8]> = msgs.iter().map(Vec::as_slice).collect();
+        let got = weight_checker::sha256::digest_same_length(Kernel::best_available(), 16, &refs);
+        for (i, (d, m)) in got.iter().zip(&msgs).enumerate() {
+            assert_eq!(d.bytes, oracle(m), "message {i} of length {len}");
         }
     }
 }

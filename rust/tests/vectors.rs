@@ -91,3 +91,20 @@ fn calibration_measures_every_lane_count_and_picks_the_fastest() {
         assert!([1, 2, 4].contains(&kernel.default_lanes()));
     }
 }
+
+#[test]
+fn nist_vectors_through_the_wide_kernel() {
+    // Each vector seventeen times: one group of sixteen in the wide kernel
+    // (where the CPU has it) and one left for the narrow lanes.
+    for kernel in Kernel::all_available() {
+        for (msg, want) in vectors() {
+            let copies: Vec<&[u8]> = std::iter::repeat_n(msg.as_slice(), 17).collect();
+            let got = weight_checker::sha256::digest_same_length(kernel, weight_checker::sha256::WIDE_LANES, &copies);
+            assert!(
+                got.iter().all(|d| d.hex() == want),
+                "kernel {kernel}, len {}",
+                msg.len()
+            );
+        }
+    }
+}
