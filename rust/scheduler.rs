@@ -184,7 +184,7 @@ impl Scheduler {
     /// faster on this CPU ([`Kernel::small_message_lanes`]) or where 16 lanes
     /// were asked for; else this scheduler's lanes.
     pub fn same_length_lanes(&self) -> usize {
-        if self.fit_lanes {
+        if self.fit_lanes || (crate::sha256::wide_requested() && self.lanes == self.kernel.default_lanes()) {
             self.kernel.small_message_lanes()
         } else if self.lanes >= crate::sha256::WIDE_LANES {
             crate::sha256::WIDE_LANES

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import json
 import os
 import subprocess
 import sys
@@ -104,3 +105,36 @@ def test_lanes_are_calibrated_and_the_env_var_overrides():
         lanes, streams, threads = map(int, out.stdout.split())
         expect = 1 if _core.kernel() == "portable" else int(want)
         assert lanes == expect and streams == lanes * threads
+
+
+def has_avx512() -> bool:
+    with open("/proc/cpuinfo") as f:
+        flags = next((line.split() for line in f if line.startswith("flags")), [])
+    return "avx512f" in flags and "avx512bw" in flags
+
+
+def test_small_tensors_of_one_length_through_either_kernel_match_hashlib():
+    """Many equal-length messages go sixteen at a time through the AVX-512
+    kernel where it was chosen (or forced), through the SHA-NI lanes else."""
+    msgs = [bytes((i * 31 + j) & 0xFF for j in range(4096)) for i in range(70)]
+    msgs += [bytes([i]) * 100 for i in range(37)] + [b"\0" * 4096] * 17
+    want = [hashlib.sha256(m).hexdigest() for m in msgs]
+    code = (
+        "import sys, json; from weight_checker import _core; msgs = json.load(sys.stdin);"
+        "print(json.dumps([_core.small_lanes(), _core.lanes(), _core.sha256_many([bytes.fromhex(m) for m in msgs])]))"
+    )
+    payload = json.dumps([m.hex() for m in msgs])
+    wide = has_avx512() and _core.kernel() != "portable"
+    for lanes_env, small in (("16", 16 if wide else None), ("4", 4 if _core.kernel() != "portable" else 1)):
+        env = dict(os.environ, WEIGHT_CHECKER_LANES=lanes_env)
+        out = subprocess.run([sys.executable, "-c", code], env=env, input=payload, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        small_lanes, lanes, digests = json.loads(out.stdout)
+        assert digests == want
+        if small is not None:
+            assert small_lanes == small
+        assert lanes in (1, 2, 4)
+    assert _core.sha256_many(msgs) == want
+    assert _core.small_lanes() in (1, 2, 4, 16)
+    wide_rate, narrow_rate = _core.calibrate_small()
+    assert (wide_rate > 0 and narrow_rate > 0) == wide

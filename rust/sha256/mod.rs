@@ -23,7 +23,8 @@ pub const KERNEL_ENV: &str = "WEIGHT_CHECKER_KERNEL";
 pub const KERNEL_ENV_ALIAS: &str = "WEIGHT_CHECKER_BACKEND";
 
 /// Environment variable that fixes the streams interleaved per thread (1, 2
-/// or 4) instead of measuring them at first use.
+/// or 4) instead of measuring them at first use; `16` asks for the wide
+/// kernel for small messages of one length (large ones keep 4 SHA-NI lanes).
 pub const LANES_ENV: &str = "WEIGHT_CHECKER_LANES";
 
 fn env_lanes() -> Option<usize> {
@@ -34,6 +35,11 @@ fn env_lanes() -> Option<usize> {
         "16" => Some(WIDE_LANES),
         _ => None,
     }
+}
+
+/// True when [`LANES_ENV`] asks for the wide kernel (`16`).
+pub fn wide_requested() -> bool {
+    env_lanes() == Some(WIDE_LANES)
 }
 
 /// Messages the wide (AVX-512 multi-buffer) kernel advances together.
