@@ -250,7 +250,7 @@ impl Scheduler {
 
     /// Four lanes or two for a run whose largest message has `largest` of
     /// `total` bytes. Four give a core a few percent more than two (3.48 vs
-    /// 3.37 GB/s here) but each stream half the speed, and one stream is as
+    /// 3.37 GB/s on a 2-vCPU AMD EPYC, Zen 4) but each stream half the speed, and one stream is as
     /// fast as a message can go: a run ends no sooner than
     /// `max(total / (workers x core rate), largest / stream rate)`. Two are
     /// used where that estimate, with this CPU's calibrated rates, is
@@ -693,7 +693,7 @@ impl<'a, S> Shared<'a, S> {
     /// order, the first thread to start fills all its lanes before the
     /// second one runs, and a 70B layer's three 448 MiB tensors ran as
     /// lanes of one core while the other finished the rest and idled (3.0
-    /// GB/s instead of 5+). Then the rest, in order, whoever is free first;
+    /// GB/s instead of 5+ on a 2-vCPU AMD EPYC, Zen 4). Then the rest, in order, whoever is free first;
     /// then dealt tasks whose worker has not started yet.
     fn next_task(&self, w: usize, deal: &mut Deal) -> Option<Task<'a, S>> {
         while deal.round < self.lanes {
@@ -809,7 +809,7 @@ fn worker<S: ChunkSource>(shared: &Shared<'_, S>, w: usize) {
         }
         if n == 3 {
             // Three lanes at equal steps run as two plus one, below what two
-            // alone do (2.5 vs 3.3 GB/s here). Run two: the waiting one (the
+            // alone do (2.5 vs 3.3 GB/s on a Zen 4 core). Run two: the waiting one (the
             // third) swaps in once it has `SWAP_BYTES` more left than the
             // shorter running one. So the longest messages, which end the
             // run, get the faster streams, and level ones take turns, in

@@ -43,8 +43,8 @@ DEFAULT_BUDGET_BYTES = 512 * MiB
 DEFAULT_SLOTS = 4
 BUDGET_ENV = "WEIGHT_CHECKER_STAGING_MB"
 #: CPU priority of the host copy engine's copier thread: below the hashing
-#: threads, so it mostly runs in their gaps (measured on 2 cores: nice 5-10
-#: best, 0 and 19 a few percent slower).
+#: threads, so it mostly runs in their gaps (measured on a 2-vCPU AMD EPYC:
+#: nice 5-10 best, 0 and 19 a few percent slower; a default, not a per-CPU rule).
 COPIER_NICE = 10
 
 
