@@ -168,6 +168,33 @@ def test_copy_error_surfaces_naming_the_tensor(at):
         )
 
 
+class CopyEngineError(Exception):
+    """An engine's own exception whose constructor takes more than a message."""
+
+    def __init__(self, device: int, reason: str):
+        super().__init__(f"device {device}: {reason}")
+        self.device = device
+
+
+class OddlyFailingEngine(HostCopyEngine):
+    def copy(self, dst, src):
+        raise CopyEngineError(3, "link down")
+
+    def gather(self, dst, srcs):
+        raise CopyEngineError(3, "link down")
+
+
+def test_a_copy_engine_error_of_any_type_names_the_tensor_and_keeps_its_cause():
+    from weight_checker.staging import StagingError
+
+    tensors = [random_tensor((1000,), torch.uint8, i) for i in range(4)]
+    names = [f"w{i}" for i in range(4)]
+    for budget in (None, 2000):  # small tensors gathered in one slot, or each copied
+        with pytest.raises(StagingError, match=r"tensor 'w\d'.*: staging copy failed: device 3: link down") as err:
+            run_with_timeout(lambda b=budget: digest_staged(tensors, names, engine=OddlyFailingEngine(), budget=b))
+        assert isinstance(err.value.__cause__, CopyEngineError) and err.value.__cause__.device == 3
+
+
 @pytest.mark.parametrize("at", [1, 2, 5])
 def test_hash_side_error_surfaces(at):
     tensors = [random_tensor((1000,), torch.uint8, i) for i in range(10)]

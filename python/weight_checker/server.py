@@ -9,7 +9,12 @@ semantics, and answers every malformed request with HTTP 400 in vLLM's error
 shape ``{"error": {"message", "type", "param", "code"}}``.
 
     app = FastAPI()
-    mount(app, lambda request: EngineAdapter(checksums=..., reset=...))
+    adapter = EngineAdapter(checksums=..., reset=...)  # one adapter, one lock:
+    mount(app, lambda request: adapter)                # resets wait for running checksums
+
+``get_adapter`` must return the same adapter for every request: the adapter
+holds the lock that orders a reset after the checksums already running, and
+a new adapter per request would have a new lock.
 
 Whether to mount it is the caller's decision (vLLM's glue mounts it only
 when ``VLLM_SERVER_DEV_MODE=1``, as vLLM does).

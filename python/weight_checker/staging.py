@@ -41,6 +41,14 @@ MiB = 1 << 20
 DEFAULT_BUDGET_BYTES = 512 * MiB
 #: Slots in the ring: one being copied into, the rest being hashed or free.
 DEFAULT_SLOTS = 4
+
+
+class StagingError(RuntimeError):
+    """A device-to-host copy failed: names the tensor(s); the copy engine's own
+    exception is its ``__cause__`` (re-raising that type with a new message
+    would fail for exceptions whose constructor takes other arguments)."""
+
+
 BUDGET_ENV = "WEIGHT_CHECKER_STAGING_MB"
 #: CPU priority of the host copy engine's copier thread: below the hashing
 #: threads, so it mostly runs in their gaps (measured on a 2-vCPU AMD EPYC:
@@ -536,7 +544,7 @@ def _fill_slot(
                 keep.append(src)
                 offset += n
         except Exception as e:
-            raise type(e)(f"tensor '{names[i]}': staging copy failed: {e}") from e
+            raise StagingError(f"tensor '{names[i]}': staging copy failed: {e}") from e
     # Runs of small tensors of one dtype, back to back in the slot: gathered
     # on the device with one op, moved with one copy.
     small = [(i, off) for i, off in packed if sizes[i] <= GATHER_MAX_BYTES]
@@ -559,7 +567,7 @@ def _fill_slot(
         except Exception as e:
             which = ", ".join(f"'{names[k]}'" for k, _ in small[j : min(end, j + 3)])
             more = f" and {end - j - 3} more" if end - j > 3 else ""
-            raise type(e)(f"tensor {which}{more}: staging copy failed: {e}") from e
+            raise StagingError(f"tensor {which}{more}: staging copy failed: {e}") from e
         j = end
     return keep
 
