@@ -261,3 +261,24 @@ def test_two_independent_servers_verified_at_once_each_against_its_own_baseline(
         second_server.post("/collective_rpc", {"method": "reload_weights"})
     assert_resumed(server)
     assert_resumed(second_server)
+
+
+def test_a_hung_server_beside_a_real_one_costs_its_timeout_and_the_real_one_is_resumed(server):
+    import time
+
+    from .fake_fleet import fake_fleet
+
+    with fake_fleet(2, **{"1": {"hang": True}}) as fakes:
+        hung = fakes[1].url
+        start = time.perf_counter()
+        r = verify(
+            "--url", server.url, "--url", fakes[0].url, "--url", hung,
+            "--timeout", "3", "--transfer", "reload",
+        )  # fmt: skip
+        elapsed = time.perf_counter() - start
+    assert r.returncode == 2, r.stdout + r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and hung in lines[0] and "checksum (baseline)" in lines[0]
+    assert elapsed < 15, elapsed  # the 3 s timeout and the resumes, not the fake's 20 s hang
+    assert_resumed(server)  # GET /is_paused on the real server
+    assert not fakes[0].paused
