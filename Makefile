@@ -19,6 +19,7 @@ lint: env
 	.venv/bin/ruff check .
 	.venv/bin/ruff format --check .
 	.venv/bin/python -m mypy.stubtest weight_checker._core
+	.venv/bin/python -m mypy
 
 ## A release build: the abi3 manylinux wheel (maturin's compliance check on)
 ## and the sdist, into dist/. Installs without Rust (tests/test_wheel.py).

@@ -21,6 +21,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from weight_checker.keys import rank_prefix
@@ -256,7 +257,7 @@ def http_target(args: argparse.Namespace):
         raise UsageError(str(e)) from None
 
 
-def transfer_for(args: argparse.Namespace, target) -> tuple:
+def transfer_for(args: argparse.Namespace, target) -> Callable[[], None]:
     """The transfer callable and how to describe it."""
     from weight_checker.httpclient import HttpError, post_json
     from weight_checker.verify import VerifyError

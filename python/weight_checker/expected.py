@@ -46,7 +46,7 @@ class ExpectedDigestsError(ValueError):
     the model does not have or whose shape disagrees, a truncated file)."""
 
 
-class ExpectedDigests(dict):
+class ExpectedDigests(dict[str, str]):
     """``{key: hex}`` for every key the engine reports, plus what produced them."""
 
     #: The vLLM version whose model class and loader ran.
@@ -137,7 +137,8 @@ def _weights_source(weights: Any, checkpoint: Path | None, ranks: int) -> Callab
     if isinstance(weights, Mapping):
         return lambda: weights.items()
     if callable(weights):
-        return weights
+        fresh: Callable[[], Iterable[tuple[str, Any]]] = weights
+        return fresh
     if iter(weights) is weights and ranks > 1:
         raise ExpectedDigestsError(
             "weights is a one-shot iterator: every rank reads the whole stream, so pass a list, a mapping "
@@ -231,14 +232,14 @@ def _rank_groups(tp_rank: int, tp: int, pp_rank: int, pp: int) -> Iterator[None]
                 setattr(ps, n, g)
         yield
     finally:
-        for n, g in saved.items():
-            setattr(ps, n, g)
+        for n, old in saved.items():
+            setattr(ps, n, old)
 
 
 # --- the computation -------------------------------------------------------------------
 
 
-def _engine_args(model: Any, tp: int, pp: int, dtype: str | None, engine_args: Mapping[str, Any]):
+def _engine_args(model: Any, tp: int, pp: int, dtype: str | None, engine_args: Mapping[str, Any]) -> Any:
     from vllm.engine.arg_utils import EngineArgs
 
     if isinstance(model, EngineArgs):

@@ -97,8 +97,9 @@ def install(middleware_cls: type) -> bool:
                     return JSONResponse(unauthorized_body(path), status_code=401)(scope, receive, send)
         return original(self, scope, receive, send)
 
-    middleware_cls.__call__ = __call__
-    middleware_cls._weight_checker_guard = True
+    # setattr: the class is vLLM's, patched in place (mypy sees a method assignment).
+    setattr(middleware_cls, "__call__", __call__)  # noqa: B010
+    setattr(middleware_cls, "_weight_checker_guard", True)  # noqa: B010
     return True
 
 

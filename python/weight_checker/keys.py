@@ -41,6 +41,16 @@ def merge_digests(maps: Iterable[Mapping[str, str]], sources: Iterable[object] |
     return merged
 
 
+def first_repeated(items: Iterable[str]) -> str:
+    """The first item that appeared before (``ValueError`` if none did)."""
+    seen: set[str] = set()
+    for item in items:
+        if item in seen:
+            return item
+        seen.add(item)
+    raise ValueError("no item appears twice")
+
+
 def split_key(key: str) -> tuple[str, str]:
     """``("dp0", "pp0:pcp0:tp0:name")`` of a key: the data-parallel replica
     and everything else (what replicas of one model share)."""

@@ -33,6 +33,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from weight_checker.httpclient import HttpError, request
 
@@ -125,7 +126,7 @@ TINY_LLAMA = {
 }
 
 
-def write_tiny_llama(path: Path, seed: int = 0, **config: object) -> Path:
+def write_tiny_llama(path: Path, seed: int = 0, **config: Any) -> Path:
     """A Llama checkpoint (config.json + model.safetensors), fixed seed, bf16:
     tiny by default, any ``LlamaConfig`` field overridable. Written once."""
     import torch
@@ -135,7 +136,8 @@ def write_tiny_llama(path: Path, seed: int = 0, **config: object) -> Path:
         return path
     torch.manual_seed(seed)
     cfg = transformers.LlamaConfig(**(TINY_LLAMA | config))
-    transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    model: Any = transformers.LlamaForCausalLM(cfg)
+    model.to(torch.bfloat16).save_pretrained(path)
     return path
 
 
@@ -172,7 +174,7 @@ def vllm_server(
     model: Path,
     log: Path,
     *,
-    extra_args: list[str] = (),
+    extra_args: list[str] | tuple[str, ...] = (),
     env: dict[str, str] | None = None,
     python: str | None = None,
     api_key: str | None = None,

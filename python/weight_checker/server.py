@@ -117,8 +117,9 @@ def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
     (which ``action``?), so it is refused rather than last-one-wins."""
     out = dict(pairs)
     if len(out) != len(pairs):
-        seen: set[str] = set()
-        raise _DuplicateKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
+        from weight_checker.keys import first_repeated
+
+        raise _DuplicateKey(first_repeated(k for k, _ in pairs))
     return out
 
 

@@ -488,8 +488,9 @@ def digest_staged(
                 engine.begin()
                 for k, plan in enumerate(plans):
                     s = k % len(ring)
-                    if inflight[s] is not None:
-                        inflight[s].result()  # the slot is free again (or re-raise)
+                    pending = inflight[s]
+                    if pending is not None:
+                        pending.result()  # the slot is free again (or re-raise)
                         inflight[s] = None
                     start = time.perf_counter()
                     keep = _fill_slot(engine, ring[s], plan, prepared, names, sizes, dtypes, stats)
@@ -535,7 +536,11 @@ def _fill_slot(
     direct += [(i, 0, sizes[i], off) for i, off in packed if sizes[i] > GATHER_MAX_BYTES]
     for i, begin, stop, offset in direct:
         try:
-            for src in engine.run(lambda i=i, begin=begin, stop=stop: list(byte_pieces(tensors[i], begin, stop))):
+
+            def pieces(i: int = i, begin: int = begin, stop: int = stop) -> list[Any]:
+                return list(byte_pieces(tensors[i], begin, stop))
+
+            for src in engine.run(pieces):
                 n = src.numel()
                 if src.untyped_storage().data_ptr() != tensors[i].untyped_storage().data_ptr():
                     stats.max_temp_bytes = max(stats.max_temp_bytes, n)  # a device temporary

@@ -28,7 +28,7 @@ import asyncio
 import inspect
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -77,7 +77,7 @@ class StepTiming:
         return max(self.seconds.items(), key=lambda kv: kv[1]) if self.seconds else None
 
 
-def combine(per_engine: list[tuple[str, Mapping[str, str]]]) -> tuple[dict[str, str], bool]:
+def combine(per_engine: Sequence[tuple[str, Mapping[str, str]]]) -> tuple[dict[str, str], bool]:
     """``(digests, kept_apart)``: merged when the engines serve disjoint keys;
     ``"{engine} {key}"`` when any key is served by more than one engine."""
     if len(per_engine) == 1:
@@ -347,9 +347,10 @@ class _RayEngine(_RpcEngine):
         import ray
 
         try:
-            return ray.get(self.engine.vllm_version.remote(), timeout=self.timeout)
+            version = ray.get(self.engine.vllm_version.remote(), timeout=self.timeout)
         except Exception:
             return None
+        return version if isinstance(version, str) else None
 
 
 def is_ray_actor(obj: Any) -> bool:
@@ -405,7 +406,9 @@ class AsyncLLMTarget:
         self.kept_apart = False
         self.timings: dict[str, StepTiming] = {}
 
-    async def _each(self, step: str, fn: Callable[[str, Any], Any], names: list[str] | None = None):
+    async def _each(
+        self, step: str, fn: Callable[[str, Any], Any], names: list[str] | None = None
+    ) -> tuple[dict[str, Any], dict[str, str]]:
         names = list(self.names if names is None else names)
         timing = self.timings.setdefault(step, StepTiming())
 

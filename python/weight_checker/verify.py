@@ -39,7 +39,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Generator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -345,7 +345,11 @@ def _call_transfer(transfer: Callable[[], Any] | None) -> Any:
         raise VerifyError("transfer", None, f"the transfer failed: {type(e).__name__}: {e}") from e
 
 
-def _workflow(t: Target, transfer: Callable[[], Any] | None, mode: str, values: dict[str, Any], run: _Run):
+#: What the workflow yields (step, a value or awaitable), is sent, and returns.
+_Workflow = Generator[tuple[str, Any], Any, VerifyResult]
+
+
+def _workflow(t: Target, transfer: Callable[[], Any] | None, mode: str, values: dict[str, Any], run: _Run) -> _Workflow:
     """The check as a generator (see the section comment); returns the result."""
     error: BaseException | None = None
     try:
@@ -380,7 +384,7 @@ def _as_step_error(step: str, e: BaseException) -> BaseException:
     return e
 
 
-def _drive_sync(gen) -> VerifyResult:
+def _drive_sync(gen: _Workflow) -> VerifyResult:
     try:
         step, item = next(gen)
         while True:
@@ -391,10 +395,11 @@ def _drive_sync(gen) -> VerifyResult:
                 continue
             step, item = gen.send(resolved)
     except StopIteration as done:
-        return done.value
+        result: VerifyResult = done.value
+        return result
 
 
-async def _drive_async(gen) -> VerifyResult:
+async def _drive_async(gen: _Workflow) -> VerifyResult:
     try:
         step, item = next(gen)
         while True:
@@ -405,7 +410,8 @@ async def _drive_async(gen) -> VerifyResult:
                 continue
             step, item = gen.send(resolved)
     except StopIteration as done:
-        return done.value
+        result: VerifyResult = done.value
+        return result
 
 
 async def _await(value: Awaitable[Any]) -> Any:
@@ -477,7 +483,7 @@ def _conclude(run: _Run, error: BaseException | None) -> VerifyResult:
         run.result.error = str(error)
         error.result = run.result
     # Any error (Ctrl-C too) carries the steps so far, for the report.
-    error.weight_checker_result = run.result  # type: ignore[union-attr]
+    setattr(error, "weight_checker_result", run.result)  # noqa: B010
     raise error
 
 

@@ -156,9 +156,10 @@ def patch_worker_class(worker_cls: type) -> None:
     inherit it) use weight_checker. Safe to call more than once."""
     if getattr(worker_cls, "_weight_checker_patched", False):
         return
-    worker_cls.weight_checker_checksums = weight_checker_checksums
-    worker_cls.weight_checker_reset = weight_checker_reset
-    worker_cls.weight_checker_vllm_reference = weight_checker_vllm_reference
+    # setattr: vLLM's class, patched in place.
+    setattr(worker_cls, "weight_checker_checksums", weight_checker_checksums)  # noqa: B010
+    setattr(worker_cls, "weight_checker_reset", weight_checker_reset)  # noqa: B010
+    setattr(worker_cls, "weight_checker_vllm_reference", weight_checker_vllm_reference)  # noqa: B010
     missing = [m for m in ("compute_weight_checksums", "reset_weights") if not hasattr(worker_cls, m)]
     if missing:
         logger.info(
@@ -168,10 +169,10 @@ def patch_worker_class(worker_cls: type) -> None:
             " / ".join(missing),
         )
     else:
-        worker_cls.compute_weight_checksums = weight_checker_checksums
-        worker_cls.reset_weights = weight_checker_reset
+        setattr(worker_cls, "compute_weight_checksums", weight_checker_checksums)  # noqa: B010
+        setattr(worker_cls, "reset_weights", weight_checker_reset)  # noqa: B010
         logger.info("weight_checker: %s now hashes weights with the Rust core", worker_cls.__name__)
-    worker_cls._weight_checker_patched = True
+    setattr(worker_cls, "_weight_checker_patched", True)  # noqa: B010
 
 
 class _PatchAfterImport(importlib.abc.MetaPathFinder):

@@ -14,6 +14,8 @@ import functools
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
+from weight_checker.keys import first_repeated
+
 
 def _is_shared_weight_parameter(t: Any) -> bool:
     # vLLM's class, recognised by name so that vLLM need not be imported.
@@ -83,8 +85,7 @@ def collect(source: Any) -> tuple[list[str], list[Any]]:
             names.append(name)
             tensors.append(tensor)
     if len(set(names)) != len(names):
-        seen: set[str] = set()
-        dup = next(n for n in names if n in seen or seen.add(n))
+        dup = first_repeated(names)
         raise ValueError(f"tensor {dup!r} appears more than once")
     return names, tensors
 
