@@ -17,7 +17,7 @@ from weight_checker import _core
 
 from .conftest import vllm_digest
 
-EMPTY = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
+EMPTY = hashlib.sha256(b"").hexdigest()
 
 
 def all_dtypes() -> list[torch.dtype]:

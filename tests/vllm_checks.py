@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 import re
 
 from weight_checker.launch import Server
 
-EMPTY = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
+EMPTY = hashlib.sha256(b"").hexdigest()
 #: The workflow's steps, in order, before the resume of a paused server.
 VERIFY_STEPS = [
     "pause",

@@ -4,7 +4,7 @@ Per-tensor SHA-256 digests, byte-identical to vLLM's built-in weight
 checker, computed by a parallel multi-stream Rust core.
 """
 
-from weight_checker._core import DeviceTensorError, SafetensorsError, backend, kernel
+from weight_checker._core import DeviceTensorError, SafetensorsError, kernel
 from weight_checker._core import __version__ as __version__
 from weight_checker.digests import CompareResult, checksum, compare, reset, sha256_many
 from weight_checker.expected import ExpectedDigests, ExpectedDigestsError, expected_digests
@@ -33,7 +33,6 @@ __all__ = [
     "WeightCheckerError",
     "WeightMismatchError",
     "__version__",
-    "backend",
     "checksum",
     "compare",
     "expected_digests",

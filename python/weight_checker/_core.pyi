@@ -9,7 +9,6 @@ __all__ = [
     "MultiHasher",
     "SafetensorsError",
     "__version__",
-    "backend",
     "calibrate",
     "calibrate_small",
     "checksum_module",
@@ -63,9 +62,6 @@ def checksum_module(
 
 def kernel() -> str:
     """The SHA-256 kernel in use: ``"sha-ni"`` or ``"portable"``."""
-
-def backend() -> str:
-    """The former name of :func:`kernel`."""
 
 def threads() -> int:
     """Worker threads the scheduler uses (``WEIGHT_CHECKER_THREADS``, else

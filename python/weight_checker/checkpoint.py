@@ -15,11 +15,12 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from weight_checker import _core
+from weight_checker.errors import WeightCheckerError
 
 INDEX_SUFFIX = ".safetensors.index.json"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(WeightCheckerError, ValueError):
     """A checkpoint that cannot be read: bad path, bad index, bad file."""
 
 

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from weight_checker.keys import rank_prefix
+from weight_checker.verify import class_counts
 
 EXIT_OK, EXIT_MISMATCH, EXIT_BAD, EXIT_INTERRUPTED = 0, 1, 2, 130
 DEFAULT_PREFIX = rank_prefix(0, 0, 0, 0)
@@ -203,12 +204,12 @@ def load_manifest(path: str, stdin_used: list[bool]) -> dict[str, str]:
     return data
 
 
-def classify(baseline: dict[str, str], current: dict[str, str], post_reset: dict[str, str] | None = None) -> dict:
-    """vLLM's compare with every mismatching key classed (see
-    :func:`weight_checker.verify.classify`), grouped by class."""
-    from weight_checker.verify import classify as classes_of
+def compare_report(baseline: dict[str, str], current: dict[str, str]) -> dict:
+    """``compare``'s JSON report: vLLM's compare with every mismatching key
+    classed by :func:`weight_checker.verify.classify`, grouped by class."""
+    from weight_checker.verify import classify
 
-    classes = classes_of(baseline, current, post_reset)
+    classes = classify(baseline, current)
     by_class: dict[str, list[str]] = {}
     for k in sorted(classes):
         by_class.setdefault(classes[k], []).append(k)
@@ -226,7 +227,7 @@ def print_mismatches(result: dict, out=sys.stdout) -> None:
 def summary_line(result: dict, nbase: int, ncur: int) -> str:
     if result["match"]:
         return f"match: {nbase} keys, all digests equal"
-    counts = ", ".join(f"{len(v)} {c}" for c, v in sorted(result["classes"].items()))
+    counts = class_counts({k: c for c, ks in result["classes"].items() for k in ks})
     n = len(result["mismatches"])
     return f"MISMATCH: {n} keys differ ({counts}); baseline {nbase} keys, current {ncur}"
 
@@ -235,7 +236,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     used = [False]
     baseline = load_manifest(args.baseline, used)
     current = load_manifest(args.current, used)
-    result = classify(baseline, current)
+    result = compare_report(baseline, current)
     if args.json:
         print(json.dumps(result, indent=2))
     else:
@@ -347,7 +348,7 @@ def print_verify_report(report: dict) -> None:
     if report["match"]:
         print(f"result: MATCH: {report['keys']} keys, every digest equals {reference}")
     else:
-        counts = ", ".join(f"{len(v)} {c}" for c, v in sorted(report["classes"].items()))
+        counts = class_counts({k: c for c, ks in report["classes"].items() for k in ks})
         print(f"result: MISMATCH: {len(report['mismatches'])} keys ({counts})")
         print_mismatches(report)
     if report.get("error"):

@@ -1,4 +1,10 @@
-"""The exceptions of the verify workflow, shared by its targets and runners."""
+"""The package's root exception, and the verify workflow's.
+
+Every exception this package raises in Python derives from
+:class:`WeightCheckerError` (also from the built-in type it refines, e.g.
+``ValueError`` for bad input); the compiled core's ``SafetensorsError`` and
+``DeviceTensorError`` are defined in Rust and derive from ``ValueError`` /
+``TypeError`` only."""
 
 from __future__ import annotations
 
@@ -6,7 +12,7 @@ from typing import Any
 
 
 class WeightCheckerError(Exception):
-    """Base class of the verify workflow's errors."""
+    """Base class of the package's errors."""
 
 
 class VerifyError(WeightCheckerError):

@@ -37,10 +37,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from weight_checker.errors import WeightCheckerError
 from weight_checker.keys import rank_prefix
 
 
-class ExpectedDigestsError(ValueError):
+class ExpectedDigestsError(WeightCheckerError, ValueError):
     """The expected digests cannot be computed exactly: names the tensor, the
     layer or the reason (an unknown architecture, a quantized model, a tensor
     the model does not have or whose shape disagrees, a truncated file)."""

@@ -15,10 +15,12 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
+from weight_checker.errors import WeightCheckerError
+
 API_KEY_ENV = "VLLM_API_KEY"
 
 
-class HttpError(Exception):
+class HttpError(WeightCheckerError):
     """A request that failed: connection, HTTP status or a non-JSON answer."""
 
     def __init__(self, url: str, message: str, status: int | None = None):

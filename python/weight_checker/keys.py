@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
+from weight_checker.errors import WeightCheckerError
+
 
 def rank_prefix(dp: int, pp: int, pcp: int, tp: int) -> str:
     """The key prefix of one worker: ``"dp{dp}:pp{pp}:pcp{pcp}:tp{tp}:"``.
@@ -17,7 +19,7 @@ def rank_prefix(dp: int, pp: int, pcp: int, tp: int) -> str:
     return f"dp{dp}:pp{pp}:pcp{pcp}:tp{tp}:"
 
 
-class DuplicateKeysError(ValueError):
+class DuplicateKeysError(WeightCheckerError, ValueError):
     """Two sources (workers, servers) produced the same key."""
 
     def __init__(self, keys: list[str], source: object = None):

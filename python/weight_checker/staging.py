@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
 from weight_checker import _core
+from weight_checker.errors import WeightCheckerError
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ DEFAULT_BUDGET_BYTES = 512 * MiB
 DEFAULT_SLOTS = 4
 
 
-class StagingError(RuntimeError):
+class StagingError(WeightCheckerError, RuntimeError):
     """A device-to-host copy failed: names the tensor(s); the copy engine's own
     exception is its ``__cause__`` (re-raising that type with a new message
     would fail for exceptions whose constructor takes other arguments)."""

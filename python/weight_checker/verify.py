@@ -76,18 +76,22 @@ __all__ = [
 ]
 
 EMPTY_DIGEST = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
-CLASSES = ("missing", "unexpected", "untouched-since-reset", "changed")
-EXPECTED_CLASSES = ("missing", "unexpected", "stale", "wrong-shard", "changed")
+
+
+def class_counts(classes: Mapping[str, str]) -> str:
+    """``"2 changed, 1 stale"``: how many mismatching keys each class has,
+    from ``key -> class``; the one wording of every report."""
+    counts: dict[str, int] = {}
+    for c in classes.values():
+        counts[c] = counts.get(c, 0) + 1
+    return ", ".join(f"{n} {c}" for c, n in sorted(counts.items()))
 
 
 class WeightMismatchError(WeightCheckerError):
     """The weights after the transfer differ from the baseline."""
 
     def __init__(self, mismatches: Mapping[str, str]):
-        counts: dict[str, int] = {}
-        for c in mismatches.values():
-            counts[c] = counts.get(c, 0) + 1
-        summary = ", ".join(f"{n} {c}" for c, n in sorted(counts.items()))
+        summary = class_counts(mismatches)
         first = ", ".join(sorted(mismatches)[:5])
         more = " ..." if len(mismatches) > 5 else ""
         super().__init__(f"{len(mismatches)} keys differ from the baseline ({summary}): {first}{more}")

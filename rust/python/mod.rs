@@ -420,12 +420,6 @@ fn kernel() -> &'static str {
     Kernel::active().name()
 }
 
-/// The former name of [`kernel`], kept for callers of `weight_checker.backend()`.
-#[pyfunction]
-fn backend() -> &'static str {
-    Kernel::active().name()
-}
-
 /// Worker threads the scheduler uses.
 #[pyfunction]
 fn threads() -> usize {
@@ -515,7 +509,6 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(checksum_module, m)?)?;
     m.add_function(wrap_pyfunction!(tensor_impl_offset, m)?)?;
     m.add_function(wrap_pyfunction!(kernel, m)?)?;
-    m.add_function(wrap_pyfunction!(backend, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_function(wrap_pyfunction!(threads, m)?)?;
     m.add_function(wrap_pyfunction!(streams, m)?)?;

@@ -19,8 +19,6 @@ use std::sync::OnceLock;
 /// `portable` (the `sha2` crate, one stream) or `sha-ni` (fails over to
 /// `portable` when the CPU lacks the instructions).
 pub const KERNEL_ENV: &str = "WEIGHT_CHECKER_KERNEL";
-/// The same, under its first name (still honoured).
-pub const KERNEL_ENV_ALIAS: &str = "WEIGHT_CHECKER_BACKEND";
 
 /// Environment variable that fixes the streams interleaved per thread (1, 2
 /// or 4) instead of measuring them at first use; `16` asks for the wide
@@ -130,11 +128,10 @@ impl Kernel {
         Kernel::Portable
     }
 
-    /// The kernel in force for this process: [`KERNEL_ENV`] (or
-    /// [`KERNEL_ENV_ALIAS`]) if set, else the best.
+    /// The kernel in force for this process: [`KERNEL_ENV`] if set, else the best.
     pub fn active() -> Kernel {
         static ACTIVE: OnceLock<Kernel> = OnceLock::new();
-        let chosen = std::env::var(KERNEL_ENV).or_else(|_| std::env::var(KERNEL_ENV_ALIAS));
+        let chosen = std::env::var(KERNEL_ENV);
         *ACTIVE.get_or_init(|| match chosen.as_deref() {
             Ok("portable") => Kernel::Portable,
             _ => Kernel::best_available(),
