@@ -7,7 +7,6 @@ use std::ffi::c_int;
 
 use pyo3::exceptions::{PyBufferError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyCapsule, PyCapsuleMethods, PyType};
 use pyo3::{ffi, intern};
 
@@ -31,21 +30,41 @@ pub(super) enum Held<'py> {
         view: StridedView,
         _owner: Bound<'py, PyAny>,
     },
-    /// A buffer-protocol export, released on drop (with the GIL held, since
-    /// `Held` is dropped before the binding returns).
+    /// A buffer-protocol export (released when dropped).
     Buffer {
-        view: Box<ffi::Py_buffer>,
+        _export: BufferExport,
         strided: StridedView,
     },
 }
 
-impl Drop for Held<'_> {
-    fn drop(&mut self) {
-        if let Held::Buffer { view, .. } = self {
-            // SAFETY: the view was filled by a successful PyObject_GetBuffer
-            // and is released exactly once, here, while attached to Python.
-            unsafe { ffi::PyBuffer_Release(view.as_mut()) };
+/// One buffer-protocol export of an object, released exactly once when
+/// dropped. Dropped while attached to Python: every holder is dropped before
+/// its binding call returns.
+pub(super) struct BufferExport(Box<ffi::Py_buffer>);
+
+impl BufferExport {
+    /// `PyObject_GetBuffer(obj, flags)`; the exporter's error as is.
+    pub(super) fn new(obj: &Bound<'_, PyAny>, flags: c_int) -> PyResult<BufferExport> {
+        // SAFETY: a zeroed Py_buffer is valid storage for the exporter to fill.
+        let mut view: Box<ffi::Py_buffer> = Box::new(unsafe { std::mem::zeroed() });
+        // SAFETY: `view` is writable storage for a Py_buffer and we are
+        // attached to Python; on success `Drop` releases it once.
+        if unsafe { ffi::PyObject_GetBuffer(obj.as_ptr(), view.as_mut(), flags) } != 0 {
+            return Err(PyErr::fetch(obj.py()));
         }
+        Ok(BufferExport(view))
+    }
+
+    pub(super) fn view(&self) -> &ffi::Py_buffer {
+        &self.0
+    }
+}
+
+impl Drop for BufferExport {
+    fn drop(&mut self) {
+        // SAFETY: filled by a successful PyObject_GetBuffer (`new`), released
+        // exactly once, here, while attached to Python.
+        unsafe { ffi::PyBuffer_Release(self.0.as_mut()) };
     }
 }
 
@@ -99,16 +118,10 @@ pub(super) fn label(names: Names<'_, '_>, index: usize) -> String {
     }
 }
 
-/// `torch.Tensor`, if torch is already imported (if not, no tensor exists).
+/// `torch.Tensor`, if torch is already imported (if not, no tensor exists):
+/// from the one cache of torch's types ([`super::walk::torch`]).
 pub(super) fn torch_tensor_type<'py>(py: Python<'py>) -> Option<&'py Bound<'py, PyType>> {
-    static TENSOR: PyOnceLock<Py<PyType>> = PyOnceLock::new();
-    if let Some(t) = TENSOR.get(py) {
-        return Some(t.bind(py));
-    }
-    let modules = py.import("sys").ok()?.getattr("modules").ok()?;
-    let torch = modules.get_item("torch").ok()?;
-    let t = torch.getattr("Tensor").ok()?.cast_into::<PyType>().ok()?;
-    Some(TENSOR.get_or_init(py, || t.unbind()).bind(py))
+    super::walk::torch(py).map(|t| t.tensor.bind(py))
 }
 
 /// Zero-copy access to one object's bytes in C order.
@@ -298,18 +311,14 @@ pub(super) fn exchange_view<'py>(t: &Bound<'py, PyAny>, names: Names<'_, '_>, in
 }
 
 pub(super) fn acquire_buffer<'py>(obj: &Bound<'py, PyAny>, names: Names<'_, '_>, index: usize) -> PyResult<Held<'py>> {
-    let mut view: Box<ffi::Py_buffer> = Box::new(unsafe { std::mem::zeroed() });
-    // SAFETY: `view` is writable storage for a Py_buffer; on success it must
-    // be released exactly once (done by `Held::drop`).
-    let rc: c_int = unsafe { ffi::PyObject_GetBuffer(obj.as_ptr(), view.as_mut(), ffi::PyBUF_RECORDS_RO) };
-    if rc != 0 {
-        let cause = PyErr::fetch(obj.py());
-        return Err(PyTypeError::new_err(format!(
+    let export = BufferExport::new(obj, ffi::PyBUF_RECORDS_RO).map_err(|cause| {
+        PyTypeError::new_err(format!(
             "{}: expected a tensor, an object with __dlpack__, or a bytes-like object, got {} ({cause})",
             label(names, index),
             obj.get_type().name().map(|n| n.to_string()).unwrap_or_default()
-        )));
-    }
+        ))
+    })?;
+    let view = export.view();
     let ndim = view.ndim.max(0) as usize;
     let itemsize = view.itemsize.max(1) as usize;
     // SAFETY: with PyBUF_STRIDES the exporter fills `shape` and `strides`
@@ -322,18 +331,18 @@ pub(super) fn acquire_buffer<'py>(obj: &Bound<'py, PyAny>, names: Names<'_, '_>,
             .unzip()
     };
     if !view.suboffsets.is_null() {
-        let held = Held::Buffer {
-            strided: unsafe { StridedView::new(std::ptr::null(), 1, vec![0], vec![1]) },
-            view,
-        };
-        drop(held);
+        drop(export);
         return Err(PyBufferError::new_err(format!(
             "{}: indirect (PIL-style) buffers are not supported",
             label(names, index)
         )));
     }
     // SAFETY: the exporter guarantees the described memory stays valid until
-    // PyBuffer_Release, which only `Held::drop` calls.
+    // PyBuffer_Release, which only the export's `drop` calls, and `Held`
+    // keeps the export alive as long as the view.
     let strided = unsafe { StridedView::new(view.buf as *const u8, itemsize, shape, strides) };
-    Ok(Held::Buffer { view, strided })
+    Ok(Held::Buffer {
+        _export: export,
+        strided,
+    })
 }

@@ -375,13 +375,8 @@ fn copy_into(py: Python<'_>, dst: &Bound<'_, PyAny>, srcs: &Bound<'_, PyTuple>) 
         .collect::<PyResult<Vec<_>>>()?;
     let sources: Vec<Source<'_>> = held.iter().map(|h| h.source()).collect();
     let total: usize = sources.iter().map(Source::len).sum();
-    let mut view: Box<ffi::Py_buffer> = Box::new(unsafe { std::mem::zeroed() });
-    // SAFETY: `view` is writable storage for a Py_buffer; on success it is
-    // released exactly once below.
-    let flags = ffi::PyBUF_WRITABLE | ffi::PyBUF_C_CONTIGUOUS;
-    if unsafe { ffi::PyObject_GetBuffer(dst.as_ptr(), view.as_mut(), flags) } != 0 {
-        return Err(PyErr::fetch(py));
-    }
+    let export = acquire::BufferExport::new(dst, ffi::PyBUF_WRITABLE | ffi::PyBUF_C_CONTIGUOUS)?;
+    let view = export.view();
     let len = view.len.max(0) as usize;
     let result = if len != total {
         Err(PyValueError::new_err(format!(
@@ -391,7 +386,7 @@ fn copy_into(py: Python<'_>, dst: &Bound<'_, PyAny>, srcs: &Bound<'_, PyTuple>) 
         let to = view.buf as usize;
         py.detach(|| {
             // SAFETY: the exporter guarantees `len` writable, contiguous bytes
-            // at `buf` until PyBuffer_Release (below, after the copies), and
+            // at `buf` until PyBuffer_Release (when `export` drops, after the copies), and
             // the sources' bytes are kept alive by `held`; the pieces written
             // add up to exactly `len` bytes (checked above). `copy` (memmove)
             // keeps even overlapping ranges sound.
@@ -409,8 +404,7 @@ fn copy_into(py: Python<'_>, dst: &Bound<'_, PyAny>, srcs: &Bound<'_, PyTuple>) 
         });
         Ok(())
     };
-    // SAFETY: released exactly once, attached to Python.
-    unsafe { ffi::PyBuffer_Release(view.as_mut()) };
+    drop(export);
     result
 }
 

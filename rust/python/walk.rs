@@ -52,14 +52,14 @@ impl Hasher for AddressHasher {
 type AddressSet<T> = HashSet<*mut T, BuildHasherDefault<AddressHasher>>;
 
 /// The torch objects the walk compares against, read once.
-struct Torch {
+pub(super) struct Torch {
     module: Py<PyType>,
     named_modules: Py<PyAny>,
     named_parameters: Py<PyAny>,
     named_members: Py<PyAny>,
     module_hash: Py<PyAny>,
     module_getattribute: Py<PyAny>,
-    tensor: Py<PyType>,
+    pub(super) tensor: Py<PyType>,
     tensor_hash: Py<PyAny>,
     parameter: Py<PyType>,
     /// Where a `Tensor` or `Parameter` object holds its `TensorImpl*`, when
@@ -67,7 +67,9 @@ struct Torch {
     impl_offset: Option<usize>,
 }
 
-fn torch(py: Python<'_>) -> Option<&Torch> {
+/// torch's types and methods the walk and the acquisition compare with,
+/// looked up once per process (the one cache of them).
+pub(super) fn torch(py: Python<'_>) -> Option<&Torch> {
     static TORCH: PyOnceLock<Torch> = PyOnceLock::new();
     if let Some(t) = TORCH.get(py) {
         return Some(t);
