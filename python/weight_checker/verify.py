@@ -388,16 +388,34 @@ def _as_step_error(step: str, e: BaseException) -> BaseException:
     return e
 
 
+#: ``(value, None)`` or ``(None, exception)``: how a yielded item settled.
+_Outcome = tuple[Any, BaseException | None]
+
+
+def _resume(gen: _Workflow, step: str, outcome: _Outcome) -> tuple[str, Any]:
+    value, error = outcome
+    return gen.throw(_as_step_error(step, error)) if error is not None else gen.send(value)
+
+
+def _settle_sync(item: Any) -> _Outcome:
+    try:
+        return (asyncio.run(_await(item)) if inspect.isawaitable(item) else item), None
+    except BaseException as e:
+        return None, e
+
+
+async def _settle_async(item: Any) -> _Outcome:
+    try:
+        return ((await item) if inspect.isawaitable(item) else item), None
+    except BaseException as e:
+        return None, e
+
+
 def _drive_sync(gen: _Workflow) -> VerifyResult:
     try:
         step, item = next(gen)
         while True:
-            try:
-                resolved = asyncio.run(_await(item)) if inspect.isawaitable(item) else item
-            except BaseException as e:
-                step, item = gen.throw(_as_step_error(step, e))
-                continue
-            step, item = gen.send(resolved)
+            step, item = _resume(gen, step, _settle_sync(item))
     except StopIteration as done:
         result: VerifyResult = done.value
         return result
@@ -407,12 +425,7 @@ async def _drive_async(gen: _Workflow) -> VerifyResult:
     try:
         step, item = next(gen)
         while True:
-            try:
-                resolved = (await item) if inspect.isawaitable(item) else item
-            except BaseException as e:
-                step, item = gen.throw(_as_step_error(step, e))
-                continue
-            step, item = gen.send(resolved)
+            step, item = _resume(gen, step, await _settle_async(item))
     except StopIteration as done:
         result: VerifyResult = done.value
         return result
