@@ -9,12 +9,17 @@ installed in the development environment; the comparison is skipped without it).
 from __future__ import annotations
 
 import sys
+from collections import OrderedDict
 
 import pytest
 import torch
 import weight_checker
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+from weight_checker import _core
+from weight_checker.walk import collect, expand
 
 from .conftest import vllm_digest
 
@@ -140,13 +145,6 @@ def test_bad_sources_raise_clear_errors():
 # when the module uses torch's own walk. Its names, order and digests must be
 # exactly those of `named_parameters()` + the Python expansion; anything it
 # cannot vouch for must answer None (and checksum still be right).
-
-from collections import OrderedDict  # noqa: E402
-
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-from weight_checker import _core  # noqa: E402
-from weight_checker.walk import collect, expand  # noqa: E402
 
 
 def python_walk(model, prefix=""):
