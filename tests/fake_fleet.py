@@ -17,6 +17,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 HANG_S = 20.0  # a hung request ends by itself after this (the tests use timeouts far below)
 
 
+class _QuietServer(ThreadingHTTPServer):
+    def handle_error(self, request, client_address) -> None:
+        # A client that gave up (its timeout) leaves a broken pipe behind: not
+        # worth a traceback on the test process's stderr, which other tests read.
+        pass
+
+
 class FakeServer:
     def __init__(self, rank: int, *, delay: float = 0.0, hang: bool = False, fail_pause: bool = False):
         self.rank = rank
@@ -27,7 +34,9 @@ class FakeServer:
         self.loaded = {f"w{j}": hashlib.sha256(f"{rank}-{j}".encode()).hexdigest() for j in range(3)}
         self.weights = dict(self.loaded)
         self.prefix = f"dp{rank}:pp0:pcp0:tp0:"
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        #: Set when the fleet stops: a hung request then ends at once.
+        self.stopping = threading.Event()
+        self.httpd = _QuietServer(("127.0.0.1", 0), self._handler())
         self.httpd.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
 
@@ -69,7 +78,7 @@ class FakeServer:
                     return self.reply(200, {"results": [None]})
                 if self.path == "/weight_checker" and body.get("action") == "checksum":
                     if server.hang:
-                        time.sleep(HANG_S)
+                        server.stopping.wait(HANG_S)
                     time.sleep(server.delay)
                     return self.reply(200, {"checksums": {server.prefix + k: v for k, v in server.weights.items()}})
                 if self.path == "/weight_checker" and body.get("action") == "reset":
@@ -96,6 +105,7 @@ def fake_fleet(n: int, *, independent: bool = False, **special: dict) -> Iterato
         yield servers
     finally:
         for s in servers:
+            s.stopping.set()
             s.httpd.shutdown()
             s.httpd.server_close()
 
