@@ -108,3 +108,21 @@ fn nist_vectors_through_the_wide_kernel() {
         }
     }
 }
+
+/// `autotests` is off (the root `tests/` holds the Python suite), so a file
+/// in `rust/tests/` runs only if Cargo.toml declares it: fail for one that
+/// would silently never run.
+#[test]
+fn every_rust_test_file_is_declared_in_cargo_toml() {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let manifest = std::fs::read_to_string(format!("{root}/Cargo.toml")).unwrap();
+    for entry in std::fs::read_dir(format!("{root}/rust/tests")).unwrap() {
+        let name = entry.unwrap().file_name().into_string().unwrap();
+        if name.ends_with(".rs") {
+            assert!(
+                manifest.contains(&format!("path = \"rust/tests/{name}\"")),
+                "rust/tests/{name} is not a [[test]] in Cargo.toml, so it never runs"
+            );
+        }
+    }
+}
