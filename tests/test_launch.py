@@ -89,11 +89,14 @@ def test_launched_processes_hold_the_amx_tile_state_exactly_where_the_cpu_has_am
     launched = run_probe(vllm_env([]))
     tile = 1 << XFEATURE_XTILEDATA
     assert launched["rc"] == 0 and without["rc"] == 0
-    assert without["mask"] & tile == 0, "a plain process already holds the tile state: nothing to prove here"
     if has_amx():
         assert launched["granted"] is True
         assert launched["mask"] & tile
+        # (A plain child lacks it unless this process already asked and the
+        # permission was inherited: then there is nothing to compare.)
+        assert without["granted"] == "absent"
     else:
+        assert without["mask"] & tile == 0
         assert launched["granted"] is None
         assert launched["mask"] & tile == 0
 
