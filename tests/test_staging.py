@@ -20,7 +20,7 @@ import torch
 import weight_checker
 from hypothesis import given
 from hypothesis import strategies as st
-from weight_checker import _core, staging
+from weight_checker import _core, copy_engines, staging
 from weight_checker.staging import HostCopyEngine, StagingStats, digest_staged, plan_slots
 
 from .conftest import vllm_digest
@@ -217,7 +217,7 @@ def test_a_failure_in_the_copier_thread_surfaces_without_hanging():
 
 def test_pinned_engine_falls_back_with_one_warning():
     tensors = [random_tensor((5000,), torch.uint8, 1)]
-    staging._pin_warned.clear()
+    copy_engines._pin_warned.clear()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         d1, _ = digest_staged(tensors, engine=HostCopyEngine(pin=True), budget=4096, slots=2)
