@@ -24,8 +24,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from weight_checker.classes import class_counts
 from weight_checker.keys import rank_prefix
-from weight_checker.verify import class_counts
 
 EXIT_OK, EXIT_MISMATCH, EXIT_BAD, EXIT_INTERRUPTED = 0, 1, 2, 130
 DEFAULT_PREFIX = rank_prefix(0, 0, 0, 0)
@@ -206,8 +206,8 @@ def load_manifest(path: str, stdin_used: list[bool]) -> dict[str, str]:
 
 def compare_report(baseline: dict[str, str], current: dict[str, str]) -> dict:
     """``compare``'s JSON report: vLLM's compare with every mismatching key
-    classed by :func:`weight_checker.verify.classify`, grouped by class."""
-    from weight_checker.verify import classify
+    classed by :func:`weight_checker.classes.classify`, grouped by class."""
+    from weight_checker.classes import classify
 
     classes = classify(baseline, current)
     by_class: dict[str, list[str]] = {}

@@ -43,7 +43,12 @@ from collections.abc import Awaitable, Callable, Generator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from weight_checker.digests import compare
+from weight_checker.classes import (
+    already_zeroed_warning,
+    class_counts,
+    classify,
+    classify_expected,
+)
 from weight_checker.errors import VerifyError, WeightCheckerError
 from weight_checker.keys import split_key
 from weight_checker.targets import (
@@ -74,17 +79,6 @@ __all__ = [
     "verify",
     "verify_async",
 ]
-
-EMPTY_DIGEST = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
-
-
-def class_counts(classes: Mapping[str, str]) -> str:
-    """``"2 changed, 1 stale"``: how many mismatching keys each class has,
-    from ``key -> class``; the one wording of every report."""
-    counts: dict[str, int] = {}
-    for c in classes.values():
-        counts[c] = counts.get(c, 0) + 1
-    return ", ".join(f"{n} {c}" for c, n in sorted(counts.items()))
 
 
 class WeightMismatchError(WeightCheckerError):
@@ -151,86 +145,6 @@ class VerifyResult:
             **({"details": self.details} if self.details else {}),
             **({"error": self.error} if self.error else {}),
         }
-
-
-def classify(
-    baseline: Mapping[str, str], current: Mapping[str, str], post_reset: Mapping[str, str] | None = None
-) -> dict[str, str]:
-    """key -> class for every key whose digests differ (missing and extra keys included)."""
-    out: dict[str, str] = {}
-    for k in compare(baseline, current)["mismatches"]:
-        if k not in current:
-            out[k] = "missing"
-        elif k not in baseline:
-            out[k] = "unexpected"
-        elif post_reset is not None and post_reset.get(k) == current[k]:
-            out[k] = "untouched-since-reset"
-        else:
-            out[k] = "changed"
-    return out
-
-
-def _rank_and_name(key: str) -> tuple[str, str]:
-    """``("dp0:pp0:pcp0", "name")`` and the tp rank apart: keys that differ
-    only in their tp rank are shards of one tensor."""
-    parts = key.split(":", 4)
-    if len(parts) < 5:
-        return key, ""
-    return ":".join(parts[:3]) + ":" + parts[4], parts[3]
-
-
-def classify_expected(
-    expected: Mapping[str, str], before: Mapping[str, str] | None, after: Mapping[str, str]
-) -> tuple[dict[str, str], dict[str, str]]:
-    """``(key -> class, key -> detail)`` for every key whose digest after the
-    transfer is not the expected one.
-
-    ``wrong-shard`` first where the key holds the expected digest of the same
-    tensor on another tp rank (every rank loading shard 0 looks the same
-    before and after); then ``stale`` where it is unchanged by the transfer;
-    then ``wrong-shard`` where it holds another key's expected digest;
-    else ``changed``. ``missing`` / ``unexpected``: expected only / after only.
-    """
-    by_digest: dict[str, list[str]] = {}
-    for k, v in expected.items():
-        by_digest.setdefault(v, []).append(k)
-    classes: dict[str, str] = {}
-    details: dict[str, str] = {}
-    for k in sorted(set(expected) | set(after)):
-        if k not in after:
-            classes[k] = "missing"
-            continue
-        if k not in expected:
-            classes[k] = "unexpected"
-            continue
-        got = after[k]
-        if got == expected[k]:
-            continue
-        holders = [h for h in by_digest.get(got, []) if h != k]
-        name, _ = _rank_and_name(k)
-        shards = [h for h in holders if _rank_and_name(h)[0] == name]
-        if shards:
-            other = shards[0]
-            classes[k], details[k] = "wrong-shard", f"holds the expected digest of {_rank_and_name(other)[1]} ({other})"
-        elif before is not None and before.get(k) == got:
-            classes[k] = "stale"
-        elif holders:
-            classes[k], details[k] = "wrong-shard", f"holds the expected digest of {holders[0]}"
-        else:
-            classes[k] = "changed"
-    return classes, details
-
-
-def already_zeroed_warning(baseline: Mapping[str, str], post_reset: Mapping[str, str]) -> str | None:
-    """The diagnosis when the baseline equals the post-reset digests: the
-    engine was zeroed before this run started (an earlier update failed?)."""
-    if baseline == post_reset and any(v != EMPTY_DIGEST for v in baseline.values()):
-        return (
-            "the baseline digests equal the post-reset digests: the engine's weights were already "
-            "zeroed (reset) before this run, so the baseline is not the model you loaded; "
-            "reload the model, then verify again"
-        )
-    return None
 
 
 # --- the workflow --------------------------------------------------------------------
