@@ -5,7 +5,7 @@ vLLM's reference copies every parameter to pageable memory with a blocking
 sequential stream, so a pipeline that moves one tensor (or one run of bytes)
 at a time hashes at one stream whatever the core count. Here the staging is
 the core's streaming feeder applied to device memory: up to K large tensors
-(K = the engine's threads x lanes) are open at once and every pinned slot
+(K = the scheduler's threads x lanes) are open at once and every pinned slot
 carries the next piece of each of them, so each slot is hashed as K
 parallel streams; each tensor's pieces reach its digest in order. Small
 tensors are gathered on the device (one op per run of one dtype) and moved
@@ -101,7 +101,7 @@ class SlotPlan:
 
     @property
     def streams(self) -> int:
-        """Messages this slot advances: what the engine hashes in parallel."""
+        """Messages this slot advances: what the scheduler hashes in parallel."""
         return len(self.streamed) + len(self.packed)
 
 
@@ -120,7 +120,7 @@ def plan_slots(sizes: list[int], slot_bytes: int, streams: int, kinds: list[Any]
 
     Up to ``streams`` large tensors are open at once, largest first; every
     slot carries the next piece of each open one (``slot_bytes / streams``
-    bytes, more when fewer are open), so each slot feeds the engine
+    bytes, more when fewer are open), so each slot feeds the scheduler
     ``streams`` messages at once and a finished tensor's place goes to the
     next at once. Tensors of at most ``slot_bytes / streams`` bytes are
     packed whole into the room the open ones leave, grouped by ``kinds``
@@ -181,7 +181,7 @@ class StagingStats:
     host_bytes: int = 0  # all slots together: never above the budget
     copies: int = 0
     max_temp_bytes: int = 0  # largest device temporary (contiguous piece or gather)
-    streams: int = 0  # K: messages the engine keeps in flight
+    streams: int = 0  # K: messages the scheduler keeps in flight
     slot_streams: list[int] = field(default_factory=list)  # messages each slot carried
     copy_seconds: float = 0.0  # issuing copies (and device ops), on the caller's thread
     wait_seconds: float = 0.0  # hashing thread waiting for copies to land
@@ -200,7 +200,7 @@ def digest_staged(
 ) -> tuple[list[str], list[bool]]:
     """Digests and all-zero flags of ``tensors`` (all on one device), staged
     through at most ``budget`` bytes of host slots, ``streams`` messages
-    (default: the engine's threads x lanes) hashed at once."""
+    (default: the scheduler's threads x lanes) hashed at once."""
     import torch
 
     budget = budget_bytes() if budget is None else budget
