@@ -139,3 +139,15 @@ def test_cli_report_shows_the_slowest_server():
         assert r.returncode == 1  # the command did not reload: untouched-since-reset
         baseline = next(s for s in report["steps"] if s["step"] == "checksum (baseline)")
         assert baseline["slowest"]["engine"] == fleet[1].url
+
+
+def test_keys_that_hold_no_bytes_on_the_engine_are_flagged_in_the_report():
+    import hashlib
+
+    with fake_fleet(1) as fleet:
+        expected = {f"dp0:pp0:pcp0:tp0:{k}": v for k, v in fleet[0].loaded.items()}
+        fleet[0].loaded["w1"] = hashlib.sha256(b"").hexdigest()  # what a CPU backend leaves of a linear weight
+        fleet[0].weights = dict(fleet[0].loaded)
+        result = weight_checker.verify([fleet[0].url], transfer=reload_all(fleet), expected=expected)
+    assert result.mismatches == {"dp0:pp0:pcp0:tp0:w1": "stale"}
+    assert any("hold no bytes" in w and "dp0:pp0:pcp0:tp0:w1" in w for w in result.warnings)
