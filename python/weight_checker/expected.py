@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import json
 import mmap
-import os
 import struct
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -107,8 +106,6 @@ class CheckpointWeights:
             with open(path, "rb") as f:
                 (header_len,) = struct.unpack("<Q", f.read(8))
                 header = json.loads(f.read(header_len))
-                if os.fstat(f.fileno()).st_size == 0:
-                    continue
                 mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
             base = 8 + header_len
             for name, info in header.items():
@@ -155,14 +152,12 @@ class _Tracked:
     def __init__(self, items: Iterable[tuple[str, Any]]):
         self.items = items
         self.current: str | None = None
-        self.count = 0
 
     def __iter__(self) -> Iterator[tuple[str, Any]]:
         for item in self.items:
             if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
                 raise ExpectedDigestsError(f"weights must be (name, tensor) pairs, got {type(item).__name__}")
             self.current = item[0]
-            self.count += 1
             yield item
         self.current = None
 

@@ -103,7 +103,6 @@ class Progress:
 
     def start(self, step: str, total: int) -> Callable[[int, tuple[str, float] | None], None]:
         begun = time.monotonic()
-        shown = [False]
 
         def update(done: int, slowest: tuple[str, float] | None) -> None:
             if not self.enabled or time.monotonic() - begun < 1.0:
@@ -112,7 +111,6 @@ class Progress:
             end = "\n" if done == total else ""
             sys.stderr.write(f"\r{step}: {done}/{total} engines done{slow}   {end}")
             sys.stderr.flush()
-            shown[0] = done < total
 
         return update
 

@@ -264,10 +264,10 @@ def _call_transfer(transfer: Callable[[], Any] | None) -> Any:
     """Calls the transfer; its awaitable (if any) is resolved by the driver."""
     try:
         return transfer()  # type: ignore[misc]
-    except (KeyboardInterrupt, VerifyError):
+    except VerifyError:
         raise
     except Exception as e:
-        raise VerifyError("transfer", None, f"the transfer failed: {type(e).__name__}: {e}") from e
+        raise _as_step_error("transfer", e) from e
 
 
 #: What the workflow yields (step, a value or awaitable), is sent, and returns.

@@ -37,7 +37,8 @@ fn env_lanes() -> Option<usize> {
 
 /// True when [`LANES_ENV`] asks for the wide kernel (`16`).
 pub fn wide_requested() -> bool {
-    env_lanes() == Some(WIDE_LANES)
+    static REQUESTED: OnceLock<bool> = OnceLock::new();
+    *REQUESTED.get_or_init(|| env_lanes() == Some(WIDE_LANES))
 }
 
 /// Messages the wide (AVX-512 multi-buffer) kernel advances together.
@@ -233,22 +234,24 @@ impl Kernel {
     /// first use, else [`Kernel::default_lanes`]. `WEIGHT_CHECKER_LANES=16`
     /// asks for the wide kernel, any other value for this kernel's lanes.
     pub fn small_message_lanes(self) -> usize {
-        static CHOSEN: OnceLock<Option<bool>> = OnceLock::new();
-        let own = self.default_lanes();
         if self == Kernel::Portable || Wide::detect().is_none() {
-            return own;
+            return self.default_lanes();
         }
-        match env_lanes() {
-            Some(WIDE_LANES) => return WIDE_LANES,
-            Some(_) => return own,
-            None => {}
-        }
-        let wide = CHOSEN.get_or_init(|| Some(self.calibrate_small().0 > 1.02 * self.calibrate_small().1));
-        if wide.unwrap_or(false) {
-            WIDE_LANES
-        } else {
-            own
-        }
+        // Decided once per process (the scheduler asks for every batch), like
+        // the kernel and the lane calibration; only SHA-NI gets this far.
+        static CHOSEN: OnceLock<usize> = OnceLock::new();
+        *CHOSEN.get_or_init(|| match env_lanes() {
+            Some(WIDE_LANES) => WIDE_LANES,
+            Some(_) => self.default_lanes(),
+            None => {
+                let (wide, own) = self.calibrate_small();
+                if wide > 1.02 * own {
+                    WIDE_LANES
+                } else {
+                    self.default_lanes()
+                }
+            }
+        })
     }
 
     /// GB/s of (the wide kernel, this kernel's default lanes) on 64 messages
