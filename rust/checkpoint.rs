@@ -345,7 +345,7 @@ impl ChunkSource for MappedTensor<'_> {
         &self.map[self.pos..self.window_end]
     }
 
-    fn advance(&mut self) -> Result<bool, Error> {
+    fn next_chunk(&mut self) -> Result<bool, Error> {
         if self.window_end > self.pos {
             self.file.release(self.pos, self.window_end);
         }

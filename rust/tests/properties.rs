@@ -198,7 +198,7 @@ impl ChunkSource for Chunked<'_> {
         &self.data[self.pos..self.end]
     }
 
-    fn advance(&mut self) -> Result<bool, weight_checker::Error> {
+    fn next_chunk(&mut self) -> Result<bool, weight_checker::Error> {
         if self.fail_at == Some(self.next) {
             return Err(weight_checker::Error::Io {
                 path: "failing-source".into(),
