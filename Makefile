@@ -32,14 +32,16 @@ test-rust:
 	cargo test --release
 
 # The whole suite with the calibrated kernels, then the digest suites again
-# with the portable fallback forced and with the SHA-NI lanes fixed (no
-# 16-lane AVX-512 for small tensors), so every kernel is checked against
-# hashlib whichever the calibration picks on this CPU.
+# with the portable fallback forced, with the SHA-NI lanes fixed (no 16-lane
+# AVX-512 at all) and with the 16-lane AVX-512 kernel asked for (streamed
+# and small tensors alike), so every kernel is checked against hashlib
+# whichever the calibration picks on this CPU.
 DIGEST_SUITES := tests/test_digests.py tests/test_core.py tests/test_walk.py
 test-python: env
 	$(PY) -m pytest
 	WEIGHT_CHECKER_KERNEL=portable $(PY) -m pytest -q $(DIGEST_SUITES)
 	WEIGHT_CHECKER_LANES=4 $(PY) -m pytest -q $(DIGEST_SUITES)
+	WEIGHT_CHECKER_LANES=16 $(PY) -m pytest -q $(DIGEST_SUITES)
 
 bench: env
 	$(PY) benches/bench_checksum.py

@@ -24,7 +24,7 @@ import time
 
 import torch
 import weight_checker
-from ceiling import contention, cpu_model, describe, engine_choice
+from ceiling import contention, cpu_model, describe, engine_choice, shani_core_gbps
 from torch import nn
 from weight_checker import _core
 
@@ -116,7 +116,7 @@ def bench(label, model, ref, repeat, ceiling, floor=None):
             f"  the binding adds {(o - f) / count * 1e6:.2f} us/tensor to the engine's own hashing of these"
             " shapes (measured in the same minute: on a loaded machine both move)"
         )
-    warning = contention(ceiling / _core.threads())
+    warning = contention(shani_core_gbps())
     if warning:
         print(f"  {warning}")
 

@@ -1,8 +1,8 @@
-//! Per-core SHA-256 throughput with 1, 2 and 4 interleaved streams, on this
-//! machine: the calibration's L2-hot figures and 4 x 64 MiB buffers streamed
-//! from DRAM, one thread; and the small-message calibration (the 16-lane
-//! AVX-512 kernel against this kernel's lanes). Compare with the C probes in
-//! shared/shani-probe and shared/mb-probe.
+//! Per-core SHA-256 throughput with 1, 2 and 4 interleaved SHA-NI streams and
+//! the 16-lane AVX-512 kernel, on this machine: the calibrations' figures
+//! (L2-hot; 16 x 256 KiB for the streaming one), then 16 x 16 MiB buffers
+//! streamed from DRAM on one thread; and the small-message calibration.
+//! Compare with the C probes in shared/shani-probe and shared/mb-probe.
 //!
 //!     cargo run --release --example lanes
 
@@ -12,11 +12,17 @@ fn main() {
     let kernel = Kernel::best_available();
     let (chosen, figures) = kernel.calibrate_lanes();
     println!("calibration (L2-hot, GB/s per lane count): {figures:?}; chosen {chosen}");
-    let pool: Vec<u8> = (0..4 * (64usize << 20))
+    match kernel.wide_stream_rates() {
+        Some((wide, four)) => {
+            println!("streaming calibration (16 x 256 KiB): 16-lane AVX-512 {wide:.2} GB/s, {kernel} x4 {four:.2} GB/s")
+        }
+        None => println!("streaming calibration: no wide kernel on this CPU (or the lanes are fixed)"),
+    }
+    let pool: Vec<u8> = (0..16 * (16usize << 20))
         .map(|i| (i as u32).wrapping_mul(2654435761) as u8)
         .collect();
-    let bufs: Vec<&[u8]> = pool.chunks(64 << 20).collect();
-    for lanes in [1, 2, 4] {
+    let bufs: Vec<&[u8]> = pool.chunks(16 << 20).collect();
+    for lanes in [1, 2, 4, 16] {
         let scheduler = Scheduler::new(kernel, lanes, 1);
         let mut best = 0f64;
         for _ in 0..3 {
@@ -24,7 +30,15 @@ fn main() {
             std::hint::black_box(scheduler.hash_many(&bufs));
             best = best.max(pool.len() as f64 / start.elapsed().as_secs_f64() / 1e9);
         }
-        println!("{kernel} {lanes} lanes, one thread, 4 x 64 MiB: {best:.2} GB/s");
+        let name = if scheduler.effective_lanes() == 16 {
+            "avx-512"
+        } else {
+            kernel.name()
+        };
+        println!(
+            "{name} {} lanes, one thread, 16 x 16 MiB: {best:.2} GB/s",
+            scheduler.effective_lanes()
+        );
     }
     let (wide, own) = kernel.calibrate_small();
     println!(

@@ -95,15 +95,20 @@ def test_hash_floor_times_each_pass_and_refuses_bad_sizes():
 
 
 def test_lanes_are_calibrated_and_the_env_var_overrides():
-    assert _core.lanes() in (1, 2, 4)
+    assert _core.lanes() in (1, 2, 4, 16)
     figures = dict(_core.calibrate())
     assert set(figures) == {1, 2, 4} and all(v > 0 for v in figures.values())
     code = "from weight_checker import _core; print(_core.lanes(), _core.streams(), _core.threads())"
-    for want in ("1", "2", "4"):
+    for want in ("1", "2", "4", "16"):
         env = dict(os.environ, WEIGHT_CHECKER_LANES=want)
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
         lanes, streams, threads = map(int, out.stdout.split())
-        expect = 1 if _core.kernel() == "portable" else int(want)
+        if _core.kernel() == "portable":
+            expect = 1
+        elif want == "16":
+            expect = 16 if has_avx512() else 4
+        else:
+            expect = int(want)
         assert lanes == expect and streams == lanes * threads
 
 
@@ -133,7 +138,7 @@ def test_small_tensors_of_one_length_through_either_kernel_match_hashlib():
         assert digests == want
         if small is not None:
             assert small_lanes == small
-        assert lanes in (1, 2, 4)
+        assert lanes == (16 if wide and lanes_env == "16" else 4 if _core.kernel() != "portable" else 1)
     assert _core.sha256_many(msgs) == want
     assert _core.small_lanes() in (1, 2, 4, 16)
     wide_rate, narrow_rate = _core.calibrate_small()

@@ -73,12 +73,21 @@ def tensor_impl_offset() -> int | None:
     nothing is prefetched, digests are the same)."""
 
 def lanes() -> int:
-    """Streams each scheduler thread interleaves: 1, 2 or 4, the fastest on
-    this CPU as measured at first use (``WEIGHT_CHECKER_LANES`` overrides).
-    Where it is 4, a run of a few big tensors may use 2 (faster streams)."""
+    """Messages each scheduler thread holds open: 1, 2 or 4 SHA-NI lanes, the
+    fastest on this CPU as measured at first use, or 16 where
+    ``WEIGHT_CHECKER_LANES=16`` asks for the 16-lane AVX-512 kernel and the
+    CPU has it. Where it is 4, a run may use 2 (a few big tensors) or the
+    AVX-512 kernel (many tensors, where ``calibrate_wide()`` finds it faster)."""
 
 def calibrate() -> list[tuple[int, float]]:
     """This core's GB/s with 1, 2 and 4 interleaved streams (best of 5 short runs)."""
+
+def calibrate_wide() -> tuple[float, float]:
+    """``(wide, four)`` GB/s of one core streaming 16 x 256 KiB through the
+    16-lane AVX-512 kernel and through four SHA-NI lanes, measured once at
+    first use; what a run decides by whether to use the wide kernel.
+    ``(0.0, 0.0)`` without AVX-512, with the portable kernel, or where
+    ``WEIGHT_CHECKER_LANES`` fixes the lanes."""
 
 def small_lanes() -> int:
     """Lanes for many small tensors of one length: 16 where the 16-lane

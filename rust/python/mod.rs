@@ -445,6 +445,14 @@ fn small_lanes(py: Python<'_>) -> usize {
     py.detach(|| Scheduler::default().same_length_lanes())
 }
 
+/// `(wide, four)`: this core's GB/s streaming 16 x 256 KiB through the
+/// 16-lane AVX-512 kernel and four SHA-NI lanes (see
+/// [`Kernel::wide_stream_rates`]); `(0.0, 0.0)` where that is not measured.
+#[pyfunction]
+fn calibrate_wide(py: Python<'_>) -> (f64, f64) {
+    py.detach(|| Kernel::active().wide_stream_rates().unwrap_or((0.0, 0.0)))
+}
+
 /// `(wide, narrow)`: this core's GB/s on 64 messages of 4 KiB with the
 /// 16-lane AVX-512 kernel and with the active kernel's lanes, as the
 /// small-message calibration measured them (`wide` is 0.0 where the CPU has
@@ -510,6 +518,7 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(calibrate, m)?)?;
     m.add_function(wrap_pyfunction!(small_lanes, m)?)?;
     m.add_function(wrap_pyfunction!(calibrate_small, m)?)?;
+    m.add_function(wrap_pyfunction!(calibrate_wide, m)?)?;
     m.add_function(wrap_pyfunction!(hash_floor, m)?)?;
     m.add_function(wrap_pyfunction!(copy_into, m)?)?;
     m.add_function(wrap_pyfunction!(set_threads, m)?)?;

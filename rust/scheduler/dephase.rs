@@ -48,7 +48,7 @@ pub(super) fn dephase<S: ChunkSource>(shared: &Shared<'_, S>, lanes: &mut [Optio
     let bytes = DEPHASE_BYTES.min(l.pending_len() / BLOCK_LEN * BLOCK_LEN);
     #[cfg(test)]
     tests::DEPHASED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    hash_step(shared, std::slice::from_mut(&mut lanes[j]), bytes);
+    hash_step(shared, std::slice::from_mut(&mut lanes[j]), bytes, None);
     true
 }
 
@@ -111,7 +111,7 @@ mod tests {
         let check = |pool: &[u8]| {
             let msgs: Vec<&[u8]> = starts.iter().zip(lens).map(|(&s, l)| &pool[s..s + l]).collect();
             for kernel in Kernel::all_available() {
-                for lanes in [1, 2, 4] {
+                for lanes in [1, 2, 4, 16] {
                     for threads in [1, 2] {
                         let scheduler = Scheduler::new(kernel, lanes, threads);
                         for (m, d) in msgs.iter().zip(scheduler.hash_many(&msgs)) {

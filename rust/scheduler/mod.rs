@@ -34,10 +34,10 @@ pub use batches::{batches_floor, hash_batched, BatchQueue, Batches};
 pub use multi::MultiHasher;
 pub use source::{ChunkSource, Slices};
 pub use threads::{default_threads, set_default_threads, THREADS_ENV};
-use worker::{worker, Shared, Task};
+use worker::{worker, Shared, Task, WidePlan};
 
 use crate::error::Error;
-use crate::sha256::{Digest, Kernel, Sha256};
+use crate::sha256::{Digest, Kernel, Sha256, Wide, WIDE_LANES};
 
 /// Below this many bytes in total, threads cost more than they save.
 const PARALLEL_MIN_BYTES: u64 = 256 * 1024;
@@ -55,13 +55,15 @@ const PROGRESS_EVERY: Duration = Duration::from_millis(100);
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Scheduler {
     pub kernel: Kernel,
-    /// Streams advanced together per thread (1, 2 or 4; capped by the kernel).
+    /// Messages each thread holds open (1, 2 or 4 SHA-NI lanes; 16 for the
+    /// wide AVX-512 kernel where the CPU has it; capped by the kernel).
     pub lanes: usize,
     /// Worker threads: 0 means [`default_threads`].
     pub threads: usize,
-    /// Whether a run may use two lanes instead of four when a few big
-    /// messages make up the work (see [`Scheduler::run`]); set when `lanes`
-    /// comes from this CPU's calibration, not when it was given.
+    /// Whether a run may fit its lanes to the work (see [`Scheduler::run`]):
+    /// two lanes instead of four when a few big messages make it up, the
+    /// wide kernel where this CPU's rates say it ends sooner. Set when
+    /// `lanes` comes from this CPU's calibration, not when it was given.
     pub fit_lanes: bool,
 }
 
@@ -87,12 +89,21 @@ impl Scheduler {
         }
     }
 
-    /// Streams each thread interleaves (the kernel's widest fit to `lanes`).
+    /// Messages each thread holds open: 16 where `lanes` asks for the wide
+    /// kernel and the CPU has it, else the kernel's widest fit to `lanes`.
     pub fn effective_lanes(&self) -> usize {
+        if self.lanes >= WIDE_LANES && self.wide().is_some() {
+            return WIDE_LANES;
+        }
         match self.lanes.clamp(1, self.kernel.max_lanes()) {
             3 => 2,
             n => n,
         }
+    }
+
+    /// The wide kernel, where this CPU has it and this kernel may use it.
+    fn wide(&self) -> Option<Wide> {
+        Wide::detect().filter(|_| self.kernel != Kernel::Portable)
     }
 
     /// Lanes for a batch of small messages of one length: the wide
@@ -100,10 +111,8 @@ impl Scheduler {
     /// faster on this CPU ([`Kernel::small_message_lanes`]) or where 16 lanes
     /// were asked for; else this scheduler's lanes.
     pub fn same_length_lanes(&self) -> usize {
-        if self.fit_lanes || (crate::sha256::wide_requested() && self.lanes == self.kernel.default_lanes()) {
+        if self.fit_lanes {
             self.kernel.small_message_lanes()
-        } else if self.lanes >= crate::sha256::WIDE_LANES {
-            crate::sha256::WIDE_LANES
         } else {
             self.effective_lanes()
         }
@@ -176,6 +185,47 @@ impl Scheduler {
         lanes_for_run(rate(2), rate(4), largest, total, workers)
     }
 
+    /// Whether a run whose largest message has `largest` of `total` bytes in
+    /// `count` messages ends sooner through the wide kernel, by this CPU's
+    /// streaming rates ([`Kernel::wide_stream_rates`]); if so, the fewest
+    /// open messages for which it still beats four SHA-NI lanes (break-even:
+    /// `open x wide / 16 = four-lane rate`) and its rate over one SHA-NI
+    /// stream's, which the workers plan by (see `WidePlan`).
+    ///
+    /// The estimate, per worker, with the wide kernel: its share of the bytes
+    /// at the wide rate, unless the largest message ends it: at a sixteenth
+    /// of the core, or hashed alone first at one stream's rate and the rest
+    /// wide after, whichever is sooner (the workers choose so). Against it,
+    /// four or two SHA-NI lanes as in [`Scheduler::fit_to_largest`].
+    fn fit_wide(&self, largest: u64, total: u64, workers: usize, count: usize) -> Option<(usize, f64)> {
+        let (wide, four) = self.kernel.wide_stream_rates()?;
+        self.wide()?;
+        if !(wide > 0.0 && four > 0.0 && wide.is_finite() && four.is_finite()) {
+            return None;
+        }
+        let break_even = ((WIDE_LANES as f64 * four / wide).ceil() as usize).max(2);
+        if break_even > WIDE_LANES || count < workers * break_even {
+            return None;
+        }
+        // One and two lanes from the (L2-hot) lane calibration, scaled to
+        // the streaming rate of four measured beside the wide kernel.
+        let rates = self.kernel.calibrated().1;
+        let rate = |lanes: usize| rates.iter().find(|r| r.0 == lanes).map_or(0.0, |r| r.1);
+        if rate(4) <= 0.0 || rate(1) <= 0.0 {
+            return None;
+        }
+        let (one, two) = (rate(1) * four / rate(4), rate(2) * four / rate(4));
+        let share = total as f64 / workers as f64 / 1e9;
+        let largest_gb = largest as f64 / 1e9;
+        let in_a_lane = largest_gb * WIDE_LANES as f64 / wide;
+        let alone_first = largest_gb / one + (share - largest_gb).max(0.0) / wide;
+        let end_wide = (share / wide).max(in_a_lane.min(alone_first));
+        let narrow = lanes_for_run(two, four, largest, total, workers);
+        let core = if narrow == 2 { two } else { four };
+        let end_narrow = (share / core).max(largest_gb * narrow as f64 / core);
+        (end_wide < end_narrow).then_some((break_even, wide / one))
+    }
+
     fn run<S: ChunkSource>(
         &self,
         mut tasks: Vec<Task<'_, S>>,
@@ -202,9 +252,30 @@ impl Scheduler {
         // not as 4 lanes on one. (A thread holding three runs the two with
         // the most bytes left, see `worker`.)
         let mut lanes = self.effective_lanes().min(tasks.len().div_ceil(workers)).max(1);
+        // Where lanes were given, the wide kernel runs while at least half of
+        // its lanes hold a message, and counts as 2.5 SHA-NI streams (the
+        // ratio measured on AMD Zen 5 and Intel Emerald Rapids cores was
+        // 2.1-2.5); where they were calibrated, by this CPU's rates (see
+        // `fit_wide`).
+        let mut plan = self.wide().map(|kernel| WidePlan {
+            kernel,
+            min_open: WIDE_LANES / 2,
+            over_one_stream: 2.5,
+        });
         if lanes == 4 && self.fit_lanes {
-            lanes = self.fit_to_largest(tasks[0].bytes, total, workers);
+            match self.fit_wide(tasks[0].bytes, total, workers, tasks.len()) {
+                Some((min_open, over_one_stream)) => {
+                    lanes = WIDE_LANES;
+                    plan = plan.map(|p| WidePlan {
+                        min_open,
+                        over_one_stream,
+                        ..p
+                    });
+                }
+                None => lanes = self.fit_to_largest(tasks[0].bytes, total, workers),
+            }
         }
+        let wide = plan.filter(|_| lanes > 4);
         // Dealing (see `Shared::next_task`) only where the first thread to
         // start would otherwise take more than its share of all the bytes
         // with its first lanes (a few big tensors). Elsewhere it costs: a
@@ -216,7 +287,7 @@ impl Scheduler {
         } else {
             0
         };
-        let shared = Shared::new(self.kernel, lanes, workers, dealt, tasks, progress.is_some());
+        let shared = Shared::new(self.kernel, wide, lanes, workers, dealt, tasks, progress.is_some());
         if !parallel {
             worker(&shared, 0);
         } else {

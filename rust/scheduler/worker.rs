@@ -8,7 +8,7 @@ use std::sync::{Condvar, Mutex};
 use super::dephase::dephase;
 use super::ChunkSource;
 use crate::error::Error;
-use crate::sha256::{Digest, Kernel, Sha256, BLOCK_LEN, STEP_BYTES};
+use crate::sha256::{Digest, Kernel, Sha256, Wide, BLOCK_LEN, STEP_BYTES, WIDE_LANES};
 
 /// One message for one lane: its bytes hashed in order into `state`.
 pub(super) struct Task<'a, S> {
@@ -26,6 +26,9 @@ pub(super) struct Lane<'a, S> {
     pub(super) pos: usize,
     /// Bytes of the message not yet absorbed.
     pub(super) left: u64,
+    /// Whether the wide kernel has hashed part of this message (counted
+    /// by the tests when SHA-NI then takes it over).
+    went_wide: bool,
 }
 
 impl<S: ChunkSource> Lane<'_, S> {
@@ -43,6 +46,9 @@ impl<S: ChunkSource> Lane<'_, S> {
 /// What the workers of one run share.
 pub(super) struct Shared<'a, S> {
     pub(super) kernel: Kernel,
+    /// How the wide kernel is used; `None`: the kernel's own lanes only.
+    pub(super) wide: Option<WidePlan>,
+    /// Messages each worker holds open (up to [`WIDE_LANES`]).
     pub(super) lanes: usize,
     pub(super) workers: usize,
     /// The first `dealt` tasks (the largest) are dealt to the workers before
@@ -66,6 +72,7 @@ pub(super) struct Shared<'a, S> {
 impl<'a, S> Shared<'a, S> {
     pub(super) fn new(
         kernel: Kernel,
+        wide: Option<WidePlan>,
         lanes: usize,
         workers: usize,
         dealt: usize,
@@ -74,6 +81,7 @@ impl<'a, S> Shared<'a, S> {
     ) -> Self {
         Shared {
             kernel,
+            wide,
             lanes,
             workers,
             dealt,
@@ -143,7 +151,7 @@ impl<'a, S> Shared<'a, S> {
     }
 }
 
-/// See the three-lane case in [`worker`].
+/// See [`narrow_lanes`].
 const SWAP_BYTES: u64 = 1 << 20;
 
 /// A worker's progress through its dealt tasks.
@@ -164,7 +172,12 @@ fn prepare<'a, S: ChunkSource>(shared: &Shared<'a, S>, w: usize, deal: &mut Deal
             match shared.next_task(w, deal) {
                 Some(task) => {
                     let left = task.bytes;
-                    *lane = Some(Lane { task, pos: 0, left });
+                    *lane = Some(Lane {
+                        task,
+                        pos: 0,
+                        left,
+                        went_wide: false,
+                    });
                 }
                 None => return,
             }
@@ -200,37 +213,35 @@ fn prepare<'a, S: ChunkSource>(shared: &Shared<'a, S>, w: usize, deal: &mut Deal
 }
 
 pub(super) fn worker<S: ChunkSource>(shared: &Shared<'_, S>, w: usize) {
-    let mut held: [Option<Lane<'_, S>>; 4] = [None, None, None, None];
+    let mut held: [Option<Lane<'_, S>>; WIDE_LANES] = std::array::from_fn(|_| None);
     let held = &mut held[..shared.lanes];
     let mut deal = Deal::default();
     while !shared.stop.load(Ordering::Relaxed) {
         for lane in held.iter_mut() {
             prepare(shared, w, &mut deal, lane);
         }
-        // Open lanes first (a stable partition of at most four lanes: no
+        // Open lanes first (a stable partition of at most sixteen lanes: no
         // allocation in this loop, which runs once per small tensor).
         held.sort_by_key(Option::is_none);
-        let mut n = held.iter().take_while(|l| l.is_some()).count();
-        if n == 0 {
+        let open = held.iter().take_while(|l| l.is_some()).count();
+        if open == 0 {
             break;
         }
-        if n == 3 {
-            // Three lanes at equal steps run as two plus one, below what two
-            // alone do (2.5 vs 3.3 GB/s on a Zen 4 core). Run two: the waiting one (the
-            // third) swaps in once it has `SWAP_BYTES` more left than the
-            // shorter running one. So the longest messages, which end the
-            // run, get the faster streams, and level ones take turns, in
-            // runs long enough that each stream stays sequential for the
-            // prefetcher (swapping every step ran at 3.0).
-            let left = |l: &Option<Lane<'_, S>>| l.as_ref().map_or(0, |l| l.left);
-            let shorter = if left(&held[0]) <= left(&held[1]) { 0 } else { 1 };
-            if left(&held[2]) > left(&held[shorter]).saturating_add(SWAP_BYTES) {
-                held.swap(2, shorter);
-            }
-            n = 2;
-        }
-        let active = &mut held[..n];
-        // Advance every open lane by the same number of whole blocks.
+        // The wide kernel while enough messages are open to be worth its
+        // sixteen lanes and none would end the run at a sixteenth of a
+        // core (`runs_alone`); else SHA-NI on the ones with the most bytes
+        // left. A message
+        // moves between the two at a step boundary: both work on the same
+        // state, whole blocks at a time.
+        let (run, wide) = match &shared.wide {
+            Some(plan) if open >= plan.min_open => match runs_alone(plan, &mut held[..open]) {
+                true => (1, None),
+                false => (open, Some(plan.kernel)),
+            },
+            _ => (narrow_lanes(&mut held[..open]), None),
+        };
+        let active = &mut held[..run];
+        // Advance every running lane by the same number of whole blocks.
         let step = active
             .iter()
             .flatten()
@@ -240,32 +251,124 @@ pub(super) fn worker<S: ChunkSource>(shared: &Shared<'_, S>, w: usize) {
             .min(STEP_BYTES);
         // Only long runs are worth de-phasing (and the check stays out of the
         // loop that small tensors go through once each).
-        if step == STEP_BYTES && n > 1 && dephase(shared, active) {
+        if wide.is_none() && step == STEP_BYTES && run > 1 && dephase(shared, active) {
             continue;
         }
-        hash_step(shared, active, step);
+        hash_step(shared, active, step, wide);
     }
     let mut finished = shared.finished.lock().unwrap_or_else(|e| e.into_inner());
     *finished += 1;
     shared.finished_cv.notify_all();
 }
 
+/// Of `open` lanes (all open), how many SHA-NI runs, moved to the front:
+/// four, or two of three, or all of one or two. The ones left waiting swap
+/// in once they have [`SWAP_BYTES`] more left than the running one with the
+/// fewest. So the longest messages, which end the run, get the streams, and
+/// level ones take turns in runs long enough that each stays sequential for
+/// the prefetcher (swapping every step ran at 3.0 GB/s, not 3.3, on a Zen 4
+/// core). Three lanes at equal steps would run as two plus one, below what
+/// two alone do (2.5 vs 3.3 GB/s there).
+fn narrow_lanes<S>(open: &mut [Option<Lane<'_, S>>]) -> usize {
+    let run = match open.len() {
+        3 => 2,
+        n => n.min(4),
+    };
+    let left = |l: &Option<Lane<'_, S>>| l.as_ref().map_or(0, |l| l.left);
+    for waiting in run..open.len() {
+        let fewest = (0..run).min_by_key(|&i| left(&open[i])).unwrap_or(0);
+        if left(&open[waiting]) > left(&open[fewest]).saturating_add(SWAP_BYTES) {
+            open.swap(waiting, fewest);
+        }
+    }
+    run
+}
+
+/// How a run uses the wide kernel.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct WidePlan {
+    pub(super) kernel: Wide,
+    /// The fewest open lanes a worker runs it with (fewer: SHA-NI).
+    pub(super) min_open: usize,
+    /// A core's rate through it over one SHA-NI stream's (2-2.5 measured).
+    pub(super) over_one_stream: f64,
+}
+
+/// With the wide kernel in use on `open` lanes (all open): whether the
+/// message with the most bytes left should run alone on one SHA-NI lane
+/// instead, moved to the front. In a wide lane it gets a sixteenth of the
+/// core, so the lanes end when it does: `16 L / wide`. Hashed first at
+/// one stream's rate and the rest wide after, they end at
+/// `L / one + 16 L2 / wide` (`L2` the next largest). So it runs alone
+/// while `L x wide / one < 16 (L - L2)`: on a Llama-shaped set, the
+/// embedding (131 MB against 23 MB); among tensors of one size, never.
+fn runs_alone<S>(plan: &WidePlan, open: &mut [Option<Lane<'_, S>>]) -> bool {
+    let left = |l: &Option<Lane<'_, S>>| l.as_ref().map_or(0, |l| l.left);
+    let Some(top) = (0..open.len()).max_by_key(|&i| left(&open[i])) else {
+        return false;
+    };
+    open.swap(0, top);
+    let (largest, next) = (left(&open[0]), open[1..].iter().map(left).max().unwrap_or(0));
+    (largest as f64) * plan.over_one_stream < (WIDE_LANES as f64) * (largest - next) as f64
+}
+
 /// Hashes the next `step` bytes (whole blocks, ready in each chunk) of every
-/// lane given, all open, through the widest kernel that fits.
-pub(super) fn hash_step<S: ChunkSource>(shared: &Shared<'_, S>, lanes: &mut [Option<Lane<'_, S>>], step: usize) {
+/// lane given, all open: through the wide kernel if given, else through the
+/// widest of the kernel's own lane counts that fits.
+pub(super) fn hash_step<S: ChunkSource>(
+    shared: &Shared<'_, S>,
+    lanes: &mut [Option<Lane<'_, S>>],
+    step: usize,
+    wide: Option<Wide>,
+) {
     for l in lanes.iter_mut().flatten() {
         let bytes = &l.task.source.chunk()[l.pos..l.pos + step];
         l.task.state.observe(bytes);
     }
-    compress_lanes(shared.kernel, lanes, step);
+    match wide {
+        Some(wide) => compress_wide(wide, lanes, step),
+        None => compress_lanes(shared.kernel, lanes, step),
+    }
     for l in lanes.iter_mut().flatten() {
         l.task.state.note_blocks(step);
         l.pos += step;
         l.left = l.left.saturating_sub(step as u64);
+        #[cfg(test)]
+        if wide.is_none() && l.went_wide {
+            tests::MOVED.fetch_add(1, Ordering::Relaxed);
+        }
+        l.went_wide = wide.is_some();
     }
     if shared.count_progress {
         shared.done.fetch_add((step * lanes.len()) as u64, Ordering::Relaxed);
     }
+}
+
+/// Zero bytes for the wide kernel's idle lanes (at most one step each).
+static IDLE_BLOCKS: [u8; STEP_BYTES] = [0; STEP_BYTES];
+
+/// Runs the `step` bytes ahead of each lane (at most sixteen, all open)
+/// through the wide kernel; lanes without a message hash zeros into a
+/// scratch state. Its compression ends with `vzeroupper`, so SHA-NI's
+/// legacy-SSE instructions after it pay no AVX-512 transition penalty.
+fn compress_wide<S: ChunkSource>(wide: Wide, lanes: &mut [Option<Lane<'_, S>>], step: usize) {
+    let mut scratch = [[0u32; 8]; WIDE_LANES];
+    let mut scratch = scratch.iter_mut();
+    let mut open = lanes.iter_mut().flatten();
+    let mut blocks: [&[u8]; WIDE_LANES] = [&[]; WIDE_LANES];
+    let states: [&mut [u32; 8]; WIDE_LANES] = std::array::from_fn(|i| match open.next() {
+        Some(l) => {
+            let (h, d) = l.parts();
+            blocks[i] = &d[..step];
+            h
+        }
+        None => {
+            blocks[i] = &IDLE_BLOCKS[..step];
+            scratch.next().expect("sixteen scratch states for sixteen lanes")
+        }
+    });
+    debug_assert!(open.next().is_none(), "at most sixteen lanes run wide");
+    wide.compress16(states, blocks);
 }
 
 /// Runs the `step` bytes ahead of each lane through the widest kernel that
@@ -304,6 +407,124 @@ mod tests {
         all_zero: true,
     };
 
+    /// Lanes the wide kernel had hashed part of and SHA-NI then took over
+    /// (all tests of this binary).
+    pub(super) static MOVED: AtomicUsize = AtomicUsize::new(0);
+
+    /// Hashes `data` (each message fed in chunks of uneven sizes) on one
+    /// worker holding sixteen lanes, the wide kernel running while at least
+    /// `wide_min` are open, and checks every digest and all-zero flag
+    /// against `sha2`.
+    fn hash_on_sixteen_lanes(wide: Wide, wide_min: usize, data: &[Vec<u8>]) {
+        let pieces: Vec<Vec<&[u8]>> = data
+            .iter()
+            .enumerate()
+            .map(|(i, d)| {
+                let cut = [BLOCK_LEN * 3 + 1, STEP_BYTES - 5, 700_001][i % 3];
+                d.chunks(cut.max(1)).collect()
+            })
+            .collect();
+        let mut states = vec![Sha256::new(); data.len()];
+        let mut digests = vec![UNSET; data.len()];
+        let mut tasks: Vec<_> = states
+            .iter_mut()
+            .zip(digests.iter_mut())
+            .zip(&pieces)
+            .map(|((state, out), p)| {
+                let source = Slices::new(p);
+                Task {
+                    bytes: source.total_bytes(),
+                    state,
+                    source,
+                    digest_out: Some(out),
+                }
+            })
+            .collect();
+        tasks.sort_by_key(|t| std::cmp::Reverse(t.bytes));
+        let kernel = Kernel::best_available();
+        let plan = WidePlan {
+            kernel: wide,
+            min_open: wide_min,
+            over_one_stream: 2.5,
+        };
+        let shared = Shared::new(kernel, Some(plan), WIDE_LANES, 1, 0, tasks, true);
+        worker(&shared, 0);
+        let hashed = shared.done.load(Ordering::Relaxed);
+        drop(shared);
+        assert_eq!(hashed, data.iter().map(|d| d.len() as u64).sum::<u64>());
+        for (d, got) in data.iter().zip(&digests) {
+            let want: [u8; 32] = sha2::Sha256::digest(d).into();
+            assert_eq!(got.bytes, want, "wide from {wide_min} open, len {}", d.len());
+            assert_eq!(got.all_zero, d.iter().all(|&b| b == 0), "len {}", d.len());
+        }
+    }
+
+    /// Twenty-three messages of mixed lengths (empty, under a block, not a
+    /// block multiple, several steps) on sixteen lanes: lanes are refilled
+    /// mid-run, and messages the wide kernel started are finished by
+    /// SHA-NI once fewer than `wide_min` are open, or once one of them has
+    /// far more bytes left than the rest. Also with the wide kernel for any
+    /// open count (idle lanes hashing zeros) and never.
+    #[test]
+    fn messages_move_between_the_wide_kernel_and_sha_ni_mid_stream() {
+        let Some(wide) = Wide::detect() else {
+            eprintln!("no AVX-512 on this CPU: the wide kernel is not tested here");
+            return;
+        };
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let lens = [
+            0usize,
+            1,
+            55,
+            56,
+            63,
+            64,
+            65,
+            4095,
+            4096,
+            70_000,
+            131_072,
+            200_003,
+            333_333,
+            1 << 20,
+            1_500_001,
+            2 << 20,
+            (2 << 20) + 17,
+            3_000_000,
+            77,
+            640_000,
+            12_345,
+            999_999,
+            2_500_000,
+        ];
+        let mut data: Vec<Vec<u8>> = lens
+            .iter()
+            .map(|&n| {
+                (0..n)
+                    .map(|_| {
+                        x ^= x << 13;
+                        x ^= x >> 7;
+                        x ^= x << 17;
+                        (x >> 32) as u8
+                    })
+                    .collect()
+            })
+            .collect();
+        // All zero but for one byte late in the message: the zero check
+        // must see bytes hashed by either kernel.
+        data[13].fill(0);
+        data[13][900_000] = 1;
+        data[14].fill(0);
+        let before = MOVED.load(Ordering::Relaxed);
+        hash_on_sixteen_lanes(wide, 8, &data);
+        assert!(
+            MOVED.load(Ordering::Relaxed) > before,
+            "no message moved from the wide kernel to SHA-NI"
+        );
+        hash_on_sixteen_lanes(wide, 1, &data);
+        hash_on_sixteen_lanes(wide, WIDE_LANES + 1, &data);
+    }
+
     /// Tasks dealt to workers that never start are hashed by the one that
     /// runs, after its own and the undealt ones; every digest is right,
     /// with one, two, three or four lanes held (three: two run, in turns).
@@ -329,7 +550,8 @@ mod tests {
                     })
                     .collect();
                 let workers = 3;
-                let shared = Shared::new(kernel, lanes, workers, (workers * lanes).min(data.len()), tasks, false);
+                let dealt = (workers * lanes).min(data.len());
+                let shared = Shared::new(kernel, None, lanes, workers, dealt, tasks, false);
                 worker(&shared, 1);
                 drop(shared);
                 for (d, got) in data.iter().zip(&digests) {

@@ -7,7 +7,8 @@ use super::{digest_same_length, Kernel, Wide, H0, WIDE_LANES};
 
 /// Environment variable that fixes the streams interleaved per thread (1, 2
 /// or 4) instead of measuring them at first use; `16` asks for the wide
-/// kernel for small messages of one length (large ones keep 4 SHA-NI lanes).
+/// kernel where the CPU has it, for small messages of one length and for
+/// streamed ones (SHA-NI lanes still take the few messages that end a run).
 pub const LANES_ENV: &str = "WEIGHT_CHECKER_LANES";
 
 fn env_lanes() -> Option<usize> {
@@ -34,10 +35,11 @@ impl Kernel {
         if self.max_lanes() == 1 {
             return 1;
         }
-        if let Some(n) = env_lanes() {
-            return n.min(self.max_lanes());
+        match env_lanes() {
+            Some(WIDE_LANES) if Wide::detect().is_some() => WIDE_LANES,
+            Some(n) => n.min(self.max_lanes()),
+            None => self.calibrated().0,
         }
-        self.calibrated().0
     }
 
     /// This core's GB/s with 1, 2 and 4 lanes as measured for
@@ -46,6 +48,49 @@ impl Kernel {
     /// it). A scheduler uses them to run fewer lanes on a few big messages.
     pub fn lane_rates(self) -> Option<[(usize, f64); 3]> {
         (self.max_lanes() > 1 && env_lanes().is_none()).then(|| self.calibrated().1)
+    }
+
+    /// GB/s of one core streaming 16 messages of 256 KiB (4 MiB, more than
+    /// an L2 holds, so nearer the DRAM-fed rate of real tensors than the
+    /// L2-hot lane calibration) through (the wide kernel, this kernel's four
+    /// lanes), best of several runs, measured once per process at first use.
+    /// `None` where this CPU lacks the wide kernel, for the portable kernel,
+    /// and where [`LANES_ENV`] fixes the lanes. The scheduler streams a run
+    /// through the wide kernel only where these rates say it ends sooner
+    /// (Intel cores, whose SHA-NI is slow); elsewhere it keeps SHA-NI.
+    pub fn wide_stream_rates(self) -> Option<(f64, f64)> {
+        if self == Kernel::Portable || env_lanes().is_some() {
+            return None;
+        }
+        let wide = Wide::detect()?;
+        static RATES: OnceLock<(f64, f64)> = OnceLock::new();
+        Some(*RATES.get_or_init(|| {
+            const LEN: usize = 256 * 1024;
+            let data: Vec<u8> = (0..WIDE_LANES * LEN)
+                .map(|i| (i as u32).wrapping_mul(2654435761) as u8)
+                .collect();
+            let msgs: [&[u8]; WIDE_LANES] = std::array::from_fn(|i| &data[i * LEN..(i + 1) * LEN]);
+            let mut best = (0f64, 0f64);
+            for _ in 0..5 {
+                let mut states = [H0; WIDE_LANES];
+                let start = std::time::Instant::now();
+                wide.compress16(states.each_mut(), msgs);
+                std::hint::black_box(&states);
+                best.0 = best
+                    .0
+                    .max((WIDE_LANES * LEN) as f64 / start.elapsed().as_secs_f64() / 1e9);
+                let start = std::time::Instant::now();
+                for (s, m) in states.chunks_exact_mut(4).zip(msgs.chunks_exact(4)) {
+                    let [a, b, c, d] = s else { unreachable!() };
+                    self.compress4([a, b, c, d], [m[0], m[1], m[2], m[3]]);
+                }
+                std::hint::black_box(&states);
+                best.1 = best
+                    .1
+                    .max((WIDE_LANES * LEN) as f64 / start.elapsed().as_secs_f64() / 1e9);
+            }
+            best
+        }))
     }
 
     /// The lane calibration, run once per process.
@@ -89,12 +134,7 @@ impl Kernel {
                 entry.1 = entry.1.max(gbps);
             }
         }
-        // The fewest lanes within 2% of the fastest: fewer open messages per
-        // thread balance better at the end of a run, and the L2-hot figures
-        // here flatter wide kernels a little against data streamed from DRAM.
-        let top = best.iter().map(|b| b.1).fold(0.0, f64::max);
-        let chosen = best.iter().find(|b| b.1 >= 0.98 * top).unwrap().0;
-        (chosen.min(self.max_lanes()), best)
+        (fewest_lanes_near_the_fastest(&best).min(self.max_lanes()), best)
     }
 
     /// Lanes for many small messages of one length ([`digest_same_length`]):
@@ -147,5 +187,44 @@ impl Kernel {
             }
             best
         })
+    }
+}
+
+/// The fewest lanes within 2% of the fastest of `(lanes, GB/s)` figures:
+/// fewer open messages per thread balance better at the end of a run, and
+/// L2-hot figures flatter wide kernels a little against data streamed from
+/// DRAM. 1 where no figure is usable.
+fn fewest_lanes_near_the_fastest(figures: &[(usize, f64)]) -> usize {
+    let top = figures
+        .iter()
+        .map(|f| f.1)
+        .filter(|r| r.is_finite())
+        .fold(0.0, f64::max);
+    figures
+        .iter()
+        .find(|f| f.1.is_finite() && f.1 >= 0.98 * top && f.1 > 0.0)
+        .map_or(1, |f| f.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Figures as the calibration measured them on real cores, and the
+    /// lanes each must give.
+    #[test]
+    fn the_fewest_lanes_within_two_percent_of_the_fastest_are_chosen() {
+        // AMD EPYC Zen 4 and Zen 5 (2 vCPUs): four lanes well ahead.
+        assert_eq!(fewest_lanes_near_the_fastest(&[(1, 1.8), (2, 3.3), (4, 3.6)]), 4);
+        assert_eq!(fewest_lanes_near_the_fastest(&[(1, 2.12), (2, 3.21), (4, 3.81)]), 4);
+        // Intel Emerald Rapids: two lanes 5% behind four, still four.
+        assert_eq!(fewest_lanes_near_the_fastest(&[(1, 1.4), (2, 1.8), (4, 1.9)]), 4);
+        // Two lanes within 2% of four: two (fewer open messages).
+        assert_eq!(fewest_lanes_near_the_fastest(&[(1, 1.4), (2, 1.88), (4, 1.9)]), 2);
+        // A core where interleaving gains nothing: one.
+        assert_eq!(fewest_lanes_near_the_fastest(&[(1, 2.0), (2, 1.99), (4, 2.0)]), 1);
+        // Unusable figures (a timer that read zero, NaN): one, no panic.
+        assert_eq!(fewest_lanes_near_the_fastest(&[(1, 0.0), (2, 0.0), (4, 0.0)]), 1);
+        assert_eq!(fewest_lanes_near_the_fastest(&[(1, f64::NAN), (2, 3.0), (4, 2.0)]), 2);
     }
 }

@@ -43,7 +43,7 @@ fn buffers() -> impl Strategy<Value = (Vec<u8>, Vec<(usize, usize)>)> {
 fn schedulers() -> Vec<Scheduler> {
     let mut out = Vec::new();
     for kernel in Kernel::all_available() {
-        for lanes in [1, 2, 4] {
+        for lanes in [1, 2, 4, 16] {
             for threads in [1, 2] {
                 out.push(Scheduler::new(kernel, lanes, threads));
             }

@@ -35,7 +35,7 @@ fn nist_vectors_batched_every_lane_width() {
     let messages: Vec<&[u8]> = vectors.iter().map(|(m, _)| m.as_slice()).collect();
     let mut schedulers = vec![Scheduler::default()]; // the calibrated lane count
     for kernel in Kernel::all_available() {
-        for lanes in [1, 2, 3, 4] {
+        for lanes in [1, 2, 3, 4, 16] {
             for threads in [1, 0] {
                 schedulers.push(Scheduler::new(kernel, lanes, threads));
             }
@@ -78,16 +78,13 @@ fn all_zero_flag() {
 }
 
 #[test]
-fn calibration_measures_every_lane_count_and_picks_the_fastest() {
+fn calibration_measures_every_lane_count_and_chooses_one_it_can_run() {
+    // The rule itself is tested on real cores' figures in sha256/calibrate.rs.
     for kernel in Kernel::all_available() {
         let (chosen, figures) = kernel.calibrate_lanes();
         assert_eq!(figures.map(|f| f.0), [1, 2, 4]);
         assert!(figures.iter().all(|f| f.1 > 0.0), "{figures:?}");
-        assert!(chosen <= kernel.max_lanes());
-        let best = figures.iter().map(|f| f.1).fold(0.0, f64::max);
-        if kernel.max_lanes() == 4 {
-            assert!(figures.iter().find(|f| f.0 == chosen).unwrap().1 >= 0.98 * best);
-        }
+        assert!([1, 2, 4].contains(&chosen) && chosen <= kernel.max_lanes());
         assert!([1, 2, 4].contains(&kernel.default_lanes()));
     }
 }
