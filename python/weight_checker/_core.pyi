@@ -11,6 +11,7 @@ __all__ = [
     "__version__",
     "calibrate",
     "calibrate_small",
+    "calibrate_wide",
     "checksum_module",
     "checksum_safetensors",
     "copy_into",
