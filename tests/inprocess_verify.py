@@ -19,7 +19,7 @@ def summary(result) -> dict:
         "classes": result.classes(),
         "steps": [s.name for s in result.steps],
         "warnings": result.warnings,
-        "keys": result.keys,
+        "key_count": result.key_count,
     }
 
 

@@ -37,7 +37,7 @@ def main(model: str) -> dict:
 
     out: dict = {}
     good = weight_checker.verify(engines, transfer=reload(engines))
-    out["good"] = {"match": good.match, "keys": good.keys, "servers": good.servers}
+    out["good"] = {"match": good.match, "key_count": good.key_count, "servers": good.servers}
     skipped = weight_checker.verify(engines, transfer=reload(engines[:1]))
     out["skipped"] = skipped.classes()
     ray.get(engines[1].collective_rpc.remote("reload_weights"))

@@ -79,7 +79,7 @@ def test_a_step_pushed_from_the_trainers_tensors_matches(engine):
         server.url, transfer=reload(server, push(step1, model, root / "step1")), expected=expected
     )
     assert result.mismatches == {}
-    assert result.match and result.keys == len(expected)
+    assert result.match and result.key_count == len(expected)
     assert [s.name for s in result.steps] == [
         "pause", "checksum (before)", "transfer", "checksum (after)", "compare", "resume",
     ]  # fmt: skip
@@ -148,7 +148,7 @@ def test_cli_expect_then_verify_without_reset(engine, tmp_path):
     )
     assert r.returncode == 0, r.stdout + r.stderr
     report = json.loads(r.stdout)
-    assert report["match"] is True and report["keys"] == len(json.loads(manifest.read_text())["checksums"])
+    assert report["match"] is True and report["key_count"] == len(json.loads(manifest.read_text())["checksums"])
     # The same manifest after a push that changes nothing: every key is stale, exit 1.
     path5 = push(train_step(state, 5), model, root / "step5")
     r = subprocess.run([*cli, "expect", str(path5), "--tp", "2", "-o", str(manifest)], capture_output=True, text=True)

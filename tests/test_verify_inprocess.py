@@ -44,7 +44,7 @@ def ranks(keys: list[str]) -> set[str]:
 
 def check_cases(out: dict, tp: int) -> None:
     good = out["good"]
-    assert good["match"] is True and good["classes"] == {} and good["keys"] > 0
+    assert good["match"] is True and good["classes"] == {} and good["key_count"] > 0
     noop = out["noop"]
     assert noop["match"] is False
     assert set(noop["classes"]) == {"untouched-since-reset"}

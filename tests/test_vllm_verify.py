@@ -47,7 +47,7 @@ def test_good_transfer_matches(server):
     assert r.returncode == 0, r.stdout + r.stderr
     report = json.loads(r.stdout)
     assert report["match"] is True and report["mismatches"] == []
-    assert report["keys"] == len(checks.checksum(server))
+    assert report["key_count"] == len(checks.checksum(server))
     assert [s["step"] for s in report["steps"]] == [*checks.VERIFY_STEPS, "resume"]
     assert all(s["ok"] for s in report["steps"])
     assert_resumed(server)
@@ -243,7 +243,7 @@ def test_two_independent_servers_verified_at_once_each_against_its_own_baseline(
     r = verify("--url", server.url, "--url", second_server.url, "--transfer", "reload", "--json")
     assert r.returncode == 0, r.stdout + r.stderr
     report = json.loads(r.stdout)
-    assert report["match"] is True and report["keys"] == 2 * len(checks.checksum(server))
+    assert report["match"] is True and report["key_count"] == 2 * len(checks.checksum(server))
     assert {s["step"] for s in report["steps"] if "slowest" in s} >= {"pause", "checksum (baseline)"}
     post = (
         "import sys, urllib.request as u; u.urlopen(u.Request(sys.argv[1] + '/collective_rpc',"

@@ -340,13 +340,13 @@ def print_verify_report(report: dict) -> None:
         print(f"  {i}. {s['step']:<24} {status:<6} {s['seconds']:8.3f} s{slow}")
     for w in report.get("warnings", []):
         print(f"warning: {w}")
-    if report.get("error") and not report.get("keys"):
+    if report.get("error") and not report.get("key_count"):
         print(f"result: ERROR: {report['error']}")
         return
     with_expected = any(s["step"] == "checksum (after)" for s in report["steps"])
     reference = "the expected digest" if with_expected else "the baseline"
     if report["match"]:
-        print(f"result: MATCH: {report['keys']} keys, every digest equals {reference}")
+        print(f"result: MATCH: {report['key_count']} keys, every digest equals {reference}")
     else:
         counts = class_counts({k: c for c, ks in report["classes"].items() for k in ks})
         print(f"result: MISMATCH: {len(report['mismatches'])} keys ({counts})")

@@ -40,18 +40,17 @@ import asyncio
 import inspect
 import time
 from collections.abc import Awaitable, Callable, Generator, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from weight_checker.classes import (
     EMPTY_DIGEST,
     already_zeroed_warning,
-    class_counts,
     classify,
     classify_expected,
 )
 from weight_checker.errors import VerifyError, WeightCheckerError
-from weight_checker.keys import split_key
+from weight_checker.replicas import ReplicaResult, replicas
+from weight_checker.results import Step, VerifyResult, WeightMismatchError
 from weight_checker.targets import (
     DEFAULT_CONCURRENCY,
     AsyncLLMTarget,
@@ -80,72 +79,6 @@ __all__ = [
     "verify",
     "verify_async",
 ]
-
-
-class WeightMismatchError(WeightCheckerError):
-    """The weights after the transfer differ from the baseline."""
-
-    def __init__(self, mismatches: Mapping[str, str]):
-        summary = class_counts(mismatches)
-        first = ", ".join(sorted(mismatches)[:5])
-        more = " ..." if len(mismatches) > 5 else ""
-        super().__init__(f"{len(mismatches)} keys differ from the baseline ({summary}): {first}{more}")
-        self.mismatches = dict(mismatches)
-
-
-@dataclass
-class Step:
-    name: str
-    seconds: float
-    ok: bool
-    detail: str = ""
-    #: ``(engine, seconds)`` of the slowest engine, when the step ran on several.
-    slowest: tuple[str, float] | None = None
-
-
-@dataclass
-class VerifyResult:
-    """What one run of the workflow found."""
-
-    match: bool = False
-    #: key -> class, for every mismatching key (vLLM's union semantics).
-    mismatches: dict[str, str] = field(default_factory=dict)
-    steps: list[Step] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
-    keys: int = 0
-    servers: list[str] = field(default_factory=list)
-    error: str | None = None
-    #: key -> what a ``wrong-shard`` key holds instead (the key whose expected
-    #: digest it has), with ``expected``.
-    details: dict[str, str] = field(default_factory=dict)
-
-    def raise_for_mismatch(self) -> None:
-        if self.mismatches:
-            raise WeightMismatchError(self.mismatches)
-
-    def classes(self) -> dict[str, list[str]]:
-        """class -> sorted keys."""
-        out: dict[str, list[str]] = {}
-        for k in sorted(self.mismatches):
-            out.setdefault(self.mismatches[k], []).append(k)
-        return out
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "servers": self.servers,
-            "steps": [
-                {"step": s.name, "ok": s.ok, "seconds": s.seconds, "detail": s.detail}
-                | ({"slowest": {"engine": s.slowest[0], "seconds": s.slowest[1]}} if s.slowest else {})
-                for s in self.steps
-            ],
-            "match": self.match,
-            "mismatches": sorted(self.mismatches),
-            "classes": self.classes(),
-            "keys": self.keys,
-            "warnings": self.warnings,
-            **({"details": self.details} if self.details else {}),
-            **({"error": self.error} if self.error else {}),
-        }
 
 
 # --- the workflow --------------------------------------------------------------------
@@ -178,7 +111,7 @@ class _Run:
                 expected = {f"{n} {k}": v for n in self.target.names for k, v in expected.items()}
             after = {k: v for k, v in values["current"].items() if k not in unwritten}
             self.result.mismatches, self.result.details = classify_expected(expected, values.get("before"), after)
-            self.result.keys = len(expected)
+            self.result.key_count = len(expected)
             if unwritten:
                 self.result.warnings.append(
                     f"{len(unwritten)} key(s) not checked: the expected weights never wrote them"
@@ -192,7 +125,7 @@ class _Run:
         else:
             baseline, post_reset = values["baseline"], values.get("post_reset")
             self.result.mismatches = classify(baseline, values["current"], post_reset)
-            self.result.keys = len(baseline)
+            self.result.key_count = len(baseline)
             if post_reset is not None and (w := already_zeroed_warning(baseline, post_reset)):
                 self.result.warnings.append(w)
         self.result.match = not self.result.mismatches
@@ -423,54 +356,3 @@ def _conclude(run: _Run, error: BaseException | None) -> VerifyResult:
     # Any error (Ctrl-C too) carries the steps so far, for the report.
     setattr(error, "weight_checker_result", run.result)  # noqa: B010
     raise error
-
-
-# --- replicas ---------------------------------------------------------------------
-
-
-@dataclass
-class ReplicaResult:
-    """Replica consistency: every key group whose replicas disagree."""
-
-    consistent: bool
-    replicas: list[str]
-    groups: int
-    #: group key (``pp..:pcp..:tp..:name``) -> replica -> digest, for groups
-    #: with more than one distinct digest.
-    inconsistent: dict[str, dict[str, str]]
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "consistent": self.consistent,
-            "replicas": self.replicas,
-            "groups": self.groups,
-            "inconsistent": self.inconsistent,
-        }
-
-
-def replicas(
-    target: Any, *, timeout: float | None = None, api_key: str | None = None, concurrency: int = DEFAULT_CONCURRENCY
-) -> ReplicaResult:
-    """One checksum of every replica (no pause, no reset), keys grouped by
-    everything but the replica: the ``dp`` rank inside one engine, and the
-    engine itself when several are given."""
-    t = target_for(target, api_key=api_key, timeout=timeout, concurrency=concurrency)
-    if t.is_async:
-        raise TypeError("replicas() of an AsyncLLM: run it in process with an LLM or over HTTP")
-    per_source = t.per_engine("checksum")
-    several = len(per_source) > 1
-    groups: dict[str, dict[str, str]] = {}
-    names: list[str] = []
-    for source, sums in per_source:
-        for key, digest in sums.items():
-            dp, rest = split_key(key)
-            replica = f"{source} {dp}" if several else dp
-            groups.setdefault(rest, {})[replica] = digest
-            if replica not in names:
-                names.append(replica)
-    inconsistent = {g: dict(sorted(r.items())) for g, r in sorted(groups.items()) if len(set(r.values())) > 1}
-    # A group that some replica lacks is inconsistent too: that replica holds nothing.
-    for g, r in groups.items():
-        if len(r) < len(names) and g not in inconsistent:
-            inconsistent[g] = dict(sorted({**dict.fromkeys(names, "(missing)"), **r}.items()))
-    return ReplicaResult(not inconsistent, sorted(names), len(groups), dict(sorted(inconsistent.items())))
