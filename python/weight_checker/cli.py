@@ -19,82 +19,15 @@ import argparse
 import json
 import os
 import sys
-import tempfile
-import time
 from collections.abc import Callable
-from pathlib import Path
 
-from weight_checker.classes import class_counts
+from weight_checker.cli_files import UsageError, load_expected, load_manifest, write_output
+from weight_checker.cli_report import Progress, compare_report, print_mismatches, print_verify_report, summary_line
 from weight_checker.keys import rank_prefix
 
 EXIT_OK, EXIT_MISMATCH, EXIT_BAD, EXIT_INTERRUPTED = 0, 1, 2, 130
 DEFAULT_PREFIX = rank_prefix(0, 0, 0, 0)
 DEBUG_ENV = "WEIGHT_CHECKER_DEBUG"
-#: The fields of a manifest: ``checksums`` and, from ``expect``, its provenance.
-MANIFEST_FIELDS = {"checksums", "vllm_version", "layout", "unwritten"}
-
-
-class UsageError(Exception):
-    """Bad input: one line on stderr, exit 2."""
-
-
-# --- output helpers ------------------------------------------------------------
-
-
-def write_output(text: str, path: str | None) -> None:
-    """To stdout, or to ``path``: a regular file is replaced atomically (no
-    half-written manifest); anything else (``/dev/null``, a FIFO, a terminal)
-    is written in place, never replaced."""
-    if path is None or path == "-":
-        sys.stdout.write(text)
-        sys.stdout.flush()
-        return
-    target = Path(path)
-    if target.exists() and not target.is_file():
-        with open(target, "w") as f:
-            f.write(text)
-        return
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-class Progress:
-    """A progress bar on stderr, shown only on a TTY and only once the work
-    has taken more than a second."""
-
-    def __init__(self, label: str, enabled: bool | None = None, delay: float = 1.0):
-        self.label = label
-        self.enabled = sys.stderr.isatty() if enabled is None else enabled
-        self.start = time.monotonic()
-        self.delay = delay
-        self.shown = False
-
-    def __call__(self, done: int, total: int) -> None:
-        if not self.enabled:
-            return
-        elapsed = time.monotonic() - self.start
-        if elapsed < self.delay and done < total:
-            return
-        frac = done / total if total else 1.0
-        bar = "#" * int(frac * 30)
-        rate = done / elapsed / 1e9 if elapsed > 0 else 0.0
-        sys.stderr.write(
-            f"\r{self.label} [{bar:<30}] {frac:6.1%} {done / 1e9:.2f}/{total / 1e9:.2f} GB {rate:.2f} GB/s"
-        )
-        sys.stderr.flush()
-        self.shown = True
-
-    def close(self) -> None:
-        if self.shown:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
-
 
 # --- checksum ------------------------------------------------------------------
 
@@ -154,82 +87,7 @@ def cmd_expect(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def load_expected(path: str):
-    """An ``expect`` manifest (or any manifest) as :class:`ExpectedDigests`."""
-    from weight_checker.expected import ExpectedDigests
-
-    digests = load_manifest(path, [False])
-    out = ExpectedDigests(digests)
-    try:
-        raw = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        raw = {}
-    meta = raw if isinstance(raw, dict) else {}
-    out.vllm_version = meta.get("vllm_version", "") if isinstance(meta.get("vllm_version"), str) else ""
-    out.layout = meta.get("layout", {}) if isinstance(meta.get("layout"), dict) else {}
-    unwritten = meta.get("unwritten", [])
-    out.unwritten = [k for k in unwritten if isinstance(k, str)] if isinstance(unwritten, list) else []
-    return out
-
-
 # --- compare -------------------------------------------------------------------
-
-
-def load_manifest(path: str, stdin_used: list[bool]) -> dict[str, str]:
-    """``{"checksums": {...}}`` or a bare ``{key: hex}`` mapping, from a file or ``-``."""
-    if path == "-":
-        if stdin_used[0]:
-            raise UsageError("only one of BASELINE and CURRENT can be '-'")
-        stdin_used[0] = True
-        text, where = sys.stdin.read(), "<stdin>"
-    else:
-        try:
-            text, where = Path(path).read_text(), path
-        except (OSError, ValueError) as e:  # incl. UnicodeDecodeError, an embedded NUL in the path
-            reason = e.strerror if isinstance(e, OSError) and e.strerror else e
-            raise UsageError(f"{path}: cannot read: {reason}") from None
-    try:
-        data = json.loads(text)
-    except RecursionError:
-        raise UsageError(f"{where}: invalid JSON: nested too deeply") from None
-    except ValueError as e:  # JSONDecodeError, or a number too long to convert
-        raise UsageError(f"{where}: invalid JSON: {str(e)[:200]}") from None
-    if isinstance(data, dict) and "checksums" in data and set(data) <= MANIFEST_FIELDS:
-        data = data["checksums"]
-    if not isinstance(data, dict):
-        raise UsageError(f'{where}: expected {{key: sha256 hex}} or {{"checksums": {{...}}}}')
-    for k, v in data.items():
-        if not isinstance(v, str):
-            raise UsageError(f"{where}: key {k!r:.80}: digest must be a string, got {str(v)[:40]!r}")
-    return data
-
-
-def compare_report(baseline: dict[str, str], current: dict[str, str]) -> dict:
-    """``compare``'s JSON report: vLLM's compare with every mismatching key
-    classed by :func:`weight_checker.classes.classify`, grouped by class."""
-    from weight_checker.classes import classify
-
-    classes = classify(baseline, current)
-    by_class: dict[str, list[str]] = {}
-    for k in sorted(classes):
-        by_class.setdefault(classes[k], []).append(k)
-    return {"match": not classes, "mismatches": sorted(classes), "classes": by_class}
-
-
-def print_mismatches(result: dict, out=sys.stdout) -> None:
-    names = {k: c for c, ks in result["classes"].items() for k in ks}
-    details = result.get("details", {})
-    for k in result["mismatches"]:
-        detail = f"  ({details[k]})" if k in details else ""
-        print(f"  {names[k]:<22} {k}{detail}", file=out)
-
-
-def summary_line(result: dict, nbase: int, ncur: int) -> str:
-    if result["match"]:
-        return f"match: {nbase} keys, all digests equal"
-    counts = class_counts({k: c for c, ks in result["classes"].items() for k in ks})
-    n = len(result["mismatches"])
-    return f"MISMATCH: {n} keys differ ({counts}); baseline {nbase} keys, current {ncur}"
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -329,30 +187,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(f"weight-checker verify: {result.error}", file=sys.stderr)
         return EXIT_BAD
     return EXIT_OK if result.match else EXIT_MISMATCH
-
-
-def print_verify_report(report: dict) -> None:
-    print(f"weight-checker verify: {len(report['servers'])} server(s): {' '.join(report['servers'])}")
-    for i, s in enumerate(report["steps"], 1):
-        status = "ok" if s["ok"] else "FAILED"
-        slowest = s.get("slowest")
-        slow = f"   slowest {slowest['engine']} {slowest['seconds']:.3f} s" if slowest else ""
-        print(f"  {i}. {s['step']:<24} {status:<6} {s['seconds']:8.3f} s{slow}")
-    for w in report.get("warnings", []):
-        print(f"warning: {w}")
-    if report.get("error") and not report.get("key_count"):
-        print(f"result: ERROR: {report['error']}")
-        return
-    with_expected = any(s["step"] == "checksum (after)" for s in report["steps"])
-    reference = "the expected digest" if with_expected else "the baseline"
-    if report["match"]:
-        print(f"result: MATCH: {report['key_count']} keys, every digest equals {reference}")
-    else:
-        counts = class_counts({k: c for c, ks in report["classes"].items() for k in ks})
-        print(f"result: MISMATCH: {len(report['mismatches'])} keys ({counts})")
-        print_mismatches(report)
-    if report.get("error"):
-        print(f"error: {report['error']}")
 
 
 def cmd_replicas(args: argparse.Namespace) -> int:

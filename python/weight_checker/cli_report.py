@@ -1,0 +1,93 @@
+"""What the CLI prints: the progress bar, and the compare, verify and
+mismatch reports."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from weight_checker.classes import class_counts
+
+
+class Progress:
+    """A progress bar on stderr, shown only on a TTY and only once the work
+    has taken more than a second."""
+
+    def __init__(self, label: str, enabled: bool | None = None, delay: float = 1.0):
+        self.label = label
+        self.enabled = sys.stderr.isatty() if enabled is None else enabled
+        self.start = time.monotonic()
+        self.delay = delay
+        self.shown = False
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        elapsed = time.monotonic() - self.start
+        if elapsed < self.delay and done < total:
+            return
+        frac = done / total if total else 1.0
+        bar = "#" * int(frac * 30)
+        rate = done / elapsed / 1e9 if elapsed > 0 else 0.0
+        sys.stderr.write(
+            f"\r{self.label} [{bar:<30}] {frac:6.1%} {done / 1e9:.2f}/{total / 1e9:.2f} GB {rate:.2f} GB/s"
+        )
+        sys.stderr.flush()
+        self.shown = True
+
+    def close(self) -> None:
+        if self.shown:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def compare_report(baseline: dict[str, str], current: dict[str, str]) -> dict:
+    """``compare``'s JSON report: vLLM's compare with every mismatching key
+    classed by :func:`weight_checker.classes.classify`, grouped by class."""
+    from weight_checker.classes import classify
+
+    classes = classify(baseline, current)
+    by_class: dict[str, list[str]] = {}
+    for k in sorted(classes):
+        by_class.setdefault(classes[k], []).append(k)
+    return {"match": not classes, "mismatches": sorted(classes), "classes": by_class}
+
+
+def print_mismatches(result: dict, out=sys.stdout) -> None:
+    names = {k: c for c, ks in result["classes"].items() for k in ks}
+    details = result.get("details", {})
+    for k in result["mismatches"]:
+        detail = f"  ({details[k]})" if k in details else ""
+        print(f"  {names[k]:<22} {k}{detail}", file=out)
+
+
+def summary_line(result: dict, nbase: int, ncur: int) -> str:
+    if result["match"]:
+        return f"match: {nbase} keys, all digests equal"
+    counts = class_counts({k: c for c, ks in result["classes"].items() for k in ks})
+    n = len(result["mismatches"])
+    return f"MISMATCH: {n} keys differ ({counts}); baseline {nbase} keys, current {ncur}"
+
+
+def print_verify_report(report: dict) -> None:
+    print(f"weight-checker verify: {len(report['servers'])} server(s): {' '.join(report['servers'])}")
+    for i, s in enumerate(report["steps"], 1):
+        status = "ok" if s["ok"] else "FAILED"
+        slowest = s.get("slowest")
+        slow = f"   slowest {slowest['engine']} {slowest['seconds']:.3f} s" if slowest else ""
+        print(f"  {i}. {s['step']:<24} {status:<6} {s['seconds']:8.3f} s{slow}")
+    for w in report.get("warnings", []):
+        print(f"warning: {w}")
+    if report.get("error") and not report.get("key_count"):
+        print(f"result: ERROR: {report['error']}")
+        return
+    with_expected = any(s["step"] == "checksum (after)" for s in report["steps"])
+    reference = "the expected digest" if with_expected else "the baseline"
+    if report["match"]:
+        print(f"result: MATCH: {report['key_count']} keys, every digest equals {reference}")
+    else:
+        counts = class_counts({k: c for c, ks in report["classes"].items() for k in ks})
+        print(f"result: MISMATCH: {len(report['mismatches'])} keys ({counts})")
+        print_mismatches(report)
+    if report.get("error"):
+        print(f"error: {report['error']}")
