@@ -1,4 +1,4 @@
-"""The package's root exception, and the verify workflow's.
+"""The package's root exception, the verify workflow's and expected_digests'.
 
 Every exception this package raises in Python derives from
 :class:`WeightCheckerError` (also from the built-in type it refines, e.g.
@@ -26,3 +26,9 @@ class VerifyError(WeightCheckerError):
         self.message = message
         #: The steps so far (a ``VerifyResult``), set by the runner.
         self.result: Any = None
+
+
+class ExpectedDigestsError(WeightCheckerError, ValueError):
+    """The expected digests cannot be computed exactly: names the tensor, the
+    layer or the reason (an unknown architecture, a quantized model, a tensor
+    the model does not have or whose shape disagrees, a truncated file)."""

@@ -26,24 +26,18 @@ narrows a zero-copy view, so a rank touches only the pages of its shard
 
 from __future__ import annotations
 
-import contextlib
 import json
-import mmap
-import struct
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from weight_checker.errors import WeightCheckerError
+from weight_checker.errors import ExpectedDigestsError
+from weight_checker.expected_weights import CheckpointWeights, Tracked, weights_source
 from weight_checker.keys import rank_prefix
+from weight_checker.rank_groups import rank_groups
 
-
-class ExpectedDigestsError(WeightCheckerError, ValueError):
-    """The expected digests cannot be computed exactly: names the tensor, the
-    layer or the reason (an unknown architecture, a quantized model, a tensor
-    the model does not have or whose shape disagrees, a truncated file)."""
+__all__ = ["CheckpointWeights", "ExpectedDigests", "ExpectedDigestsError", "expected_digests", "release_buffers"]
 
 
 class ExpectedDigests(dict[str, str]):
@@ -67,172 +61,6 @@ class ExpectedDigests(dict[str, str]):
             "layout": self.layout,
             "unwritten": self.unwritten,
         }
-
-
-# --- weights --------------------------------------------------------------------
-
-SAFETENSORS_DTYPES = {
-    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
-    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
-    "U16": "uint16", "U32": "uint32", "U64": "uint64",
-    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
-}  # fmt: skip
-
-
-class CheckpointWeights:
-    """The ``(name, tensor)`` pairs of a safetensors checkpoint, re-iterable,
-    each tensor a zero-copy view of a private (copy-on-write) memory map, so a
-    loader that narrows it reads only the pages it copies. Headers are
-    validated by the Rust core first (truncated files, overlapping or
-    out-of-range offsets, a shard missing from the index)."""
-
-    def __init__(self, paths: str | Path | Iterable[str | Path]):
-        from weight_checker import _core
-        from weight_checker.checkpoint import CheckpointError, resolve
-
-        paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
-        try:
-            self.files, _ = resolve(paths)
-            for f in self.files:
-                _core.safetensors_tensors(str(f))
-        except (CheckpointError, ValueError) as e:
-            raise ExpectedDigestsError(str(e)) from None
-        self.nbytes = sum(f.stat().st_size for f in self.files)
-
-    def __iter__(self) -> Iterator[tuple[str, Any]]:
-        import torch
-
-        for path in self.files:
-            with open(path, "rb") as f:
-                (header_len,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(header_len))
-                mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-            base = 8 + header_len
-            for name, info in header.items():
-                if name == "__metadata__":
-                    continue
-                start, end = info["data_offsets"]
-                dtype = getattr(torch, SAFETENSORS_DTYPES.get(info["dtype"], ""), None)
-                if dtype is None:
-                    raise ExpectedDigestsError(f"{path}: tensor '{name}': dtype {info['dtype']} is not supported")
-                if end == start:
-                    yield name, torch.empty(info["shape"], dtype=dtype)
-                    continue
-                flat = torch.frombuffer(mapping, dtype=torch.uint8, count=end - start, offset=base + start)
-                yield name, flat.view(dtype).reshape(info["shape"])
-
-
-def _weights_source(weights: Any, checkpoint: Path | None, ranks: int) -> Callable[[], Iterable[tuple[str, Any]]]:
-    """A callable giving a fresh iterable of the weights for each of ``ranks`` ranks."""
-    if weights is None:
-        if checkpoint is None:
-            raise ExpectedDigestsError("no weights given and the model is not a checkpoint directory")
-        source = CheckpointWeights(checkpoint)
-        return lambda: source
-    if isinstance(weights, (str, Path)):
-        source = CheckpointWeights(weights)
-        return lambda: source
-    if isinstance(weights, Mapping):
-        return lambda: weights.items()
-    if callable(weights):
-        fresh: Callable[[], Iterable[tuple[str, Any]]] = weights
-        return fresh
-    if iter(weights) is weights and ranks > 1:
-        raise ExpectedDigestsError(
-            "weights is a one-shot iterator: every rank reads the whole stream, so pass a list, a mapping "
-            "(state_dict), dict.items(), or a callable that returns a fresh iterable"
-        )
-    return lambda: weights
-
-
-class _Tracked:
-    """Iterates the weights while remembering the tensor being loaded, so a
-    loader failure names it."""
-
-    def __init__(self, items: Iterable[tuple[str, Any]]):
-        self.items = items
-        self.current: str | None = None
-
-    def __iter__(self) -> Iterator[tuple[str, Any]]:
-        for item in self.items:
-            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
-                raise ExpectedDigestsError(f"weights must be (name, tensor) pairs, got {type(item).__name__}")
-            self.current = item[0]
-            yield item
-        self.current = None
-
-
-# --- vLLM's parallel state, one rank at a time ---------------------------------------
-
-
-@dataclass
-class _ProcessGroupShape:
-    """The size and rank of a torch process group, without the group (model
-    constructors read them, e.g. Mixtral's expert-parallel size)."""
-
-    world_size: int
-    rank_in_group: int
-
-    def size(self) -> int:
-        return self.world_size
-
-    def rank(self) -> int:
-        return self.rank_in_group
-
-
-@dataclass
-class _Group:
-    """What model construction and ``load_weights`` read of a vLLM group
-    coordinator: one rank's coordinates, no communicator."""
-
-    rank_in_group: int
-    world_size: int
-    ranks: list[int]
-    rank: int
-    local_rank: int = 0
-
-    @property
-    def device_group(self) -> _ProcessGroupShape:
-        return _ProcessGroupShape(self.world_size, self.rank_in_group)
-
-    cpu_group = device_group
-
-    @property
-    def is_first_rank(self) -> bool:
-        return self.rank_in_group == 0
-
-    @property
-    def is_last_rank(self) -> bool:
-        return self.rank_in_group == self.world_size - 1
-
-
-@contextlib.contextmanager
-def _rank_groups(tp_rank: int, tp: int, pp_rank: int, pp: int) -> Iterator[None]:
-    from vllm.distributed import parallel_state as ps
-
-    names = ("_TP", "_PP", "_DP", "_EP", "_PCP", "_DCP", "_WORLD")
-    saved = {n: getattr(ps, n, None) for n in names}
-    global_rank = pp_rank * tp + tp_rank
-    groups = {
-        "_TP": _Group(tp_rank, tp, [pp_rank * tp + i for i in range(tp)], global_rank),
-        "_PP": _Group(pp_rank, pp, [p * tp + tp_rank for p in range(pp)], global_rank),
-        "_DP": _Group(0, 1, [global_rank], global_rank),
-        "_EP": _Group(tp_rank, tp, [pp_rank * tp + i for i in range(tp)], global_rank),
-        "_PCP": _Group(0, 1, [global_rank], global_rank),
-        "_DCP": _Group(0, 1, [global_rank], global_rank),
-        "_WORLD": _Group(global_rank, tp * pp, list(range(tp * pp)), global_rank),
-    }
-    try:
-        for n, g in groups.items():
-            if hasattr(ps, n):
-                setattr(ps, n, g)
-        yield
-    finally:
-        for n, old in saved.items():
-            setattr(ps, n, old)
-
-
-# --- the computation -------------------------------------------------------------------
 
 
 def _engine_args(model: Any, tp: int, pp: int, dtype: str | None, engine_args: Mapping[str, Any]) -> Any:
@@ -361,7 +189,7 @@ def expected_digests(
     checkpoint = Path(model) if isinstance(model, (str, Path)) else None
     if checkpoint is not None:
         _refuse_quantized_config(checkpoint)
-    source = _weights_source(weights, checkpoint, tp * pp)
+    source = weights_source(weights, checkpoint, tp * pp)
 
     import torch
     import vllm
@@ -397,7 +225,7 @@ def expected_digests(
             config.compilation_config.static_forward_context.clear()
             started = time.perf_counter()
             with (
-                _rank_groups(tp_rank, tp, pp_rank, pp),
+                rank_groups(tp_rank, tp, pp_rank, pp),
                 set_current_vllm_config(config),
                 set_default_torch_dtype(model_config.dtype),
                 torch.device("cpu"),
@@ -412,7 +240,7 @@ def expected_digests(
                     ) from None
                 _refuse_byte_changing_post_load(rank_model)
                 _ARENA.bind(rank_model)
-                tracked = _Tracked(source())
+                tracked = Tracked(source())
                 try:
                     loaded = rank_model.load_weights(iter(tracked))
                 except ExpectedDigestsError:

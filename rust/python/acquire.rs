@@ -119,9 +119,9 @@ pub(super) fn label(names: Names<'_, '_>, index: usize) -> String {
 }
 
 /// `torch.Tensor`, if torch is already imported (if not, no tensor exists):
-/// from the one cache of torch's types ([`super::walk::torch`]).
+/// from the one cache of torch's types ([`super::torch_types::torch`]).
 pub(super) fn torch_tensor_type<'py>(py: Python<'py>) -> Option<&'py Bound<'py, PyType>> {
-    super::walk::torch(py).map(|t| t.tensor.bind(py))
+    super::torch_types::torch(py).map(|t| t.tensor.bind(py))
 }
 
 /// Zero-copy access to one object's bytes in C order.

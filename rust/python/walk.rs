@@ -22,9 +22,10 @@ use std::collections::HashSet;
 use std::hash::{BuildHasherDefault, Hasher};
 
 use pyo3::prelude::*;
-use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyDict, PyList, PyString, PyTuple, PyType};
+use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 use pyo3::{ffi, intern};
+
+use super::torch_types::{prefetch_impl, torch, Torch};
 
 /// Hashes an object's address for the identity sets below (SipHash, the
 /// default, costs more than the rest of a set insertion).
@@ -51,138 +52,10 @@ impl Hasher for AddressHasher {
 /// A set of object or type addresses.
 type AddressSet<T> = HashSet<*mut T, BuildHasherDefault<AddressHasher>>;
 
-/// The torch objects the walk compares against, read once.
-pub(super) struct Torch {
-    module: Py<PyType>,
-    named_modules: Py<PyAny>,
-    named_parameters: Py<PyAny>,
-    named_members: Py<PyAny>,
-    module_hash: Py<PyAny>,
-    module_getattribute: Py<PyAny>,
-    pub(super) tensor: Py<PyType>,
-    tensor_hash: Py<PyAny>,
-    parameter: Py<PyType>,
-    /// Where a `Tensor` or `Parameter` object holds its `TensorImpl*`, when
-    /// found (see [`impl_offset`]); only ever used as a prefetch address.
-    impl_offset: Option<usize>,
-}
-
-/// torch's types and methods the walk and the acquisition compare with,
-/// looked up once per process (the one cache of them).
-pub(super) fn torch(py: Python<'_>) -> Option<&Torch> {
-    static TORCH: PyOnceLock<Torch> = PyOnceLock::new();
-    if let Some(t) = TORCH.get(py) {
-        return Some(t);
-    }
-    // Not cached while torch is not imported: then no module exists yet.
-    let torch = py.import("sys").ok()?.getattr("modules").ok()?.get_item("torch").ok()?;
-    let module = torch
-        .getattr("nn")
-        .ok()?
-        .getattr("Module")
-        .ok()?
-        .cast_into::<PyType>()
-        .ok()?;
-    let tensor = torch.getattr("Tensor").ok()?.cast_into::<PyType>().ok()?;
-    let found = Torch {
-        named_modules: module.getattr("named_modules").ok()?.unbind(),
-        named_parameters: module.getattr("named_parameters").ok()?.unbind(),
-        named_members: module.getattr("_named_members").ok()?.unbind(),
-        module_hash: module.getattr("__hash__").ok()?.unbind(),
-        module_getattribute: module.getattr("__getattribute__").ok()?.unbind(),
-        tensor_hash: tensor.getattr("__hash__").ok()?.unbind(),
-        parameter: torch
-            .getattr("nn")
-            .ok()?
-            .getattr("Parameter")
-            .ok()?
-            .cast_into::<PyType>()
-            .ok()?
-            .unbind(),
-        module: module.unbind(),
-        tensor: tensor.unbind(),
-        impl_offset: None,
-    };
-    let found = Torch {
-        impl_offset: impl_offset(&torch, &found),
-        ..found
-    };
-    Some(TORCH.get_or_init(py, || found))
-}
-
-/// The byte offset at which both a `Tensor` and a `Parameter` object store
-/// the address of their `TensorImpl`, found by comparing each word of two
-/// probes of each type with what torch reports (`_cdata`); `None` when no
-/// offset fits all four (another torch layout: then nothing is prefetched).
-///
-/// Reading a tensor's address costs a chain of cache misses when 10,000
-/// parameters have been evicted by the hashing of their bytes. Knowing
-/// where the object keeps its `TensorImpl*`, the walk asks the cache for
-/// that `TensorImpl` a few parameters early ([`prefetch_impl`]). The word is
-/// only a hint: it is never dereferenced, and a wrong one costs a wasted
-/// prefetch, never a wrong digest.
-fn impl_offset(torch: &Bound<'_, PyAny>, t: &Torch) -> Option<usize> {
-    let py = torch.py();
-    let mut probes = Vec::new();
-    for _ in 0..2 {
-        let kwargs = pyo3::types::PyDict::new(py);
-        kwargs.set_item("device", "cpu").ok()?;
-        let plain = torch.call_method("empty", (1,), Some(&kwargs)).ok()?;
-        let param = t.parameter.bind(py).call1((plain.clone(), false)).ok()?;
-        probes.push(plain);
-        probes.push(param);
-    }
-    let size = |o: &Bound<'_, PyAny>| -> Option<usize> { o.get_type().getattr("__basicsize__").ok()?.extract().ok() };
-    let words = probes
-        .iter()
-        .map(&size)
-        .collect::<Option<Vec<usize>>>()?
-        .into_iter()
-        .min()?
-        / 8;
-    let expected = probes
-        .iter()
-        .map(|p| p.getattr("_cdata").ok()?.extract::<usize>().ok())
-        .collect::<Option<Vec<usize>>>()?;
-    // Past the object header (reference count and type).
-    (2..words).map(|w| 8 * w).find(|&offset| {
-        probes.iter().zip(&expected).all(|(p, &want)| {
-            // SAFETY: `offset + 8 <= tp_basicsize` of the probe's exact type,
-            // so the read stays inside the live object `p`.
-            let word = unsafe { std::ptr::read_unaligned((p.as_ptr() as *const u8).add(offset) as *const usize) };
-            word == want && want != 0
-        })
-    })
-}
-
-/// Where this torch's `Tensor` objects keep their `TensorImpl*` (the
-/// walk's prefetch hint), or `None` when the layout was not recognised.
-pub(super) fn tensor_impl_offset(py: Python<'_>) -> Option<usize> {
-    torch(py)?.impl_offset
-}
-
 /// Parameters ahead of the current one whose `TensorImpl` is prefetched:
 /// far enough for the lines to arrive before torch's exchange call reads
 /// them, near enough for them to stay in L1/L2.
 const IMPL_LOOKAHEAD: usize = 16;
-
-/// Asks the cache for the first 256 bytes of `v`'s `TensorImpl`, when `v` is
-/// exactly a `Tensor` or `Parameter` and the layout was recognised.
-fn prefetch_impl(t: &Torch, v: &Bound<'_, PyAny>) {
-    let Some(offset) = t.impl_offset else {
-        return;
-    };
-    let py = v.py();
-    let ty = v.get_type();
-    if !(ty.is(t.tensor.bind(py)) || ty.is(t.parameter.bind(py))) {
-        return;
-    }
-    // SAFETY: `v` is alive and of a type whose basic size exceeds
-    // `offset + 8` (checked by `impl_offset` on both types), so the read is
-    // inside the object. The word is only a prefetch address.
-    let address = unsafe { std::ptr::read_unaligned((v.as_ptr() as *const u8).add(offset) as *const usize) };
-    crate::prefetch::lines(address, 4);
-}
 
 /// Types already checked during one walk (a model has a handful).
 struct Checked<'py> {

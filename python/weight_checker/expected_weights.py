@@ -1,0 +1,104 @@
+"""The weights :func:`weight_checker.expected_digests` feeds each rank's
+loader: a safetensors checkpoint as zero-copy views of a private memory map,
+or the trainer's own ``(name, tensor)`` pairs, re-iterable once per rank."""
+
+from __future__ import annotations
+
+import json
+import mmap
+import struct
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from weight_checker.errors import ExpectedDigestsError
+
+SAFETENSORS_DTYPES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+    "U16": "uint16", "U32": "uint32", "U64": "uint64",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+}  # fmt: skip
+
+
+class CheckpointWeights:
+    """The ``(name, tensor)`` pairs of a safetensors checkpoint, re-iterable,
+    each tensor a zero-copy view of a private (copy-on-write) memory map, so a
+    loader that narrows it reads only the pages it copies. Headers are
+    validated by the Rust core first (truncated files, overlapping or
+    out-of-range offsets, a shard missing from the index)."""
+
+    def __init__(self, paths: str | Path | Iterable[str | Path]):
+        from weight_checker import _core
+        from weight_checker.checkpoint import CheckpointError, resolve
+
+        paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
+        try:
+            self.files, _ = resolve(paths)
+            for f in self.files:
+                _core.safetensors_tensors(str(f))
+        except (CheckpointError, ValueError) as e:
+            raise ExpectedDigestsError(str(e)) from None
+        self.nbytes = sum(f.stat().st_size for f in self.files)
+
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        import torch
+
+        for path in self.files:
+            with open(path, "rb") as f:
+                (header_len,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(header_len))
+                mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            base = 8 + header_len
+            for name, info in header.items():
+                if name == "__metadata__":
+                    continue
+                start, end = info["data_offsets"]
+                dtype = getattr(torch, SAFETENSORS_DTYPES.get(info["dtype"], ""), None)
+                if dtype is None:
+                    raise ExpectedDigestsError(f"{path}: tensor '{name}': dtype {info['dtype']} is not supported")
+                if end == start:
+                    yield name, torch.empty(info["shape"], dtype=dtype)
+                    continue
+                flat = torch.frombuffer(mapping, dtype=torch.uint8, count=end - start, offset=base + start)
+                yield name, flat.view(dtype).reshape(info["shape"])
+
+
+def weights_source(weights: Any, checkpoint: Path | None, ranks: int) -> Callable[[], Iterable[tuple[str, Any]]]:
+    """A callable giving a fresh iterable of the weights for each of ``ranks`` ranks."""
+    if weights is None:
+        if checkpoint is None:
+            raise ExpectedDigestsError("no weights given and the model is not a checkpoint directory")
+        source = CheckpointWeights(checkpoint)
+        return lambda: source
+    if isinstance(weights, (str, Path)):
+        source = CheckpointWeights(weights)
+        return lambda: source
+    if isinstance(weights, Mapping):
+        return lambda: weights.items()
+    if callable(weights):
+        fresh: Callable[[], Iterable[tuple[str, Any]]] = weights
+        return fresh
+    if iter(weights) is weights and ranks > 1:
+        raise ExpectedDigestsError(
+            "weights is a one-shot iterator: every rank reads the whole stream, so pass a list, a mapping "
+            "(state_dict), dict.items(), or a callable that returns a fresh iterable"
+        )
+    return lambda: weights
+
+
+class Tracked:
+    """Iterates the weights while remembering the tensor being loaded, so a
+    loader failure names it."""
+
+    def __init__(self, items: Iterable[tuple[str, Any]]):
+        self.items = items
+        self.current: str | None = None
+
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        for item in self.items:
+            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+                raise ExpectedDigestsError(f"weights must be (name, tensor) pairs, got {type(item).__name__}")
+            self.current = item[0]
+            yield item
+        self.current = None

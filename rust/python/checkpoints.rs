@@ -1,0 +1,68 @@
+//! `_core.checksum_safetensors` and `_core.safetensors_tensors`: checkpoints
+//! hashed and listed by the pure-Rust `checkpoint` module.
+
+use std::path::PathBuf;
+
+use pyo3::prelude::*;
+
+use super::to_py_err;
+use crate::checkpoint::{self, CheckpointFile};
+use crate::error::Error;
+use crate::scheduler::Scheduler;
+
+/// Per-tensor digests of safetensors files (memory-mapped, every tensor a
+/// stream of the scheduler, pages dropped once hashed): `[(name, hex,
+/// all_zero)]` in file order. `progress(done_bytes, total_bytes)` is called
+/// about every 100 ms with the GIL held; an exception from it (or a signal
+/// such as Ctrl-C) stops the run.
+#[pyfunction]
+#[pyo3(signature = (paths, progress=None))]
+pub(super) fn checksum_safetensors(
+    py: Python<'_>,
+    paths: Vec<PathBuf>,
+    progress: Option<Py<PyAny>>,
+) -> PyResult<Vec<(String, String, bool)>> {
+    let scheduler = Scheduler::default();
+    let mut callback_error: Option<PyErr> = None;
+    let result = py.detach(|| {
+        let files = paths
+            .iter()
+            .map(|p| CheckpointFile::open(p))
+            .collect::<Result<Vec<_>, Error>>()?;
+        let mut report = |done: u64, total: u64| {
+            Python::attach(|py| {
+                let outcome = py.check_signals().and_then(|()| match &progress {
+                    Some(cb) => cb.call1(py, (done, total)).map(drop),
+                    None => Ok(()),
+                });
+                match outcome {
+                    Ok(()) => true,
+                    Err(e) => {
+                        callback_error.get_or_insert(e);
+                        false
+                    }
+                }
+            })
+        };
+        checkpoint::checksum_files(&files, &scheduler, Some(&mut report))
+    });
+    if let Some(e) = callback_error {
+        return Err(e);
+    }
+    let out = result.map_err(to_py_err)?;
+    Ok(out.into_iter().map(|(name, d)| (name, d.hex(), d.all_zero)).collect())
+}
+
+/// `(name, dtype, shape, nbytes)` of one checkpoint tensor.
+type TensorInfo = (String, String, Vec<u64>, u64);
+
+/// The tensors of one safetensors file as `[(name, dtype, shape, nbytes)]`,
+/// after validating its header.
+#[pyfunction]
+pub(super) fn safetensors_tensors(path: PathBuf) -> PyResult<Vec<TensorInfo>> {
+    let f = CheckpointFile::open(&path).map_err(to_py_err)?;
+    Ok(f.tensors
+        .iter()
+        .map(|t| (t.name.clone(), t.dtype.clone(), t.shape.clone(), t.nbytes()))
+        .collect())
+}

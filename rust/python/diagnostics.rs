@@ -1,0 +1,104 @@
+//! What the scheduler chose on this CPU, and the figures it chose by:
+//! `_core.kernel`, `threads`, `lanes`, `streams`, the calibrations, the
+//! hashing floor, `set_threads`.
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+use crate::scheduler::Scheduler;
+use crate::sha256::Kernel;
+
+/// The SHA-256 kernel in use (`sha-ni` or `portable`).
+#[pyfunction]
+pub(super) fn kernel() -> &'static str {
+    Kernel::active().name()
+}
+
+/// Worker threads the scheduler uses.
+#[pyfunction]
+pub(super) fn threads() -> usize {
+    Scheduler::default().effective_threads()
+}
+
+/// Streams each scheduler thread interleaves (measured at first use, or
+/// `WEIGHT_CHECKER_LANES`); where it is 4, a run of a few big tensors may
+/// use 2 (see `Scheduler::fit_to_largest`).
+#[pyfunction]
+pub(super) fn lanes() -> usize {
+    Scheduler::default().effective_lanes()
+}
+
+/// This core's SHA-256 throughput with 1, 2 and 4 interleaved streams, as
+/// the lane calibration measures it: `{lanes: GB/s}`. Its best figure times
+/// the threads is the machine's hashing ceiling, which benchmarks report
+/// their figures against.
+#[pyfunction]
+pub(super) fn calibrate(py: Python<'_>) -> Vec<(usize, f64)> {
+    py.detach(|| Kernel::active().calibrate_lanes().1.to_vec())
+}
+
+/// Lanes for many small tensors of one length: 16 where the wide
+/// (AVX-512 multi-buffer) kernel was measured faster on this CPU at first
+/// use, else [`lanes`].
+#[pyfunction]
+pub(super) fn small_lanes(py: Python<'_>) -> usize {
+    py.detach(|| Scheduler::default().same_length_lanes())
+}
+
+/// `(wide, four)`: this core's GB/s streaming 16 x 256 KiB through the
+/// 16-lane AVX-512 kernel and four SHA-NI lanes (see
+/// [`Kernel::wide_stream_rates`]); `(0.0, 0.0)` where that is not measured.
+#[pyfunction]
+pub(super) fn calibrate_wide(py: Python<'_>) -> (f64, f64) {
+    py.detach(|| Kernel::active().wide_stream_rates().unwrap_or((0.0, 0.0)))
+}
+
+/// `(wide, narrow)`: this core's GB/s on 64 messages of 4 KiB with the
+/// 16-lane AVX-512 kernel and with the active kernel's lanes, as the
+/// small-message calibration measured them (`wide` is 0.0 where the CPU has
+/// no AVX-512 or the portable kernel is forced).
+#[pyfunction]
+pub(super) fn calibrate_small(py: Python<'_>) -> (f64, f64) {
+    py.detach(|| {
+        let kernel = Kernel::active();
+        if kernel == Kernel::Portable || crate::sha256::Wide::detect().is_none() {
+            (0.0, 0.0)
+        } else {
+            kernel.calibrate_small()
+        }
+    })
+}
+
+/// Seconds each of `repeat` passes takes to hash `count` separately
+/// allocated buffers of `nbytes` on all threads, through the batch path
+/// `checksum_module` feeds small tensors to, with no Python objects
+/// involved: the hashing floor under the binding's per-tensor work, on this
+/// machine as it is now (benchmarks print it beside their own figure).
+#[pyfunction]
+#[pyo3(signature = (count, nbytes, repeat=3))]
+pub(super) fn hash_floor(py: Python<'_>, count: usize, nbytes: usize, repeat: usize) -> PyResult<Vec<f64>> {
+    const LIMIT: usize = 4 << 30;
+    if count == 0 || repeat == 0 {
+        return Err(PyValueError::new_err("hash_floor: count and repeat must be at least 1"));
+    }
+    if count.checked_mul(nbytes).is_none_or(|total| total > LIMIT) {
+        return Err(PyValueError::new_err(format!(
+            "hash_floor: {count} x {nbytes} bytes is more than the 4 GiB this measurement allocates at most"
+        )));
+    }
+    let times = py.detach(|| crate::scheduler::batches_floor(Scheduler::default(), count, nbytes, repeat));
+    Ok(times.iter().map(|t| t.as_secs_f64()).collect())
+}
+
+/// Messages the scheduler keeps in flight: threads x lanes.
+#[pyfunction]
+pub(super) fn streams() -> usize {
+    Scheduler::default().streams()
+}
+
+/// Sets the scheduler's default worker threads for this process (0: all cores
+/// in the CPU affinity). `WEIGHT_CHECKER_THREADS`, when set, wins.
+#[pyfunction]
+pub(super) fn set_threads(threads: usize) {
+    crate::scheduler::set_default_threads(threads)
+}

@@ -1,0 +1,122 @@
+//! `_core.MultiHasher`: digests fed over many calls (large staged tensors).
+
+use pyo3::exceptions::{PyBufferError, PyIndexError, PyRuntimeError, PyTypeError};
+use pyo3::prelude::*;
+use pyo3::types::PyTuple;
+
+use super::acquire::{acquire, Names, Source};
+use super::to_py_err;
+use crate::error::Error;
+use crate::scheduler::{MultiHasher as CoreMultiHasher, Scheduler};
+use crate::sha256::Digest;
+/// Several SHA-256 digests open at once, each fed its bytes in order over
+/// many `update` calls (the staging pipeline streams large tensors this way).
+#[pyclass(module = "weight_checker._core")]
+pub(super) struct MultiHasher {
+    inner: Option<CoreMultiHasher>,
+}
+
+impl MultiHasher {
+    fn open(&mut self) -> PyResult<&mut CoreMultiHasher> {
+        self.inner
+            .as_mut()
+            .ok_or_else(|| PyRuntimeError::new_err("MultiHasher already finished"))
+    }
+}
+
+#[pymethods]
+impl MultiHasher {
+    #[new]
+    fn new(n: usize) -> Self {
+        MultiHasher {
+            inner: Some(Scheduler::default().multi(n)),
+        }
+    }
+
+    fn __len__(&self) -> usize {
+        self.inner.as_ref().map_or(0, |m| m.len())
+    }
+
+    /// Bytes fed so far to digest `index`.
+    fn bytes_fed(&mut self, index: usize) -> PyResult<u64> {
+        let n = self.__len__();
+        self.open()?
+            .bytes_fed(index)
+            .ok_or_else(|| to_py_err(Error::DigestIndex { index, len: n }))
+    }
+
+    /// Feeds `(index, buffer)` pairs; pairs for one digest apply in order.
+    fn update(&mut self, py: Python<'_>, feeds: &Bound<'_, PyAny>) -> PyResult<()> {
+        let mut indices = Vec::new();
+        let mut held = Vec::new();
+        for (i, item) in feeds.try_iter()?.enumerate() {
+            let item = item?;
+            let pair = item
+                .cast::<PyTuple>()
+                .map_err(|_| PyTypeError::new_err("feeds must be (index, buffer) tuples"))?;
+            indices.push(pair.get_item(0)?.extract::<usize>()?);
+            let h = acquire(&pair.get_item(1)?, Names(None), i)?;
+            if matches!(h.source(), Source::Strided(_)) {
+                return Err(PyBufferError::new_err(format!(
+                    "feed #{i}: MultiHasher.update needs contiguous buffers"
+                )));
+            }
+            held.push(h);
+        }
+        let sources: Vec<&[u8]> = held
+            .iter()
+            .map(|h| match h.source() {
+                Source::Slice(s) => s,
+                Source::Strided(_) => unreachable!(),
+            })
+            .collect();
+        let feeds: Vec<(usize, &[u8])> = indices.into_iter().zip(sources).collect();
+        let inner = self.open()?;
+        py.detach(|| inner.update(&feeds)).map_err(to_py_err)
+    }
+
+    /// Feeds `(index, offset, length)` slices of one contiguous buffer (a
+    /// staging slot): one acquisition for any number of pieces. Pieces for
+    /// one digest apply in the order given.
+    fn update_at(
+        &mut self,
+        py: Python<'_>,
+        buffer: &Bound<'_, PyAny>,
+        feeds: Vec<(usize, usize, usize)>,
+    ) -> PyResult<()> {
+        let held = acquire(buffer, Names(None), 0)?;
+        let Source::Slice(bytes) = held.source() else {
+            return Err(PyBufferError::new_err(
+                "MultiHasher.update_at needs a contiguous buffer",
+            ));
+        };
+        let mut slices = Vec::with_capacity(feeds.len());
+        for (i, &(index, offset, len)) in feeds.iter().enumerate() {
+            let piece = offset
+                .checked_add(len)
+                .and_then(|end| bytes.get(offset..end))
+                .ok_or_else(|| {
+                    PyIndexError::new_err(format!(
+                        "feed #{i}: bytes [{offset}, {offset}+{len}) outside a buffer of {} bytes",
+                        bytes.len()
+                    ))
+                })?;
+            slices.push((index, piece));
+        }
+        let inner = self.open()?;
+        py.detach(|| inner.update(&slices)).map_err(to_py_err)
+    }
+
+    /// Finishes every digest: `(hex digests, all-zero flags)`, in index order.
+    fn finish(&mut self, py: Python<'_>) -> PyResult<(Vec<String>, Vec<bool>)> {
+        let inner = self
+            .inner
+            .take()
+            .ok_or_else(|| PyRuntimeError::new_err("MultiHasher already finished"))?;
+        let digests = py.detach(|| inner.finish());
+        Ok((
+            digests.iter().map(Digest::hex).collect(),
+            digests.iter().map(|d| d.all_zero).collect(),
+        ))
+    }
+}
