@@ -73,5 +73,4 @@ def test_verify_cli(server):
 
 
 def test_rust_core_served_both_engines(server):
-    checks.checksum(server)
-    checks.check_rust_core_served(server, workers=2)
+    checks.check_rust_core_served(server, checks.checksum(server), workers=2)

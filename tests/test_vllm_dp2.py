@@ -53,8 +53,7 @@ def test_seed_flow_reaches_both_engines(server):
 
 
 def test_rust_core_served_both_engines(server):
-    checks.checksum(server)
-    checks.check_rust_core_served(server, workers=2)
+    checks.check_rust_core_served(server, checks.checksum(server), workers=2)
 
 
 def test_replicas_of_one_dp2_server_are_consistent(server):

@@ -49,5 +49,4 @@ def test_seed_flow(server):
 
 
 def test_rust_core_served_the_requests(server):
-    checks.checksum(server)
-    checks.check_rust_core_served(server, workers=1)
+    checks.check_rust_core_served(server, checks.checksum(server), workers=1)

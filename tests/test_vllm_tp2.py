@@ -34,5 +34,4 @@ def test_seed_flow(server):
 
 
 def test_rust_core_served_both_ranks(server):
-    checks.checksum(server)
-    checks.check_rust_core_served(server, workers=2)
+    checks.check_rust_core_served(server, checks.checksum(server), workers=2)

@@ -88,12 +88,32 @@ def check_seed_flow(server: Server) -> None:
     assert body["choices"][0]["finish_reason"] in ("length", "stop")
 
 
-def check_rust_core_served(server: Server, workers: int) -> None:
-    log = server.log_text()
-    lines = [line for line in log.splitlines() if "by the Rust core" in line]
-    assert lines, "no weight_checker INFO line in the server log"
-    ranks = {re.search(r" on (dp\d+:pp\d+:pcp\d+:tp\d+) ", line).group(1) for line in lines}
-    assert len(ranks) == workers, ranks
+#: The plugin's INFO line for one rank's checksum (weight_checker/vllm.py).
+SERVED = re.compile(
+    r"weight_checker: (?P<tensors>\d+) tensors, (?P<bytes>\d+) bytes in \S+ s \(\S+ GB/s\) on "
+    r"(?P<rank>dp\d+:pp\d+:pcp\d+:tp\d+) by the Rust core \(weight_checker \S+, kernel (?P<kernel>[\w-]+),"
+)
+
+
+def check_rust_core_served(server: Server, answer: dict[str, str], workers: int) -> None:
+    """Each rank's latest log line says the Rust core hashed exactly the
+    tensors that rank answered with (``answer``, from the checksum just
+    made), with the kernel this CPU detects: the plugin, not vLLM's own
+    routine, served the request."""
+    import weight_checker
+
+    latest = {m["rank"]: m for m in SERVED.finditer(server.log_text())}
+    keys_per_rank: dict[str, int] = {}
+    for key in answer:
+        rank = ":".join(key.split(":")[:4])
+        keys_per_rank[rank] = keys_per_rank.get(rank, 0) + 1
+    assert len(keys_per_rank) == workers, sorted(keys_per_rank)
+    assert set(latest) == set(keys_per_rank), (sorted(latest), sorted(keys_per_rank))
+    for rank, count in keys_per_rank.items():
+        line = latest[rank]
+        assert int(line["tensors"]) == count, (rank, line.group(0), count)
+        assert int(line["bytes"]) > 0, line.group(0)
+        assert line["kernel"] == weight_checker.kernel(), line.group(0)
 
 
 def merge_results(body: dict) -> dict[str, str]:
