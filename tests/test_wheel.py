@@ -24,9 +24,42 @@ def the_wheel() -> Path:
     return wheels[-1]
 
 
-def test_sdist_is_built_beside_the_wheel():
+def sdist_missing(sdist: Path, root: Path) -> list[str]:
+    """The files a build from ``sdist`` needs that it lacks: every tracked
+    file of the Rust crate and the Python package, and the build manifests."""
+    import tarfile
+
+    tracked = subprocess.run(
+        ["git", "ls-files", "rust", "python/weight_checker", "Cargo.toml", "Cargo.lock", "pyproject.toml"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    with tarfile.open(sdist) as tar:
+        names = tar.getnames()
+    top = names[0].split("/")[0]
+    present = {n.split("/", 1)[1] for n in names if "/" in n}
+    assert f"{top}/PKG-INFO" in names, names[:5]
+    return sorted(set(tracked) - present)
+
+
+def test_sdist_holds_every_file_the_build_needs():
     the_wheel()
-    assert list(DIST.glob("weight_checker-*.tar.gz"))
+    root = DIST.parent
+    if shutil.which("git") is None or not (root / ".git").exists():
+        pytest.skip("not a git checkout: the tracked files are unknown")
+    sdists = sorted(DIST.glob("weight_checker-*.tar.gz"))
+    assert sdists, "make wheel builds the sdist beside the wheel"
+    assert sdist_missing(sdists[-1], root) == []
+    import tarfile
+
+    with tarfile.open(sdists[-1]) as tar:
+        top = tar.getnames()[0].split("/")[0]
+        info = tar.extractfile(f"{top}/PKG-INFO").read().decode()
+    import weight_checker
+
+    assert f"\nVersion: {weight_checker.__version__}\n" in info, info[:300]
 
 
 def test_wheel_installs_and_runs_without_rust(tmp_path):
