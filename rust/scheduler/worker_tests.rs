@@ -1,0 +1,166 @@
+//! Tests of the worker loop: dealt tasks, and messages moving between the
+//! wide kernel and SHA-NI.
+
+use super::super::Slices;
+use super::*;
+use sha2::Digest as _;
+
+const UNSET: Digest = Digest {
+    bytes: [0; 32],
+    all_zero: true,
+};
+
+/// Lanes the wide kernel had hashed part of and SHA-NI then took over
+/// (all tests of this binary).
+pub(super) static MOVED: AtomicUsize = AtomicUsize::new(0);
+
+/// Hashes `data` (each message fed in chunks of uneven sizes) on one
+/// worker holding sixteen lanes, the wide kernel running while at least
+/// `wide_min` are open, and checks every digest and all-zero flag
+/// against `sha2`.
+fn hash_on_sixteen_lanes(wide: Wide, wide_min: usize, data: &[Vec<u8>]) {
+    let pieces: Vec<Vec<&[u8]>> = data
+        .iter()
+        .enumerate()
+        .map(|(i, d)| {
+            let cut = [BLOCK_LEN * 3 + 1, STEP_BYTES - 5, 700_001][i % 3];
+            d.chunks(cut.max(1)).collect()
+        })
+        .collect();
+    let mut states = vec![Sha256::new(); data.len()];
+    let mut digests = vec![UNSET; data.len()];
+    let mut tasks: Vec<_> = states
+        .iter_mut()
+        .zip(digests.iter_mut())
+        .zip(&pieces)
+        .map(|((state, out), p)| {
+            let source = Slices::new(p);
+            Task {
+                bytes: source.total_bytes(),
+                state,
+                source,
+                digest_out: Some(out),
+            }
+        })
+        .collect();
+    tasks.sort_by_key(|t| std::cmp::Reverse(t.bytes));
+    let kernel = Kernel::best_available();
+    let plan = WidePlan {
+        kernel: wide,
+        min_open: wide_min,
+        over_one_stream: 2.5,
+    };
+    let shared = Shared::new(kernel, Some(plan), WIDE_LANES, 1, 0, tasks, true);
+    worker(&shared, 0);
+    let hashed = shared.done.load(Ordering::Relaxed);
+    drop(shared);
+    assert_eq!(hashed, data.iter().map(|d| d.len() as u64).sum::<u64>());
+    for (d, got) in data.iter().zip(&digests) {
+        let want: [u8; 32] = sha2::Sha256::digest(d).into();
+        assert_eq!(got.bytes, want, "wide from {wide_min} open, len {}", d.len());
+        assert_eq!(got.all_zero, d.iter().all(|&b| b == 0), "len {}", d.len());
+    }
+}
+
+/// Twenty-three messages of mixed lengths (empty, under a block, not a
+/// block multiple, several steps) on sixteen lanes: lanes are refilled
+/// mid-run, and messages the wide kernel started are finished by
+/// SHA-NI once fewer than `wide_min` are open, or once one of them has
+/// far more bytes left than the rest. Also with the wide kernel for any
+/// open count (idle lanes hashing zeros) and never.
+#[test]
+fn messages_move_between_the_wide_kernel_and_sha_ni_mid_stream() {
+    let Some(wide) = Wide::detect() else {
+        eprintln!("no AVX-512 on this CPU: the wide kernel is not tested here");
+        return;
+    };
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    let lens = [
+        0usize,
+        1,
+        55,
+        56,
+        63,
+        64,
+        65,
+        4095,
+        4096,
+        70_000,
+        131_072,
+        200_003,
+        333_333,
+        1 << 20,
+        1_500_001,
+        2 << 20,
+        (2 << 20) + 17,
+        3_000_000,
+        77,
+        640_000,
+        12_345,
+        999_999,
+        2_500_000,
+    ];
+    let mut data: Vec<Vec<u8>> = lens
+        .iter()
+        .map(|&n| {
+            (0..n)
+                .map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    (x >> 32) as u8
+                })
+                .collect()
+        })
+        .collect();
+    // All zero but for one byte late in the message: the zero check
+    // must see bytes hashed by either kernel.
+    data[13].fill(0);
+    data[13][900_000] = 1;
+    data[14].fill(0);
+    let before = MOVED.load(Ordering::Relaxed);
+    hash_on_sixteen_lanes(wide, 8, &data);
+    assert!(
+        MOVED.load(Ordering::Relaxed) > before,
+        "no message moved from the wide kernel to SHA-NI"
+    );
+    hash_on_sixteen_lanes(wide, 1, &data);
+    hash_on_sixteen_lanes(wide, WIDE_LANES + 1, &data);
+}
+
+/// Tasks dealt to workers that never start are hashed by the one that
+/// runs, after its own and the undealt ones; every digest is right,
+/// with one, two, three or four lanes held (three: two run, in turns).
+#[test]
+fn a_lone_worker_takes_the_tasks_dealt_to_others() {
+    let data: Vec<Vec<u8>> = (0..11)
+        .map(|i| vec![i as u8 + 1; (11 - i) * (300 << 10) + i * 77])
+        .collect();
+    let chunks: Vec<[&[u8]; 1]> = data.iter().map(|d| [d.as_slice()]).collect();
+    for kernel in Kernel::all_available() {
+        for lanes in 1..=4 {
+            let mut states = vec![Sha256::new(); data.len()];
+            let mut digests = vec![UNSET; data.len()];
+            let tasks: Vec<_> = states
+                .iter_mut()
+                .zip(digests.iter_mut())
+                .zip(&chunks)
+                .map(|((state, out), c)| Task {
+                    bytes: c[0].len() as u64,
+                    state,
+                    source: Slices::new(c),
+                    digest_out: Some(out),
+                })
+                .collect();
+            let workers = 3;
+            let dealt = (workers * lanes).min(data.len());
+            let shared = Shared::new(kernel, None, lanes, workers, dealt, tasks, false);
+            worker(&shared, 1);
+            drop(shared);
+            for (d, got) in data.iter().zip(&digests) {
+                let want: [u8; 32] = sha2::Sha256::digest(d).into();
+                assert_eq!(got.bytes, want, "{kernel:?} lanes {lanes} len {}", d.len());
+            }
+        }
+    }
+}
