@@ -10,7 +10,7 @@ The reference is ``vllm.model_executor.model_loader.weight_checksum.compute_tens
 when vLLM is importable, else a faithful copy of it. Each repetition runs both,
 alternating, and the median of each is reported with the ratio ours / reference
 (and the best run of each). For the small tensors, each repetition also times
-the engine alone hashing the same shapes (``_core.hash_floor``: no Python), so
+the scheduler alone hashing the same shapes (``_core.hash_floor``: no Python), so
 that a loaded minute, which slows everything, is told apart from the binding's
 own per-tensor cost.
 """
@@ -24,7 +24,7 @@ import time
 
 import torch
 import weight_checker
-from ceiling import contention, cpu_model, describe, engine_choice, shani_core_gbps
+from ceiling import contention, cpu_model, describe, scheduler_choice, shani_core_gbps
 from torch import nn
 from weight_checker import _core
 
@@ -77,7 +77,7 @@ def many_small(n=10_000, nbytes=4096) -> nn.Module:
 
 def bench(label, model, ref, repeat, ceiling, floor=None):
     """Runs reference and ours alternately ``repeat`` times (and ``floor``,
-    the engine's hash-only time for the same shapes, when given)."""
+    the scheduler's hash-only time for the same shapes, when given)."""
     nbytes = sum(p.nbytes for p in model.parameters())
     count = sum(1 for _ in model.parameters())
     t_ref, t_ours, t_floor = [], [], []
@@ -96,7 +96,7 @@ def bench(label, model, ref, repeat, ceiling, floor=None):
     assert got == want, "digests differ from the reference"
     r, o = statistics.median(t_ref), statistics.median(t_ours)
     print(f"\n{label}: {count} tensors, {nbytes / 1e9:.3f} GB (median of {repeat}; best in the last column)")
-    print(f"  on {cpu_model()}; {engine_choice()}")
+    print(f"  on {cpu_model()}; {scheduler_choice()}")
     print(f"  {'':28} {'seconds':>9} {'GB/s':>7} {'us/tensor':>10} {'best':>7}")
 
     def row(name, times):
@@ -113,7 +113,7 @@ def bench(label, model, ref, repeat, ceiling, floor=None):
     print(f"  ours = {nbytes / o / 1e9 / ceiling:.2f} of the machine's hashing ceiling ({ceiling:.2f} GB/s)")
     if t_floor:
         print(
-            f"  the binding adds {(o - f) / count * 1e6:.2f} us/tensor to the engine's own hashing of these"
+            f"  the binding adds {(o - f) / count * 1e6:.2f} us/tensor to the scheduler's own hashing of these"
             " shapes (measured in the same minute: on a loaded machine both move)"
         )
     warning = contention(shani_core_gbps())
@@ -133,7 +133,7 @@ def main():
     if args.only in (None, "llama"):
         bench("llama-shaped bf16", llama_like(), ref, args.repeat, ceiling)
     if args.only in (None, "small"):
-        # The same shapes hashed by the engine alone, as separate allocations.
+        # The same shapes hashed by the scheduler alone, as separate allocations.
         floor = lambda: _core.hash_floor(10_000, 4096, 1)[0]  # noqa: E731
         # Small messages have their own ceiling where the 16-lane kernel is faster.
         small_ceiling = max(ceiling, _core.calibrate_small()[0] * _core.threads())

@@ -6,7 +6,7 @@
     8192 x 28672 bf16, 1.88 GB; written once under .bench/feeders/).
     warm: `weight_checker.checkpoint.checksum_checkpoint` with the files in
           the page cache, against `weight_checker.sha256_many` on tensors of
-          the same shapes already in memory (the engine's ceiling here);
+          the same shapes already in memory (the scheduler's ceiling here);
     cold: the same after dropping the page cache (needs root), against a
           plain sequential read of the files after dropping it (the disk's
           ceiling here).
@@ -20,7 +20,7 @@
     in file order, as a loader does) and two in one safetensors shard (3.4 GB,
     page cache), against hashlib one tensor at a time (vLLM's routine; for the
     file, over its mapping). One tensor is one stream, so the bound here is
-    not only the machine's ceiling: no engine ends before the largest tensor
+    not only the machine's ceiling: no scheduler ends before the largest tensor
     has gone through one stream (``bound = max(bytes / ceiling, largest /
     one-stream speed)``); each figure is also given as a fraction of it.
 
@@ -280,7 +280,7 @@ def main() -> None:
     ap.add_argument("--only", choices=["a", "b", "c"], help="run one part")
     args = ap.parse_args()
     line, ceiling = describe()
-    print(f"engine: {_core.streams()} messages in flight")
+    print(f"scheduler: {_core.streams()} messages in flight")
     print(line)
     if args.only in (None, "a"):
         checkpoint_vs_memory(args.repeat, not args.no_cold, ceiling)

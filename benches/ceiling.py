@@ -4,7 +4,7 @@ SHA-256 of one message is one sequential chain; a core's ceiling is its
 best throughput with several independent streams interleaved (what the C
 probe in shared/shani-probe measures; here the core's own calibration does
 the same with its kernels). The machine's ceiling is that figure times the
-threads the engine runs. Benchmarks print their figures as a fraction of it,
+threads the scheduler runs. Benchmarks print their figures as a fraction of it,
 so that figures from different machines can be compared.
 """
 
@@ -36,8 +36,8 @@ def cpu_model() -> str:
     )
 
 
-def engine_choice() -> str:
-    """The kernel and lane counts the engine runs with on this CPU."""
+def scheduler_choice() -> str:
+    """The kernel and lane counts the scheduler runs with on this CPU."""
     small = _core.small_lanes()
     small_text = "16-lane AVX-512" if small == 16 else f"{small} lanes"
     lanes = _core.lanes()
@@ -52,9 +52,9 @@ def engine_choice() -> str:
 
 
 def machine() -> str:
-    """One line naming the CPU and the engine's choice on it: printed beside
+    """One line naming the CPU and the scheduler's choice on it: printed beside
     every figure so that figures from different CPUs are never mixed up."""
-    return f"cpu: {cpu_model()}, {os.cpu_count()} CPUs; {engine_choice()}"
+    return f"cpu: {cpu_model()}, {os.cpu_count()} CPUs; {scheduler_choice()}"
 
 
 def per_core_gbps() -> tuple[float, int]:
@@ -67,7 +67,7 @@ def per_cpu_gbps() -> dict[int, float]:
     """Each CPU's best GB/s, the calibration pinned to it in turn.
 
     On a shared machine one CPU can be slowed by another tenant for seconds
-    at a time; a run on two cores then understates the engine while a
+    at a time; a run on two cores then understates the scheduler while a
     one-thread reference does not notice. Measuring each CPU shows it.
     """
     if not hasattr(os, "sched_setaffinity"):
@@ -122,4 +122,4 @@ def contention(core_ceiling: float, threshold: float = 0.85) -> str | None:
     if not slow:
         return None
     shown = ", ".join(f"CPU {cpu} at {g / core_ceiling:.2f}" for cpu, g in sorted(slow.items()))
-    return f"contended: {shown} of its ceiling right after this run; its multi-core figures understate the engine"
+    return f"contended: {shown} of its ceiling right after this run; its multi-core figures understate the scheduler"

@@ -216,29 +216,29 @@ class CudaCopyEngine:
 
         self.torch = torch
         self.device = torch.device(device)
-        self.stream = torch.cuda.Stream(device=self.device)
+        self.cuda_stream = torch.cuda.Stream(device=self.device)
 
     def alloc(self, nbytes: int) -> Any:
         return alloc_host(nbytes, pin=True)
 
     def begin(self) -> None:
-        # The weights may still be being written by the caller's stream (a
+        # The weights may still be being written by the caller's CUDA stream (a
         # weight update in flight): copy only after that work.
-        self.stream.wait_stream(self.torch.cuda.current_stream(self.device))
+        self.cuda_stream.wait_stream(self.torch.cuda.current_stream(self.device))
 
     def run(self, fn: Callable[[], Any]) -> Any:
-        # Temporaries are allocated on the side stream, so the caching
-        # allocator reuses them only after that stream's copies.
-        with self.torch.cuda.stream(self.stream):
+        # Temporaries are allocated on the side CUDA stream, so the
+        # caching allocator reuses them only after its copies.
+        with self.torch.cuda.stream(self.cuda_stream):
             return fn()
 
     def copy(self, dst: Any, src: Any) -> None:
-        with self.torch.cuda.stream(self.stream):
+        with self.torch.cuda.stream(self.cuda_stream):
             dst.copy_(src, non_blocking=True)
 
     def fence(self) -> Any:
         event = self.torch.cuda.Event()
-        event.record(self.stream)
+        event.record(self.cuda_stream)
         return event
 
     def wait(self, fence: Any) -> None:

@@ -81,7 +81,7 @@ def weights_source(weights: Any, checkpoint: Path | None, ranks: int) -> Callabl
         return fresh
     if iter(weights) is weights and ranks > 1:
         raise ExpectedDigestsError(
-            "weights is a one-shot iterator: every rank reads the whole stream, so pass a list, a mapping "
+            "weights is a one-shot iterator: every rank reads every pair, so pass a list, a mapping "
             "(state_dict), dict.items(), or a callable that returns a fresh iterable"
         )
     return lambda: weights

@@ -10,8 +10,8 @@ carries the next piece of each of them, so each slot is hashed as K
 parallel streams; each tensor's pieces reach its digest in order. Small
 tensors are gathered on the device (one op per run of one dtype) and moved
 with one copy per slot. A small ring of pinned host slots bounds host
-memory (512 MiB by default); copies run on a side stream, ordered after the
-caller's stream, and each slot carries an event so that hashing slot k
+memory (512 MiB by default); copies run on a side CUDA stream, ordered after
+the caller's, and each slot carries an event so that hashing slot k
 overlaps the copy into slot k+1. Non-contiguous tensors are made contiguous
 on the device piece by piece, so no temporary is larger than a slot.
 

@@ -20,9 +20,10 @@ pub(super) fn threads() -> usize {
     Scheduler::default().effective_threads()
 }
 
-/// Streams each scheduler thread interleaves (measured at first use, or
-/// `WEIGHT_CHECKER_LANES`); where it is 4, a run of a few big tensors may
-/// use 2 (see `Scheduler::fit_to_largest`).
+/// Messages each scheduler thread holds open: its lanes (measured at first
+/// use, or `WEIGHT_CHECKER_LANES`); where it is 4, a run may use 2 (a few
+/// big tensors, `Scheduler::fit_to_largest`) or the wide kernel's 16 (many,
+/// `Scheduler::fit_wide`).
 #[pyfunction]
 pub(super) fn lanes() -> usize {
     Scheduler::default().effective_lanes()

@@ -63,10 +63,10 @@ fn check_names(names: Option<&Bound<'_, PyAny>>, n: usize) -> PyResult<()> {
 }
 
 /// Below this many inputs, acquire everything first, then hash.
-const STREAM_MIN_ITEMS: usize = 128;
-/// Inputs larger than this are not streamed: they wait for the final
+const OVERLAP_MIN_ITEMS: usize = 128;
+/// Inputs larger than this are not hashed as they are acquired: they wait for the final
 /// all-threads pass, which schedules them largest first.
-const STREAM_MAX_ITEM_BYTES: usize = 1 << 20;
+const OVERLAP_MAX_ITEM_BYTES: usize = 1 << 20;
 
 /// Digests of many Python objects.
 pub(super) fn digest_objects<'py>(
@@ -76,7 +76,7 @@ pub(super) fn digest_objects<'py>(
 ) -> PyResult<Vec<Digest>> {
     check_names(names, objs.len())?;
     let mut digests: Vec<Option<Digest>> = vec![None; objs.len()];
-    digest_stream(py, objs.into_iter(), Names(names), &mut |i, d| {
+    digest_as_acquired(py, objs.into_iter(), Names(names), &mut |i, d| {
         digests[i] = Some(d);
         Ok(())
     })?;
@@ -96,7 +96,7 @@ pub(super) fn digest_objects<'py>(
 /// (building Python strings) overlaps the hashing instead of following it.
 /// Large and strided inputs are hashed at the end by all threads. The
 /// digests do not depend on the path taken.
-pub(super) fn digest_stream<'py>(
+pub(super) fn digest_as_acquired<'py>(
     py: Python<'py>,
     objs: impl Iterator<Item = Bound<'py, PyAny>>,
     names: Names<'_, 'py>,
@@ -106,12 +106,12 @@ pub(super) fn digest_stream<'py>(
     let mut held: Vec<Held<'_>> = Vec::new();
     for (i, obj) in objs.by_ref() {
         held.push(acquire(&obj, names, i)?);
-        if held.len() == STREAM_MIN_ITEMS {
+        if held.len() == OVERLAP_MIN_ITEMS {
             break;
         }
     }
     let mut total: u64 = held.iter().map(|h| h.source().len() as u64).sum();
-    if held.len() < STREAM_MIN_ITEMS {
+    if held.len() < OVERLAP_MIN_ITEMS {
         for (i, d) in digest_held(py, &held).into_iter().enumerate() {
             sink(i, d)?;
         }
@@ -133,9 +133,9 @@ pub(super) fn digest_stream<'py>(
     };
     rayon::in_place_scope(|scope| -> PyResult<()> {
         let mut batches = Batches::new(scope, Scheduler::default(), &queue);
-        let mut stream = |i: usize, h: &Held<'_>| -> bool {
+        let mut queue_small = |i: usize, h: &Held<'_>| -> bool {
             if let Source::Slice(s) = h.source() {
-                if s.len() <= STREAM_MAX_ITEM_BYTES {
+                if s.len() <= OVERLAP_MAX_ITEM_BYTES {
                     // SAFETY: the bytes belong to the Python object `h` keeps
                     // alive (not to `h` itself, which may move). `h` goes into
                     // `held`, which outlives this scope, and leaves it only
@@ -148,12 +148,12 @@ pub(super) fn digest_stream<'py>(
             false
         };
         for (i, h) in held.iter().flatten().enumerate() {
-            stream(i, h);
+            queue_small(i, h);
         }
         for (i, obj) in objs {
             let h = acquire(&obj, names, i)?;
             total += h.source().len() as u64;
-            let queued = stream(i, &h);
+            let queued = queue_small(i, &h);
             held.push(Some(h));
             if queued {
                 drain(&mut held)?;
@@ -169,7 +169,7 @@ pub(super) fn digest_stream<'py>(
     })?;
     // The helpers' last batches.
     drain(&mut held)?;
-    // What was not streamed (large or strided) goes through the full scheduler.
+    // What was not hashed as acquired (large or strided) goes through the full scheduler.
     let (indices, rest): (Vec<usize>, Vec<&Held<'_>>) = held
         .iter()
         .enumerate()

@@ -23,7 +23,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyString};
 
 use acquire::Names;
-use hashing::{digest_objects, digest_stream};
+use hashing::{digest_as_acquired, digest_objects};
 
 use crate::error::Error;
 use crate::sha256::Digest;
@@ -101,7 +101,7 @@ fn checksum_module<'py>(
     };
     let names = leaves.names.clone();
     let mut out = Entries::new(PyDict::new(py), &names, prefix);
-    let total = digest_stream(py, leaves.by_ref(), Names(Some(names.as_any())), &mut |i, d| {
+    let total = digest_as_acquired(py, leaves.by_ref(), Names(Some(names.as_any())), &mut |i, d| {
         out.put(i, d)
     })?;
     if let Some(e) = leaves.error {

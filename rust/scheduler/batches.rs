@@ -236,7 +236,7 @@ pub fn hash_batched(scheduler: Scheduler, messages: &[&[u8]]) -> Vec<(usize, Dig
 /// the machine could do right now and what the binding adds are told apart.
 pub fn batches_floor(scheduler: Scheduler, count: usize, nbytes: usize, repeat: usize) -> Vec<Duration> {
     // Separate allocations, as a model's parameters are (each one a new
-    // memory stream for the prefetcher); the content does not change the
+    // run of addresses for the prefetcher); the content does not change the
     // cost, but a non-zero first byte keeps the all-zero check as short as
     // on real weights.
     let owned: Vec<Vec<u8>> = (0..count).map(|i| vec![(i % 251 + 1) as u8; nbytes]).collect();

@@ -51,7 +51,7 @@ const UNSET: Digest = Digest {
 /// How often a progress callback is called while a run is in flight.
 const PROGRESS_EVERY: Duration = Duration::from_millis(100);
 
-/// How to hash: which kernel, how many streams per thread, how many threads.
+/// How to hash: which kernel, how many lanes per thread, how many threads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Scheduler {
     pub kernel: Kernel,
