@@ -106,7 +106,10 @@ def hash_floor(count: int, nbytes: int, repeat: int = 3) -> list[float]:
     ``ValueError`` for a zero count or repeat, or more than 4 GiB."""
 
 def streams() -> int:
-    """Messages the scheduler keeps in flight: threads x lanes."""
+    """The most messages a run keeps in flight: threads x lanes, with 16 lanes
+    where ``calibrate_wide()`` finds the AVX-512 kernel faster than four SHA-NI
+    lanes (a run of that many messages may then use it). The staging pipeline
+    opens this many tensors at once."""
 
 def set_threads(threads: int) -> None:
     """Sets the scheduler's default threads for this process (0: all cores)."""

@@ -127,9 +127,21 @@ impl Scheduler {
         }
     }
 
-    /// Messages in flight at once: threads x lanes.
+    /// The most messages a run keeps in flight: threads x lanes, where the
+    /// lanes are 16 when this CPU's rates let a run of many messages use
+    /// the wide kernel (see `fit_wide`). A feeder that hands the scheduler
+    /// this many messages at once (the staging pipeline) lets it choose.
     pub fn streams(&self) -> usize {
-        self.effective_threads() * self.effective_lanes()
+        let wide_may_run = self.fit_lanes
+            && self.effective_lanes() == 4
+            && self.wide().is_some()
+            && self.kernel.wide_stream_rates().is_some_and(|(wide, four)| wide > four);
+        let lanes = if wide_may_run {
+            WIDE_LANES
+        } else {
+            self.effective_lanes()
+        };
+        self.effective_threads() * lanes
     }
 
     /// SHA-256 of each buffer, in input order.
