@@ -144,7 +144,7 @@ def plan_slots(sizes: list[int], slot_bytes: int, streams: int, kinds: list[Any]
             next_large += 1
         plan = SlotPlan()
         if open_:
-            # Leave room for small tensors while lanes are free for them.
+            # Leave room for small tensors while fewer than `streams` are open.
             room = (streams - len(open_)) * chunk if next_small < len(small) else 0
             share = (slot_bytes - room) // len(open_)
             if share > PIECE_ALIGN:
