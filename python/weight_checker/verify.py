@@ -289,6 +289,21 @@ async def _await(value: Awaitable[Any]) -> Any:
     return await value
 
 
+def _start(
+    t: Target,
+    transfer: Callable[[], Any] | None,
+    baseline: Mapping[str, str] | None,
+    expected: Mapping[str, str] | None,
+    name: str,
+) -> _Workflow:
+    """The workflow for ``t``, its inputs checked (``name``: the caller, for
+    the messages)."""
+    baseline = _load_digests(baseline, "baseline")
+    expected = _load_digests(expected, "expected")
+    mode = _mode(transfer, baseline, expected, name)
+    return _workflow(t, transfer, mode, {"baseline": baseline, "expected": expected}, _Run(t))
+
+
 def verify(
     target: Any,
     transfer: Callable[[], Any] | None = None,
@@ -315,11 +330,7 @@ def verify(
     t = target_for(target, api_key=api_key, timeout=timeout, concurrency=concurrency)
     if t.is_async:
         raise TypeError("an AsyncLLM is verified with `await weight_checker.verify_async(...)`")
-    baseline = _load_digests(baseline, "baseline")
-    expected = _load_digests(expected, "expected")
-    mode = _mode(transfer, baseline, expected, "verify")
-    run = _Run(t)
-    return _drive_sync(_workflow(t, transfer, mode, {"baseline": baseline, "expected": expected}, run))
+    return _drive_sync(_start(t, transfer, baseline, expected, "verify"))
 
 
 async def verify_async(
@@ -337,11 +348,7 @@ async def verify_async(
     t = target_for(target, api_key=api_key, timeout=timeout, concurrency=concurrency)
     if not t.is_async:
         return await asyncio.to_thread(verify, t, transfer, baseline=baseline, expected=expected, timeout=timeout)
-    baseline = _load_digests(baseline, "baseline")
-    expected = _load_digests(expected, "expected")
-    mode = _mode(transfer, baseline, expected, "verify_async")
-    run = _Run(t)
-    return await _drive_async(_workflow(t, transfer, mode, {"baseline": baseline, "expected": expected}, run))
+    return await _drive_async(_start(t, transfer, baseline, expected, "verify_async"))
 
 
 def _conclude(run: _Run, error: BaseException | None) -> VerifyResult:
