@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
 
@@ -74,6 +75,40 @@ def test_resident_memory_stays_bounded(big_checkpoint):
     assert r["n"] == 8
     # K streams x 4 MiB windows, plus slack; the file is 1 GiB.
     assert r["growth"] < 100 * MiB, r
+
+
+@pytest.fixture(scope="module")
+def many_tensor_checkpoint(tmp_path_factory):
+    """1 GiB as 64 tensors of 16 MiB: enough messages for 16 lanes a thread."""
+    root = tmp_path_factory.mktemp("many")
+    rng = np.random.default_rng(1)
+    for f in range(2):
+        save_file(
+            {f"f{f}.w{i}": rng.integers(0, 256, 16 * MiB, dtype=np.uint8) for i in range(32)},
+            str(root / f"part{f}.safetensors"),
+        )
+    return root
+
+
+@pytest.mark.parametrize("lanes", ["4", "16"])
+def test_resident_memory_stays_bounded_with_many_lanes(many_tensor_checkpoint, lanes):
+    """With 16 lanes a thread (the wide kernel) as with 4, what the mapping
+    keeps resident depends on the messages in flight, not on the file: each
+    lane's window (a share of 32 MiB, 1-4 MiB) plus up to a large folio
+    mapped beyond it."""
+    env = dict(os.environ, WEIGHT_CHECKER_LANES=lanes)
+    out = subprocess.run(
+        [sys.executable, "-c", RSS_SCRIPT + "print(_core.streams())", str(many_tensor_checkpoint)],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=env,
+    )
+    *_, result, streams = out.stdout.strip().splitlines()
+    r, streams = json.loads(result), int(streams)
+    assert r["n"] == 64
+    window = min(4 * MiB, max(1 * MiB, 32 * MiB // streams))
+    assert r["growth"] < streams * (window + 4 * MiB) + 32 * MiB, (r, streams)
 
 
 @pytest.fixture
