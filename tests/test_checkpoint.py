@@ -42,17 +42,19 @@ def test_digests_equal_hashlib_for_any_mix(tmp_path_factory, shards, seed):
     assert checksum_checkpoint([root]) == want
 
 
+def random_checkpoint(root, per_file: int, nbytes: int, seed: int):
+    """Two files of ``per_file`` random uint8 tensors of ``nbytes`` each."""
+    rng = np.random.default_rng(seed)
+    for f in range(2):
+        tensors = {f"f{f}.w{i}": rng.integers(0, 256, nbytes, dtype=np.uint8) for i in range(per_file)}
+        save_file(tensors, str(root / f"part{f}.safetensors"))
+    return root
+
+
 @pytest.fixture(scope="module")
 def big_checkpoint(tmp_path_factory):
     """1 GiB in two files of 4 tensors each: larger than the RSS bound."""
-    root = tmp_path_factory.mktemp("big")
-    rng = np.random.default_rng(0)
-    for f in range(2):
-        save_file(
-            {f"f{f}.w{i}": rng.integers(0, 256, 128 * MiB, dtype=np.uint8) for i in range(4)},
-            str(root / f"part{f}.safetensors"),
-        )
-    return root
+    return random_checkpoint(tmp_path_factory.mktemp("big"), 4, 128 * MiB, seed=0)
 
 
 RSS_SCRIPT = r"""
@@ -80,14 +82,7 @@ def test_resident_memory_stays_bounded(big_checkpoint):
 @pytest.fixture(scope="module")
 def many_tensor_checkpoint(tmp_path_factory):
     """1 GiB as 64 tensors of 16 MiB: enough messages for 16 lanes a thread."""
-    root = tmp_path_factory.mktemp("many")
-    rng = np.random.default_rng(1)
-    for f in range(2):
-        save_file(
-            {f"f{f}.w{i}": rng.integers(0, 256, 16 * MiB, dtype=np.uint8) for i in range(32)},
-            str(root / f"part{f}.safetensors"),
-        )
-    return root
+    return random_checkpoint(tmp_path_factory.mktemp("many"), 32, 16 * MiB, seed=1)
 
 
 @pytest.mark.parametrize("lanes", ["4", "16"])
