@@ -12,13 +12,19 @@
 //! queue. So `threads x lanes` messages are in flight at any time, and memory
 //! is bounded by that many chunks, whatever the size of the work.
 //!
+//! Lanes are 1, 2 or 4 SHA-NI streams, or 16 for the wide AVX-512 kernel
+//! where this CPU's rates say a run of many messages ends sooner with it
+//! (`Scheduler::fit_wide`); a thread holding 16 runs them wide while enough
+//! are open and SHA-NI for the rest (`worker`).
+//!
 //! Three refinements matter when a few tensors of hundreds of MB make up
 //! the work, since one of them then ends the run: the largest are dealt
 //! across the threads when taking them in order would put more than a
 //! thread's share on the first to start (`Shared::next_task`); a thread
-//! holding three messages runs the two with the most bytes left at full
-//! two-lane speed rather than all three at two-plus-one (`worker`); and
-//! lanes whose addresses alias are moved apart (`dephase`).
+//! runs the messages with the most bytes left on SHA-NI (two of three at
+//! full two-lane speed rather than all three at two-plus-one; the one that
+//! would crawl in a wide lane alone), see `worker`; and lanes whose
+//! addresses alias are moved apart (`dephase`).
 
 mod batches;
 mod dephase;
@@ -106,6 +112,17 @@ impl Scheduler {
         Wide::detect().filter(|_| self.kernel != Kernel::Portable)
     }
 
+    /// `(wide, four)` streaming GB/s of a core where a calibrated run may
+    /// choose the wide kernel: it exists here and outruns four SHA-NI lanes.
+    fn wide_may_run(&self) -> Option<(f64, f64)> {
+        if !self.fit_lanes || self.effective_lanes() != 4 {
+            return None;
+        }
+        self.wide()?;
+        let (wide, four) = self.kernel.wide_stream_rates()?;
+        (four > 0.0 && wide.is_finite() && wide > four).then_some((wide, four))
+    }
+
     /// Lanes for a batch of small messages of one length: the wide
     /// (16-lane AVX-512) kernel where the calibration at first use found it
     /// faster on this CPU ([`Kernel::small_message_lanes`]) or where 16 lanes
@@ -132,11 +149,7 @@ impl Scheduler {
     /// the wide kernel (see `fit_wide`). A feeder that hands the scheduler
     /// this many messages at once (the staging pipeline) lets it choose.
     pub fn streams(&self) -> usize {
-        let wide_may_run = self.fit_lanes
-            && self.effective_lanes() == 4
-            && self.wide().is_some()
-            && self.kernel.wide_stream_rates().is_some_and(|(wide, four)| wide > four);
-        let lanes = if wide_may_run {
+        let lanes = if self.wide_may_run().is_some() {
             WIDE_LANES
         } else {
             self.effective_lanes()
@@ -210,13 +223,9 @@ impl Scheduler {
     /// wide after, whichever is sooner (the workers choose so). Against it,
     /// four or two SHA-NI lanes as in [`Scheduler::fit_to_largest`].
     fn fit_wide(&self, largest: u64, total: u64, workers: usize, count: usize) -> Option<(usize, f64)> {
-        let (wide, four) = self.kernel.wide_stream_rates()?;
-        self.wide()?;
-        if !(wide > 0.0 && four > 0.0 && wide.is_finite() && four.is_finite()) {
-            return None;
-        }
+        let (wide, four) = self.wide_may_run()?;
         let break_even = ((WIDE_LANES as f64 * four / wide).ceil() as usize).max(2);
-        if break_even > WIDE_LANES || count < workers * break_even {
+        if count < workers * break_even {
             return None;
         }
         // One and two lanes from the (L2-hot) lane calibration, scaled to
