@@ -25,6 +25,7 @@ import time
 import torch
 import weight_checker
 from ceiling import contention, cpu_model, describe, scheduler_choice, shani_core_gbps
+from schedule_bound import describe_bounds
 from torch import nn
 from weight_checker import _core
 
@@ -75,7 +76,7 @@ def many_small(n=10_000, nbytes=4096) -> nn.Module:
     return m
 
 
-def bench(label, model, ref, repeat, ceiling, floor=None):
+def bench(label, model, ref, repeat, ceiling, floor=None, shape_bound=False):
     """Runs reference and ours alternately ``repeat`` times (and ``floor``,
     the scheduler's hash-only time for the same shapes, when given)."""
     nbytes = sum(p.nbytes for p in model.parameters())
@@ -111,6 +112,8 @@ def bench(label, model, ref, repeat, ceiling, floor=None):
         row("hash-only floor (no Python)", t_floor)
     print(f"  ratio ours / reference: {o / r:.3f}   (speed-up {r / o:.2f}x)")
     print(f"  ours = {nbytes / o / 1e9 / ceiling:.2f} of the machine's hashing ceiling ({ceiling:.2f} GB/s)")
+    if shape_bound:
+        print(f"  {describe_bounds([p.nbytes for p in model.parameters()], o, _core.threads())}")
     if t_floor:
         print(
             f"  the binding adds {(o - f) / count * 1e6:.2f} us/tensor to the scheduler's own hashing of these"
@@ -131,7 +134,7 @@ def main():
     line, ceiling = describe()
     print(line)
     if args.only in (None, "llama"):
-        bench("llama-shaped bf16", llama_like(), ref, args.repeat, ceiling)
+        bench("llama-shaped bf16", llama_like(), ref, args.repeat, ceiling, shape_bound=True)
     if args.only in (None, "small"):
         # The same shapes hashed by the scheduler alone, as separate allocations.
         floor = lambda: _core.hash_floor(10_000, 4096, 1)[0]  # noqa: E731

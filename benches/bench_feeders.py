@@ -23,6 +23,11 @@
     not only the machine's ceiling: no scheduler ends before the largest tensor
     has gone through one stream (``bound = max(bytes / ceiling, largest /
     one-stream speed)``); each figure is also given as a fraction of it.
+    That bound asks for every core at its best rate and the largest tensor
+    alone on a core at once, which three 448 MiB tensors on two cores cannot
+    have; the shape's schedule bound (benches/schedule_bound.py, an LP over
+    the calibrated rates of every lane count) is the soonest any scheduler
+    of these kernels ends, and each figure is given against it too.
 
 Each pair alternates, the median of each side is reported, with the ratio.
 """
@@ -41,6 +46,7 @@ from pathlib import Path
 import torch
 import weight_checker
 from ceiling import cpu_model, describe, shani_core_gbps
+from schedule_bound import describe_bounds
 from weight_checker import _core, staging
 from weight_checker.checkpoint import checksum_checkpoint
 
@@ -196,6 +202,7 @@ def few_large_tensors(repeat: int, ceiling: float) -> None:
         bound = max(by_ceiling, by_stream)
         what = "the largest tensor through one stream" if by_stream > by_ceiling else "the SHA-NI ceiling"
         print(f"  ours / hashlib = {ours / ref:.3f};  ours = {bound / ours:.2f} of the bound ({bound:.3f} s: {what})")
+        print(f"  {describe_bounds(sizes, ours, _core.threads())}")
         del tensors, ref_fn, ours_fn
 
 
