@@ -1,6 +1,7 @@
 //! Model-shaped runs through the scheduler, in memory, on all threads: the
 //! calibrated default against SHA-NI lanes fixed at 4 and the wide AVX-512
-//! kernel asked for (16), measured side by side, best of 5 each.
+//! kernel asked for (16), measured side by side, best of 5 each, with the
+//! layout the calibrated scheduler chose for each shape.
 //!
 //!     cargo run --release --example shapes
 
@@ -68,5 +69,7 @@ fn main() {
             .map(|((n, _), t)| format!("{n} {:.4} s ({:.2} GB/s)", t, total as f64 / t / 1e9))
             .collect();
         println!("{name}: {}", line.join(", "));
+        let sizes: Vec<u64> = sizes.iter().map(|&n| n as u64).collect();
+        println!("  calibrated layout: {}", schedulers[0].1.describe_layout(&sizes));
     }
 }

@@ -15,7 +15,10 @@
 //! Lanes are 1, 2 or 4 SHA-NI streams, or 16 for the wide AVX-512 kernel
 //! where this CPU's rates say a run of many messages ends sooner with it
 //! (`Scheduler::fit_wide`); a thread holding 16 runs them wide while enough
-//! are open and SHA-NI for the rest (`worker`).
+//! are open and SHA-NI for the rest (`worker`). Where a small simulation of
+//! the run with this CPU's rates says so (`model`, `layout`), some threads
+//! hold the largest messages on SHA-NI while the others run the rest wide:
+//! a Llama-shaped set's two embeddings on one core, its layers on the other.
 //!
 //! Three refinements matter when a few tensors of hundreds of MB make up
 //! the work, since one of them then ends the run: the largest are dealt
@@ -28,6 +31,8 @@
 
 mod batches;
 mod dephase;
+mod layout;
+mod model;
 mod multi;
 mod source;
 mod threads;
@@ -37,10 +42,11 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 pub use batches::{batches_floor, hash_batched, BatchQueue, Batches};
+use layout::Layout;
 pub use multi::MultiHasher;
 pub use source::{ChunkSource, Slices};
 pub use threads::{default_threads, set_default_threads, THREADS_ENV};
-use worker::{worker, Shared, Task, WidePlan};
+use worker::{worker, Shared, Task};
 
 use crate::error::Error;
 use crate::sha256::{Digest, Kernel, Sha256, Wide, WIDE_LANES};
@@ -195,58 +201,6 @@ impl Scheduler {
         MultiHasher::new(*self, n)
     }
 
-    /// Four lanes or two for a run whose largest message has `largest` of
-    /// `total` bytes. Four give a core a few percent more than two (3.48 vs
-    /// 3.37 GB/s on a 2-vCPU AMD EPYC, Zen 4) but each stream half the speed, and one stream is as
-    /// fast as a message can go: a run ends no sooner than
-    /// `max(total / (workers x core rate), largest / stream rate)`. Two are
-    /// used where that estimate, with this CPU's calibrated rates, is
-    /// lower: on the Llama-shaped set (largest 131 MB of 0.98 GB) and on 70B
-    /// layers, not on eight equal tensors or many small ones.
-    fn fit_to_largest(&self, largest: u64, total: u64, workers: usize) -> usize {
-        // `fit_lanes` is only set where the count came from the calibration.
-        let rates = self.kernel.calibrated().1;
-        let rate = |lanes: usize| rates.iter().find(|r| r.0 == lanes).map_or(0.0, |r| r.1);
-        lanes_for_run(rate(2), rate(4), largest, total, workers)
-    }
-
-    /// Whether a run whose largest message has `largest` of `total` bytes in
-    /// `count` messages ends sooner through the wide kernel, by this CPU's
-    /// streaming rates ([`Kernel::wide_stream_rates`]); if so, the fewest
-    /// open messages for which it still beats four SHA-NI lanes (break-even:
-    /// `open x wide / 16 = four-lane rate`) and its rate over one SHA-NI
-    /// stream's, which the workers plan by (see `WidePlan`).
-    ///
-    /// The estimate, per worker, with the wide kernel: its share of the bytes
-    /// at the wide rate, unless the largest message ends it: at a sixteenth
-    /// of the core, or hashed alone first at one stream's rate and the rest
-    /// wide after, whichever is sooner (the workers choose so). Against it,
-    /// four or two SHA-NI lanes as in [`Scheduler::fit_to_largest`].
-    fn fit_wide(&self, largest: u64, total: u64, workers: usize, count: usize) -> Option<(usize, f64)> {
-        let (wide, four) = self.wide_may_run()?;
-        let break_even = ((WIDE_LANES as f64 * four / wide).ceil() as usize).max(2);
-        if count < workers * break_even {
-            return None;
-        }
-        // One and two lanes from the (L2-hot) lane calibration, scaled to
-        // the streaming rate of four measured beside the wide kernel.
-        let rates = self.kernel.calibrated().1;
-        let rate = |lanes: usize| rates.iter().find(|r| r.0 == lanes).map_or(0.0, |r| r.1);
-        if rate(4) <= 0.0 || rate(1) <= 0.0 {
-            return None;
-        }
-        let (one, two) = (rate(1) * four / rate(4), rate(2) * four / rate(4));
-        let share = total as f64 / workers as f64 / 1e9;
-        let largest_gb = largest as f64 / 1e9;
-        let in_a_lane = largest_gb * WIDE_LANES as f64 / wide;
-        let alone_first = largest_gb / one + (share - largest_gb).max(0.0) / wide;
-        let end_wide = (share / wide).max(in_a_lane.min(alone_first));
-        let narrow = lanes_for_run(two, four, largest, total, workers);
-        let core = if narrow == 2 { two } else { four };
-        let end_narrow = (share / core).max(largest_gb * narrow as f64 / core);
-        (end_wide < end_narrow).then_some((break_even, wide / one))
-    }
-
     fn run<S: ChunkSource>(
         &self,
         mut tasks: Vec<Task<'_, S>>,
@@ -263,52 +217,10 @@ impl Scheduler {
         // Stable sort: equal sizes keep input order, which keeps runs repeatable.
         tasks.sort_by_key(|t| std::cmp::Reverse(t.bytes));
         let total: u64 = tasks.iter().map(|t| t.bytes).sum();
-        let mut workers = self.effective_threads().min(tasks.len()).max(1);
-        let parallel = !(total < PARALLEL_MIN_BYTES || (workers == 1 && progress.is_none()));
-        if !parallel {
-            workers = 1;
-        }
-        // Messages are spread over the threads before lanes are stacked:
-        // four big tensors on two threads run as 2 x 2 lanes on both cores,
-        // not as 4 lanes on one. (A thread holding three runs the two with
-        // the most bytes left, see `worker`.)
-        let mut lanes = self.effective_lanes().min(tasks.len().div_ceil(workers)).max(1);
-        // Where lanes were given, the wide kernel runs while at least half of
-        // its lanes hold a message, and counts as 2.5 SHA-NI streams (the
-        // ratio measured on AMD Zen 5 and Intel Emerald Rapids cores was
-        // 2.1-2.5); where they were calibrated, by this CPU's rates (see
-        // `fit_wide`).
-        let mut plan = self.wide().map(|kernel| WidePlan {
-            kernel,
-            min_open: WIDE_LANES / 2,
-            over_one_stream: 2.5,
-        });
-        if lanes == 4 && self.fit_lanes {
-            match self.fit_wide(tasks[0].bytes, total, workers, tasks.len()) {
-                Some((min_open, over_one_stream)) => {
-                    lanes = WIDE_LANES;
-                    plan = plan.map(|p| WidePlan {
-                        min_open,
-                        over_one_stream,
-                        ..p
-                    });
-                }
-                None => lanes = self.fit_to_largest(tasks[0].bytes, total, workers),
-            }
-        }
-        let wide = plan.filter(|_| lanes > 4);
-        // Dealing (see `Shared::next_task`) only where the first thread to
-        // start would otherwise take more than its share of all the bytes
-        // with its first lanes (a few big tensors). Elsewhere it costs: a
-        // thread that wakes late then starts its dealt big tensor late, and
-        // that tensor ends the run (Llama-shaped set: -5%).
-        let first: u64 = tasks.iter().take(lanes).map(|t| t.bytes).sum();
-        let dealt = if first.saturating_mul(workers as u64) > total {
-            (workers * lanes).min(tasks.len())
-        } else {
-            0
-        };
-        let shared = Shared::new(self.kernel, wide, lanes, workers, dealt, tasks, progress.is_some());
+        let sizes: Vec<u64> = tasks.iter().map(|t| t.bytes).collect();
+        let layout = self.layout(&sizes, progress.is_some());
+        let Layout { workers, parallel, .. } = layout;
+        let shared = Shared::new(self.kernel, &layout, tasks, progress.is_some());
         if !parallel {
             worker(&shared, 0);
         } else {
@@ -344,52 +256,5 @@ impl Scheduler {
             }
         }
         Ok(())
-    }
-}
-
-/// See [`Scheduler::fit_to_largest`]: 2 or 4, from a core's GB/s with two
-/// and four lanes.
-fn lanes_for_run(two: f64, four: f64, largest: u64, total: u64, workers: usize) -> usize {
-    if two.is_nan() || four.is_nan() || two <= 0.0 || four <= 0.0 {
-        return 4;
-    }
-    let end = |lanes: usize, core: f64| {
-        let (total, largest) = (total as f64, largest as f64);
-        (total / (workers as f64 * core)).max(largest * lanes as f64 / core)
-    };
-    if end(2, two) < end(4, four) {
-        2
-    } else {
-        4
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn two_lanes_only_where_the_largest_message_would_end_the_run() {
-        let llama: Vec<u64> = [
-            [131_072_000u64; 2].as_slice(),
-            &[46_137_344; 8],
-            &[23_068_672; 8],
-            &[12_582_912; 8],
-        ]
-        .concat();
-        let total: u64 = llama.iter().sum();
-        // This CPU's kind of rates (4 lanes a few percent ahead of 2).
-        assert_eq!(lanes_for_run(3.37, 3.48, llama[0], total, 2), 2);
-        assert_eq!(lanes_for_run(3.37, 3.48, 470_000_000, 3_420_000_000, 2), 2);
-        // Eight equal tensors, or many small ones: four.
-        assert_eq!(lanes_for_run(3.37, 3.48, 134_217_728, 8 * 134_217_728, 2), 4);
-        assert_eq!(lanes_for_run(3.37, 3.48, 4096, 10_000 * 4096, 2), 4);
-        // A CPU where four lanes are far ahead keeps four even on Llama.
-        assert_eq!(lanes_for_run(2.0, 3.48, llama[0], total, 2), 4);
-        // More threads: each one's share shrinks, so the largest matters sooner.
-        assert_eq!(lanes_for_run(3.37, 3.48, 134_217_728, 8 * 134_217_728, 8), 2);
-        // No usable rates: four.
-        assert_eq!(lanes_for_run(0.0, 3.48, llama[0], total, 2), 4);
-        assert_eq!(lanes_for_run(f64::NAN, 3.48, llama[0], total, 2), 4);
     }
 }

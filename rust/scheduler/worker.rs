@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex};
 
 use super::dephase::dephase;
+use super::layout::Layout;
 use super::ChunkSource;
 use crate::error::Error;
 use crate::sha256::{Digest, Kernel, Sha256, Wide, BLOCK_LEN, STEP_BYTES, WIDE_LANES};
@@ -51,6 +52,10 @@ pub(super) struct Shared<'a, S> {
     /// Messages each worker holds open (up to [`WIDE_LANES`]).
     pub(super) lanes: usize,
     pub(super) workers: usize,
+    /// A mixed plan: the first `narrow.0` workers hold `narrow.1` messages
+    /// each on the kernel's own lanes (never the wide kernel) and are the
+    /// ones dealt to. `(0, 0)`: every worker runs as the others do.
+    pub(super) narrow: (usize, usize),
     /// The first `dealt` tasks (the largest) are dealt to the workers before
     /// any runs, see [`Shared::next_task`].
     pub(super) dealt: usize,
@@ -70,21 +75,14 @@ pub(super) struct Shared<'a, S> {
 }
 
 impl<'a, S> Shared<'a, S> {
-    pub(super) fn new(
-        kernel: Kernel,
-        wide: Option<WidePlan>,
-        lanes: usize,
-        workers: usize,
-        dealt: usize,
-        tasks: Vec<Task<'a, S>>,
-        count_progress: bool,
-    ) -> Self {
+    pub(super) fn new(kernel: Kernel, layout: &Layout, tasks: Vec<Task<'a, S>>, count_progress: bool) -> Self {
         Shared {
             kernel,
-            wide,
-            lanes,
-            workers,
-            dealt,
+            wide: layout.wide,
+            lanes: layout.lanes,
+            workers: layout.workers,
+            narrow: layout.narrow,
+            dealt: layout.dealt,
             queue: tasks.into_iter().map(|t| Mutex::new(Some(t))).collect(),
             cursor: AtomicUsize::new(0),
             stop: AtomicBool::new(false),
@@ -109,13 +107,18 @@ impl<'a, S> Shared<'a, S> {
     /// second one runs, and a 70B layer's three 448 MiB tensors ran as
     /// lanes of one core while the other finished the rest and idled (3.0
     /// GB/s instead of 5+ on a 2-vCPU AMD EPYC, Zen 4). Then the rest, in order, whoever is free first;
-    /// then dealt tasks whose worker has not started yet.
+    /// then dealt tasks whose worker has not started yet. In a mixed plan
+    /// only the narrow workers are dealt to.
     fn next_task(&self, w: usize, deal: &mut Deal) -> Option<Task<'a, S>> {
-        while deal.round < self.lanes {
+        let (seats, rounds) = match self.narrow {
+            (0, _) => (self.workers, self.lanes),
+            narrow => narrow,
+        };
+        while w < seats && deal.round < rounds {
             let r = deal.round;
             deal.round += 1;
-            let seat = if r.is_multiple_of(2) { w } else { self.workers - 1 - w };
-            let i = r * self.workers + seat;
+            let seat = if r.is_multiple_of(2) { w } else { seats - 1 - w };
+            let i = r * seats + seat;
             if i < self.dealt {
                 if let Some(task) = self.take(i) {
                     return Some(task);
@@ -214,7 +217,11 @@ fn prepare<'a, S: ChunkSource>(shared: &Shared<'a, S>, w: usize, deal: &mut Deal
 
 pub(super) fn worker<S: ChunkSource>(shared: &Shared<'_, S>, w: usize) {
     let mut held: [Option<Lane<'_, S>>; WIDE_LANES] = std::array::from_fn(|_| None);
-    let held = &mut held[..shared.lanes];
+    let (lanes, wide_plan) = match shared.narrow {
+        (narrow, lanes) if w < narrow => (lanes, None),
+        _ => (shared.lanes, shared.wide.as_ref()),
+    };
+    let held = &mut held[..lanes];
     let mut deal = Deal::default();
     while !shared.stop.load(Ordering::Relaxed) {
         for lane in held.iter_mut() {
@@ -233,7 +240,7 @@ pub(super) fn worker<S: ChunkSource>(shared: &Shared<'_, S>, w: usize) {
         // left. A message
         // moves between the two at a step boundary: both work on the same
         // state, whole blocks at a time.
-        let (run, wide) = match &shared.wide {
+        let (run, wide) = match wide_plan {
             Some(plan) if open >= plan.min_open => match runs_alone(plan, &mut held[..open]) {
                 true => (1, None),
                 false => (open, Some(plan.kernel)),

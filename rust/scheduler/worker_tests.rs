@@ -10,6 +10,17 @@ const UNSET: Digest = Digest {
     all_zero: true,
 };
 
+fn layout(wide: Option<WidePlan>, lanes: usize, workers: usize, narrow: (usize, usize), dealt: usize) -> Layout {
+    Layout {
+        workers,
+        parallel: workers > 1,
+        lanes,
+        wide,
+        narrow,
+        dealt,
+    }
+}
+
 /// Lanes the wide kernel had hashed part of and SHA-NI then took over
 /// (all tests of this binary).
 pub(super) static MOVED: AtomicUsize = AtomicUsize::new(0);
@@ -50,7 +61,7 @@ fn hash_on_sixteen_lanes(wide: Wide, wide_min: usize, data: &[Vec<u8>]) {
         min_open: wide_min,
         over_one_stream: 2.5,
     };
-    let shared = Shared::new(kernel, Some(plan), WIDE_LANES, 1, 0, tasks, true);
+    let shared = Shared::new(kernel, &layout(Some(plan), WIDE_LANES, 1, (0, 0), 0), tasks, true);
     worker(&shared, 0);
     let hashed = shared.done.load(Ordering::Relaxed);
     drop(shared);
@@ -154,13 +165,73 @@ fn a_lone_worker_takes_the_tasks_dealt_to_others() {
                 .collect();
             let workers = 3;
             let dealt = (workers * lanes).min(data.len());
-            let shared = Shared::new(kernel, None, lanes, workers, dealt, tasks, false);
+            let shared = Shared::new(kernel, &layout(None, lanes, workers, (0, 0), dealt), tasks, false);
             worker(&shared, 1);
             drop(shared);
             for (d, got) in data.iter().zip(&digests) {
                 let want: [u8; 32] = sha2::Sha256::digest(d).into();
                 assert_eq!(got.bytes, want, "{kernel:?} lanes {lanes} len {}", d.len());
             }
+        }
+    }
+}
+
+/// A mixed plan: worker 0 on four SHA-NI lanes, dealt the largest two
+/// messages, worker 1 on the wide kernel's sixteen. Every digest is right
+/// with both running at once, and with either alone (the other never
+/// starts: the lone wide worker then takes the dealt ones too).
+#[test]
+fn a_mixed_plan_hashes_every_message_whoever_runs() {
+    let Some(wide) = Wide::detect() else {
+        return; // no AVX-512 here: the mixed plan never runs
+    };
+    let mut data: Vec<Vec<u8>> = vec![vec![7; 3 << 20], vec![9; (3 << 20) + 5]];
+    data.extend((0..30).map(|i| {
+        (0..(200 << 10) + i * 4099)
+            .map(|b| (b * 31 + i) as u8)
+            .collect::<Vec<u8>>()
+    }));
+    let chunks: Vec<Vec<&[u8]>> = data.iter().map(|d| d.chunks(STEP_BYTES + 3).collect()).collect();
+    for who in [vec![0, 1], vec![0], vec![1]] {
+        let mut states = vec![Sha256::new(); data.len()];
+        let mut digests = vec![UNSET; data.len()];
+        let mut tasks: Vec<_> = states
+            .iter_mut()
+            .zip(digests.iter_mut())
+            .zip(&chunks)
+            .map(|((state, out), c)| {
+                let source = Slices::new(c);
+                Task {
+                    bytes: source.total_bytes(),
+                    state,
+                    source,
+                    digest_out: Some(out),
+                }
+            })
+            .collect();
+        tasks.sort_by_key(|t| std::cmp::Reverse(t.bytes));
+        let plan = WidePlan {
+            kernel: wide,
+            min_open: 8,
+            over_one_stream: 2.5,
+        };
+        let layout = layout(Some(plan), WIDE_LANES, 2, (1, 4), 4);
+        let shared = Shared::new(Kernel::best_available(), &layout, tasks, true);
+        std::thread::scope(|s| {
+            for &w in &who {
+                let shared = &shared;
+                s.spawn(move || worker(shared, w));
+            }
+        });
+        assert_eq!(
+            shared.done.load(Ordering::Relaxed),
+            data.iter().map(|d| d.len() as u64).sum::<u64>(),
+            "workers {who:?}"
+        );
+        drop(shared);
+        for (d, got) in data.iter().zip(&digests) {
+            let want: [u8; 32] = sha2::Sha256::digest(d).into();
+            assert_eq!(got.bytes, want, "workers {who:?}, len {}", d.len());
         }
     }
 }

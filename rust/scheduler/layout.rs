@@ -1,0 +1,272 @@
+//! How one run is laid out: worker threads, lanes per worker, which kernel
+//! each worker runs, and which of the largest messages are dealt to whom.
+//! The closed-form estimates choose between SHA-NI lanes (2 or 4) and the
+//! wide kernel for every worker; the run model (`model`) may then give some
+//! workers SHA-NI and the others the wide kernel.
+
+use super::model::{self, Plan, Rates};
+use super::worker::WidePlan;
+use super::{Scheduler, PARALLEL_MIN_BYTES};
+use crate::sha256::WIDE_LANES;
+
+/// How much sooner (a fraction) the run model must say a mixed plan ends
+/// than the uniform one for a run to use it: the model is a model.
+const MIXED_GAIN: f64 = 0.03;
+
+/// Runs of more messages than this are not modelled (see
+/// [`Scheduler::fit_mixed`]): many messages keep every core's lanes full
+/// whichever kernel it runs, and the model would cost more than it wins.
+const MODEL_MAX_MESSAGES: usize = 4096;
+
+/// One run's layout (see the module's doc).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Layout {
+    pub(super) workers: usize,
+    /// Whether the workers run on rayon threads (else on the caller's).
+    pub(super) parallel: bool,
+    /// Messages each worker holds open (a narrow worker: `narrow.1`).
+    pub(super) lanes: usize,
+    /// How wide workers use the wide kernel; `None`: no worker does.
+    pub(super) wide: Option<WidePlan>,
+    /// `(workers, lanes each)` on SHA-NI in a mixed plan, the first ones;
+    /// `(0, 0)`: every worker runs the same.
+    pub(super) narrow: (usize, usize),
+    /// The first `dealt` messages are dealt (see `Shared::next_task`).
+    pub(super) dealt: usize,
+}
+
+impl Scheduler {
+    /// The layout of a run of messages of `sizes` bytes, largest first;
+    /// `progress`: whether a callback reports progress (the caller's thread
+    /// then waits, so even one worker runs on its own thread).
+    pub(super) fn layout(&self, sizes: &[u64], progress: bool) -> Layout {
+        let total: u64 = sizes.iter().sum();
+        let mut workers = self.effective_threads().min(sizes.len()).max(1);
+        let parallel = !(total < PARALLEL_MIN_BYTES || (workers == 1 && !progress));
+        if !parallel {
+            workers = 1;
+        }
+        // Messages are spread over the threads before lanes are stacked:
+        // four big tensors on two threads run as 2 x 2 lanes on both cores,
+        // not as 4 lanes on one. (A thread holding three runs the two with
+        // the most bytes left, see `worker`.)
+        let mut lanes = self.effective_lanes().min(sizes.len().div_ceil(workers)).max(1);
+        // Where lanes were given, the wide kernel runs while at least half of
+        // its lanes hold a message, and counts as 2.5 SHA-NI streams (the
+        // ratio measured on AMD Zen 5 and Intel Emerald Rapids cores was
+        // 2.1-2.5); where they were calibrated, by this CPU's rates (see
+        // `fit_wide`).
+        let mut plan = self.wide().map(|kernel| WidePlan {
+            kernel,
+            min_open: WIDE_LANES / 2,
+            over_one_stream: 2.5,
+        });
+        if lanes == 4 && self.fit_lanes {
+            match self.fit_wide(sizes[0], total, workers, sizes.len()) {
+                Some((min_open, over_one_stream)) => {
+                    lanes = WIDE_LANES;
+                    plan = plan.map(|p| WidePlan {
+                        min_open,
+                        over_one_stream,
+                        ..p
+                    });
+                }
+                None => lanes = self.fit_to_largest(sizes[0], total, workers),
+            }
+        }
+        let mut wide = plan.filter(|_| lanes > 4);
+        // Dealing (see `Shared::next_task`) only where the first thread to
+        // start would otherwise take more than its share of all the bytes
+        // with its first lanes (a few big tensors). Elsewhere it costs: a
+        // thread that wakes late then starts its dealt big tensor late, and
+        // that tensor ends the run (Llama-shaped set: -5%).
+        let first: u64 = sizes.iter().take(lanes).sum();
+        let mut dealt = if first.saturating_mul(workers as u64) > total {
+            (workers * lanes).min(sizes.len())
+        } else {
+            0
+        };
+        // Some cores on SHA-NI for the largest messages and the others on
+        // the wide kernel, where the run model says so (see `model`).
+        let mut narrow = (0, 0);
+        if let (Some(p), true, true) = (plan, parallel, self.fit_lanes && self.effective_lanes() == 4) {
+            let uniform = Plan {
+                narrow: if lanes > 4 { 0 } else { workers },
+                narrow_lanes: lanes.min(4),
+            };
+            if let Some((mixed, min_open, over_one_stream)) = self.fit_mixed(sizes, workers, uniform, dealt > 0) {
+                narrow = (mixed.narrow, mixed.narrow_lanes);
+                lanes = WIDE_LANES;
+                dealt = (mixed.narrow * mixed.narrow_lanes).min(sizes.len());
+                wide = Some(WidePlan {
+                    min_open,
+                    over_one_stream,
+                    ..p
+                });
+            }
+        }
+        Layout {
+            workers,
+            parallel,
+            lanes,
+            wide,
+            narrow,
+            dealt,
+        }
+    }
+
+    /// The layout of a run of messages of `sizes` bytes in words, for
+    /// benchmarks and diagnostics.
+    pub fn describe_layout(&self, sizes: &[u64]) -> String {
+        let mut sorted = sizes.to_vec();
+        sorted.sort_unstable_by(|a, b| b.cmp(a));
+        if sorted.is_empty() {
+            return "no messages".into();
+        }
+        let l = self.layout(&sorted, false);
+        let dealt = if l.dealt > 0 {
+            format!(", the largest {} dealt", l.dealt)
+        } else {
+            String::new()
+        };
+        match (l.wide, l.narrow) {
+            (Some(_), (n, lanes)) if n > 0 => format!(
+                "{} workers: {n} on {lanes} SHA-NI lanes, {} on the 16-lane wide kernel{dealt}",
+                l.workers,
+                l.workers - n
+            ),
+            (Some(p), _) => format!(
+                "{} workers on the 16-lane wide kernel (while {}+ open){dealt}",
+                l.workers, p.min_open
+            ),
+            (None, _) => format!("{} workers on {} SHA-NI lanes{dealt}", l.workers, l.lanes),
+        }
+    }
+
+    /// Four lanes or two for a run whose largest message has `largest` of
+    /// `total` bytes. Four give a core a few percent more than two (3.48 vs
+    /// 3.37 GB/s on a 2-vCPU AMD EPYC, Zen 4) but each stream half the speed, and one stream is as
+    /// fast as a message can go: a run ends no sooner than
+    /// `max(total / (workers x core rate), largest / stream rate)`. Two are
+    /// used where that estimate, with this CPU's calibrated rates, is
+    /// lower: on the Llama-shaped set (largest 131 MB of 0.98 GB) and on 70B
+    /// layers, not on eight equal tensors or many small ones.
+    fn fit_to_largest(&self, largest: u64, total: u64, workers: usize) -> usize {
+        // `fit_lanes` is only set where the count came from the calibration.
+        let rates = self.kernel.calibrated().1;
+        let rate = |lanes: usize| rates.iter().find(|r| r.0 == lanes).map_or(0.0, |r| r.1);
+        lanes_for_run(rate(2), rate(4), largest, total, workers)
+    }
+
+    /// Whether a run whose largest message has `largest` of `total` bytes in
+    /// `count` messages ends sooner through the wide kernel, by this CPU's
+    /// streaming rates ([`Kernel::wide_stream_rates`]); if so, the fewest
+    /// open messages for which it still beats four SHA-NI lanes (break-even:
+    /// `open x wide / 16 = four-lane rate`) and its rate over one SHA-NI
+    /// stream's, which the workers plan by (see `WidePlan`).
+    ///
+    /// The estimate, per worker, with the wide kernel: its share of the bytes
+    /// at the wide rate, unless the largest message ends it: at a sixteenth
+    /// of the core, or hashed alone first at one stream's rate and the rest
+    /// wide after, whichever is sooner (the workers choose so). Against it,
+    /// four or two SHA-NI lanes as in [`Scheduler::fit_to_largest`].
+    fn fit_wide(&self, largest: u64, total: u64, workers: usize, count: usize) -> Option<(usize, f64)> {
+        let (rates, break_even) = self.model_rates()?;
+        if count < workers * break_even {
+            return None;
+        }
+        let Rates { one, two, four, wide } = rates;
+        let share = total as f64 / workers as f64 / 1e9;
+        let largest_gb = largest as f64 / 1e9;
+        let in_a_lane = largest_gb * WIDE_LANES as f64 / wide;
+        let alone_first = largest_gb / one + (share - largest_gb).max(0.0) / wide;
+        let end_wide = (share / wide).max(in_a_lane.min(alone_first));
+        let narrow = lanes_for_run(two, four, largest, total, workers);
+        let core = if narrow == 2 { two } else { four };
+        let end_narrow = (share / core).max(largest_gb * narrow as f64 / core);
+        (end_wide < end_narrow).then_some((break_even, wide / one))
+    }
+
+    /// This CPU's rates for the run model, where the wide kernel may run:
+    /// the wide kernel and four SHA-NI lanes streaming beside it, one and
+    /// two lanes from the (L2-hot) lane calibration scaled to that
+    /// streaming rate of four; and the break-even open count for the wide
+    /// kernel, `16 x four / wide`.
+    fn model_rates(&self) -> Option<(Rates, usize)> {
+        let (wide, four) = self.wide_may_run()?;
+        let break_even = ((WIDE_LANES as f64 * four / wide).ceil() as usize).max(2);
+        let rates = self.kernel.calibrated().1;
+        let rate = |lanes: usize| rates.iter().find(|r| r.0 == lanes).map_or(0.0, |r| r.1);
+        if rate(4) <= 0.0 || rate(1) <= 0.0 {
+            return None;
+        }
+        let (one, two) = (rate(1) * four / rate(4), rate(2) * four / rate(4));
+        Some((Rates { one, two, four, wide }, break_even))
+    }
+
+    /// A mixed plan (see [`model`]) where the run model says it ends at
+    /// least [`MIXED_GAIN`] sooner than `uniform`, the plan the closed-form
+    /// estimates chose: some workers on SHA-NI lanes (`narrow_lanes` each),
+    /// the rest on the wide kernel. Only for runs of a few thousand
+    /// messages at most (the model costs a few microseconds a message) of
+    /// at least [`PARALLEL_MIN_BYTES`].
+    fn fit_mixed(&self, sizes: &[u64], workers: usize, uniform: Plan, deal: bool) -> Option<(Plan, usize, f64)> {
+        if workers < 2 || sizes.len() > MODEL_MAX_MESSAGES {
+            return None;
+        }
+        let (rates, break_even) = self.model_rates()?;
+        let now = model::simulate(sizes, rates, workers, uniform, deal, break_even);
+        let (best, plan) = (1..workers)
+            .flat_map(|narrow| [2, 4].map(|narrow_lanes| Plan { narrow, narrow_lanes }))
+            .map(|plan| (model::simulate(sizes, rates, workers, plan, true, break_even), plan))
+            .min_by(|a, b| a.0.total_cmp(&b.0))?;
+        (best < now * (1.0 - MIXED_GAIN)).then_some((plan, break_even, rates.wide / rates.one))
+    }
+}
+
+/// See [`Scheduler::fit_to_largest`]: 2 or 4, from a core's GB/s with two
+/// and four lanes.
+fn lanes_for_run(two: f64, four: f64, largest: u64, total: u64, workers: usize) -> usize {
+    if two.is_nan() || four.is_nan() || two <= 0.0 || four <= 0.0 {
+        return 4;
+    }
+    let end = |lanes: usize, core: f64| {
+        let (total, largest) = (total as f64, largest as f64);
+        (total / (workers as f64 * core)).max(largest * lanes as f64 / core)
+    };
+    if end(2, two) < end(4, four) {
+        2
+    } else {
+        4
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn two_lanes_only_where_the_largest_message_would_end_the_run() {
+        let llama: Vec<u64> = [
+            [131_072_000u64; 2].as_slice(),
+            &[46_137_344; 8],
+            &[23_068_672; 8],
+            &[12_582_912; 8],
+        ]
+        .concat();
+        let total: u64 = llama.iter().sum();
+        // This CPU's kind of rates (4 lanes a few percent ahead of 2).
+        assert_eq!(lanes_for_run(3.37, 3.48, llama[0], total, 2), 2);
+        assert_eq!(lanes_for_run(3.37, 3.48, 470_000_000, 3_420_000_000, 2), 2);
+        // Eight equal tensors, or many small ones: four.
+        assert_eq!(lanes_for_run(3.37, 3.48, 134_217_728, 8 * 134_217_728, 2), 4);
+        assert_eq!(lanes_for_run(3.37, 3.48, 4096, 10_000 * 4096, 2), 4);
+        // A CPU where four lanes are far ahead keeps four even on Llama.
+        assert_eq!(lanes_for_run(2.0, 3.48, llama[0], total, 2), 4);
+        // More threads: each one's share shrinks, so the largest matters sooner.
+        assert_eq!(lanes_for_run(3.37, 3.48, 134_217_728, 8 * 134_217_728, 8), 2);
+        // No usable rates: four.
+        assert_eq!(lanes_for_run(0.0, 3.48, llama[0], total, 2), 4);
+        assert_eq!(lanes_for_run(f64::NAN, 3.48, llama[0], total, 2), 4);
+    }
+}

@@ -1,0 +1,211 @@
+//! The run model for mixed plans: how long a run of these sizes takes with
+//! some workers on SHA-NI lanes and the others on the wide kernel, by a
+//! small simulation of the workers' own rules with this CPU's calibrated
+//! rates.
+//!
+//! Why mixed: on a Llama-shaped set (two 131 MB embeddings among 48 layer
+//! tensors of 8-46 MB) the soonest end (an LP over the calibrated rates,
+//! `benches/schedule_bound.py`) has one core hash the two embeddings on
+//! SHA-NI while the other runs the layer tensors sixteen at a time. With
+//! every core on one kernel, the embeddings either crawl in wide lanes (a
+//! sixteenth of a core each) or keep the other lanes waiting on SHA-NI.
+
+/// One core's GB/s in all: SHA-NI with 1, 2 and 4 lanes busy, and the wide
+/// kernel with 16.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Rates {
+    pub(super) one: f64,
+    pub(super) two: f64,
+    pub(super) four: f64,
+    pub(super) wide: f64,
+}
+
+/// Which workers run which kernel: the first `narrow` hold up to
+/// `narrow_lanes` messages each on SHA-NI, the rest sixteen on the wide
+/// kernel. Mixed (some of each): the narrow workers are dealt the largest
+/// messages first and the wide ones take the next in order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Plan {
+    pub(super) narrow: usize,
+    pub(super) narrow_lanes: usize,
+}
+
+/// The simulation's step per lane: coarse enough that a run of any size is
+/// a few thousand events, fine enough for the lane choices to matter.
+const MIN_STEP: u64 = 1 << 20;
+const EVENTS: u64 = 4096;
+
+/// Whether the wide workers' rule moves the largest open message to one
+/// SHA-NI stream (the worker's `runs_alone`, same formula).
+fn runs_alone(largest: u64, next: u64, over_one_stream: f64) -> bool {
+    (largest as f64) * over_one_stream < 16.0 * (largest - next) as f64
+}
+
+/// Simulated seconds until the last of `workers` ends, hashing `sizes`
+/// (largest first) with `plan`. Where every worker runs one kernel, the
+/// largest `lanes x workers` are dealt (as the scheduler deals them) when
+/// `deal`. A wide worker runs the wide kernel while at least `min_open`
+/// messages are open, as the workers do.
+pub(super) fn simulate(sizes: &[u64], rates: Rates, workers: usize, plan: Plan, deal: bool, min_open: usize) -> f64 {
+    let workers = workers.max(1);
+    let total: u64 = sizes.iter().sum();
+    let step = (total / (EVENTS * workers as u64)).max(MIN_STEP);
+    let narrow = plan.narrow.min(workers);
+    let lanes_of = |w: usize| if w < narrow { plan.narrow_lanes } else { 16 };
+    let (deal_to, rounds) = if narrow > 0 && narrow < workers {
+        (narrow, plan.narrow_lanes)
+    } else if deal {
+        (workers, lanes_of(0))
+    } else {
+        (0, 0)
+    };
+    let dealt = (deal_to * rounds).min(sizes.len());
+    let mut dealt_to: Vec<Vec<usize>> = vec![Vec::new(); workers];
+    for r in 0..rounds {
+        for s in 0..deal_to {
+            let seat = if r % 2 == 0 { s } else { deal_to - 1 - s };
+            let i = r * deal_to + s;
+            if i < dealt {
+                dealt_to[seat].push(i);
+            }
+        }
+    }
+    for d in &mut dealt_to {
+        d.reverse(); // popped from the back, in dealing order
+    }
+    let mut taken = vec![false; sizes.len()];
+    let mut cursor = dealt;
+    let mut held: Vec<Vec<u64>> = vec![Vec::new(); workers];
+    let mut clock = vec![0.0f64; workers];
+    let mut ended = vec![false; workers];
+    let over_one_stream = rates.wide / rates.one;
+    while let Some(w) = (0..workers)
+        .filter(|&w| !ended[w])
+        .min_by(|&a, &b| clock[a].total_cmp(&clock[b]))
+    {
+        while held[w].len() < lanes_of(w) {
+            let mut next = None;
+            while let Some(i) = dealt_to[w].pop() {
+                if !taken[i] {
+                    next = Some(i);
+                    break;
+                }
+            }
+            while next.is_none() && cursor < sizes.len() {
+                cursor += 1;
+                next = (!taken[cursor - 1]).then_some(cursor - 1);
+            }
+            let Some(i) = next.or_else(|| (0..dealt).find(|&i| !taken[i])) else {
+                break;
+            };
+            taken[i] = true;
+            if sizes[i] > 0 {
+                held[w].push(sizes[i]);
+            }
+        }
+        let h = &mut held[w];
+        if h.is_empty() {
+            ended[w] = true;
+            continue;
+        }
+        h.sort_unstable_by(|a, b| b.cmp(a));
+        let n = h.len();
+        let (run, lane_rate) = if w >= narrow && n >= min_open {
+            if runs_alone(h[0], h.get(1).copied().unwrap_or(0), over_one_stream) {
+                (1, rates.one)
+            } else {
+                (n, rates.wide / 16.0)
+            }
+        } else {
+            match n {
+                1 => (1, rates.one),
+                2 | 3 => (2, rates.two / 2.0),
+                _ => (4, rates.four / 4.0),
+            }
+        };
+        let advance = h[..run].iter().copied().min().unwrap_or(0).min(step);
+        clock[w] += advance as f64 / 1e9 / lane_rate;
+        for left in &mut h[..run] {
+            *left -= advance;
+        }
+        h.retain(|&left| left > 0);
+    }
+    clock.into_iter().fold(0.0, f64::max)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+
+    fn llama() -> Vec<u64> {
+        let mut s = vec![131_072_000u64; 2];
+        for _ in 0..8 {
+            s.extend([46_137_344, 23_068_672, 12_582_912, 8_388_608, 4096, 4096]);
+        }
+        s.push(4096);
+        s.sort_unstable_by(|a, b| b.cmp(a));
+        s
+    }
+
+    /// The rates of a 2-vCPU AMD EPYC (Zen 5) and an Intel Xeon (Emerald
+    /// Rapids) of this machine kind, measured there (GB/s a core).
+    const AMD: Rates = Rates {
+        one: 2.07,
+        two: 3.10,
+        four: 3.69,
+        wide: 5.10,
+    };
+    const INTEL: Rates = Rates {
+        one: 1.4,
+        two: 1.8,
+        four: 1.9,
+        wide: 3.0,
+    };
+
+    const WIDE: Plan = Plan {
+        narrow: 0,
+        narrow_lanes: 4,
+    };
+    const MIXED: Plan = Plan {
+        narrow: 1,
+        narrow_lanes: 4,
+    };
+
+    #[test]
+    fn one_message_streams_at_one_lanes_rate() {
+        let t = simulate(&[2_070_000_000], AMD, 2, WIDE, true, 12);
+        assert!((t - 1.0).abs() < 1e-9, "{t}");
+    }
+
+    #[test]
+    fn every_byte_is_counted_once() {
+        // 64 equal messages on the wide kernel: all 16 lanes of both cores busy
+        // until the end, so exactly bytes / (2 x wide).
+        let sizes = vec![16 * MIB; 64];
+        let t = simulate(&sizes, AMD, 2, WIDE, true, 12);
+        let want = (64 * 16 * MIB) as f64 / 1e9 / (2.0 * AMD.wide);
+        assert!((t - want).abs() < 1e-9 * want.max(1.0), "{t} vs {want}");
+    }
+
+    #[test]
+    fn mixed_beats_one_kernel_for_all_on_a_llama_shaped_set() {
+        let sizes = llama();
+        for (cpu, rates) in [("amd", AMD), ("intel", INTEL)] {
+            let min_open = (16.0 * rates.four / rates.wide).ceil() as usize;
+            let wide = simulate(&sizes, rates, 2, WIDE, true, min_open);
+            let t = simulate(&sizes, rates, 2, MIXED, true, min_open);
+            assert!(t < 0.95 * wide, "{cpu}: mixed {t} vs wide {wide}");
+        }
+    }
+
+    #[test]
+    fn mixed_does_not_win_where_one_kernel_suits_every_tensor() {
+        // Equal tensors: all wide is the sooner, or a mixed plan's narrow
+        // core holds them back.
+        let sizes = vec![16 * MIB; 64];
+        let wide = simulate(&sizes, AMD, 2, WIDE, true, 12);
+        assert!(simulate(&sizes, AMD, 2, MIXED, true, 12) > wide);
+    }
+}
