@@ -15,6 +15,7 @@ __all__ = [
     "checksum_module",
     "checksum_safetensors",
     "copy_into",
+    "describe_layout",
     "digest_many",
     "hash_floor",
     "kernel",
@@ -104,6 +105,12 @@ def hash_floor(count: int, nbytes: int, repeat: int = 3) -> list[float]:
     :func:`checksum_module` uses, with no Python objects: the floor under the
     binding's per-tensor work, on this machine as it is now. Raises
     ``ValueError`` for a zero count or repeat, or more than 4 GiB."""
+
+def describe_layout(sizes: list[int]) -> str:
+    """How a run of messages of ``sizes`` bytes would be laid out on this CPU:
+    workers, each one's kernel and lanes (some on SHA-NI for the largest and
+    the rest on the 16-lane AVX-512 kernel, where the run model says that ends
+    sooner), and how many of the largest are dealt. For benchmarks."""
 
 def streams() -> int:
     """The most messages a run keeps in flight: threads x lanes, with 16 lanes

@@ -1,6 +1,6 @@
 //! What the scheduler chose on this CPU, and the figures it chose by:
-//! `_core.kernel`, `threads`, `lanes`, `streams`, the calibrations, the
-//! hashing floor, `set_threads`.
+//! `_core.kernel`, `threads`, `lanes`, `streams`, the calibrations, a run's
+//! layout, the hashing floor, `set_threads`.
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -52,6 +52,14 @@ pub(super) fn small_lanes(py: Python<'_>) -> usize {
 #[pyfunction]
 pub(super) fn calibrate_wide(py: Python<'_>) -> (f64, f64) {
     py.detach(|| Kernel::active().wide_stream_rates().unwrap_or((0.0, 0.0)))
+}
+
+/// How a run of messages of `sizes` bytes would be laid out on this CPU:
+/// workers, the kernel and lanes of each, what is dealt (a sentence, for
+/// benchmarks to print beside their figures).
+#[pyfunction]
+pub(super) fn describe_layout(py: Python<'_>, sizes: Vec<u64>) -> String {
+    py.detach(|| Scheduler::default().describe_layout(&sizes))
 }
 
 /// `(wide, narrow)`: this core's GB/s on 64 messages of 4 KiB with the

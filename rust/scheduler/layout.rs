@@ -208,16 +208,20 @@ impl Scheduler {
     /// least [`MIXED_GAIN`] sooner than `uniform`, the plan the closed-form
     /// estimates chose: some workers on SHA-NI lanes (`narrow_lanes` each),
     /// the rest on the wide kernel. Only for runs of a few thousand
-    /// messages at most (the model costs a few microseconds a message) of
-    /// at least [`PARALLEL_MIN_BYTES`].
+    /// messages at most, on more than one worker.
     fn fit_mixed(&self, sizes: &[u64], workers: usize, uniform: Plan, deal: bool) -> Option<(Plan, usize, f64)> {
         if workers < 2 || sizes.len() > MODEL_MAX_MESSAGES {
             return None;
         }
         let (rates, break_even) = self.model_rates()?;
         let now = model::simulate(sizes, rates, workers, uniform, deal, break_even);
-        let (best, plan) = (1..workers)
+        // A wide worker's share must fill its lanes past the break-even.
+        // Narrow counts 1, 2, 4, ... below `workers`: a few simulations
+        // (each ~20-400 us: 2-112 workers, 50-4096 messages) on any host.
+        let (best, plan) = std::iter::successors(Some(1usize), |n| Some(n * 2))
+            .take_while(|&n| n < workers)
             .flat_map(|narrow| [2, 4].map(|narrow_lanes| Plan { narrow, narrow_lanes }))
+            .filter(|p| sizes.len().saturating_sub(p.narrow * p.narrow_lanes) >= (workers - p.narrow) * break_even)
             .map(|plan| (model::simulate(sizes, rates, workers, plan, true, break_even), plan))
             .min_by(|a, b| a.0.total_cmp(&b.0))?;
         (best < now * (1.0 - MIXED_GAIN)).then_some((plan, break_even, rates.wide / rates.one))

@@ -31,7 +31,8 @@ pub(super) struct Plan {
 }
 
 /// The simulation's step per lane: coarse enough that a run of any size is
-/// a few thousand events, fine enough for the lane choices to matter.
+/// a few thousand steps (plus one a message), fine enough for the lane
+/// choices to matter.
 const MIN_STEP: u64 = 1 << 20;
 const EVENTS: u64 = 4096;
 
@@ -49,7 +50,7 @@ fn runs_alone(largest: u64, next: u64, over_one_stream: f64) -> bool {
 pub(super) fn simulate(sizes: &[u64], rates: Rates, workers: usize, plan: Plan, deal: bool, min_open: usize) -> f64 {
     let workers = workers.max(1);
     let total: u64 = sizes.iter().sum();
-    let step = (total / (EVENTS * workers as u64)).max(MIN_STEP);
+    let step = (total / EVENTS).max(MIN_STEP);
     let narrow = plan.narrow.min(workers);
     let lanes_of = |w: usize| if w < narrow { plan.narrow_lanes } else { 16 };
     let (deal_to, rounds) = if narrow > 0 && narrow < workers {
@@ -172,6 +173,20 @@ mod tests {
         narrow: 1,
         narrow_lanes: 4,
     };
+
+    #[test]
+    #[ignore = "a timing, not a check: cargo test --release -- --ignored --nocapture model_cost"]
+    fn model_cost() {
+        for (workers, n) in [(2, 51), (2, 1024), (16, 51), (16, 1024), (112, 1024), (112, 4096)] {
+            let sizes: Vec<u64> = (0..n as u64).map(|i| (i % 7 + 1) * 3 * MIB).collect();
+            let start = std::time::Instant::now();
+            let t = simulate(&sizes, AMD, workers, MIXED, true, 12);
+            println!(
+                "{workers} workers, {n} messages: {:?} a simulation (run {t:.3} s)",
+                start.elapsed()
+            );
+        }
+    }
 
     #[test]
     fn one_message_streams_at_one_lanes_rate() {
