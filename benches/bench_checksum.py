@@ -98,7 +98,7 @@ def bench(label, model, ref, repeat, ceiling, floor=None, shape_bound=False):
     r, o = statistics.median(t_ref), statistics.median(t_ours)
     print(f"\n{label}: {count} tensors, {nbytes / 1e9:.3f} GB (median of {repeat}; best in the last column)")
     print(f"  on {cpu_model()}; {scheduler_choice()}")
-    print(f"  layout: {_core.describe_layout([p.nbytes for p in model.parameters()])}")
+    print(f"  assignment: {_core.describe_assignment([p.nbytes for p in model.parameters()])}")
     print(f"  {'':28} {'seconds':>9} {'GB/s':>7} {'us/tensor':>10} {'best':>7}")
 
     def row(name, times):

@@ -195,7 +195,7 @@ def few_large_tensors(repeat: int, ceiling: float) -> None:
             ours_fn = lambda f=file: checksum_checkpoint([f])  # noqa: E731
         nbytes = sum(sizes)
         print(f" {label}: {len(sizes)} tensors, {nbytes / 1e9:.2f} GB, largest {max(sizes) / 2**20:.0f} MiB")
-        print(f"  on {cpu_model()}; kernel {_core.kernel()}, {_core.lanes()} lanes; {_core.describe_layout(sizes)}")
+        print(f"  on {cpu_model()}; kernel {_core.kernel()}, {_core.lanes()} lanes; {_core.describe_assignment(sizes)}")
         assert ours_fn() == ref_fn(), "digests differ from hashlib"
         ref, ours = pair("hashlib, one tensor at a time", ref_fn, "weight_checker", ours_fn, repeat, nbytes)
         by_ceiling, by_stream = nbytes / 1e9 / ceiling, max(sizes) / 1e9 / one_stream

@@ -1,7 +1,8 @@
 //! Model-shaped runs through the scheduler, in memory, on all threads: the
 //! calibrated default against SHA-NI lanes fixed at 4 and the wide AVX-512
 //! kernel asked for (16), measured side by side, best of 5 each, with the
-//! layout the calibrated scheduler chose for each shape.
+//! assignment the calibrated scheduler chose for each shape (workers,
+//! kernel and lanes of each).
 //!
 //!     cargo run --release --example shapes
 
@@ -70,6 +71,9 @@ fn main() {
             .collect();
         println!("{name}: {}", line.join(", "));
         let sizes: Vec<u64> = sizes.iter().map(|&n| n as u64).collect();
-        println!("  calibrated layout: {}", schedulers[0].1.describe_layout(&sizes));
+        println!(
+            "  calibrated assignment: {}",
+            schedulers[0].1.describe_assignment(&sizes)
+        );
     }
 }

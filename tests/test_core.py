@@ -156,11 +156,11 @@ def test_small_tensors_of_one_length_through_either_kernel_match_hashlib():
     assert (wide_rate > 0 and narrow_rate > 0) == wide
 
 
-def test_a_llama_shaped_set_matches_hashlib_whatever_the_layout():
+def test_a_llama_shaped_set_matches_hashlib_whatever_the_assignment():
     """Two embeddings among 48 layer tensors (Llama-shaped, a quarter of the
     benchmark's sizes): where the run model says so, one core hashes the
     embeddings on SHA-NI while the other runs the layers on the wide kernel
-    (`_core.describe_layout` says which layout this CPU got)."""
+    (`_core.describe_assignment` says which assignment this CPU got)."""
     h, inter, vocab, kv = 2048 // 2, 5632 // 2, 32000, 512 // 2
     sizes = [vocab * h * 2] * 2
     for _ in range(8):
@@ -168,5 +168,5 @@ def test_a_llama_shaped_set_matches_hashlib_whatever_the_layout():
     rng = np.random.default_rng(5)
     msgs = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
     msgs[7][: len(msgs[7]) // 2] = 0  # a long zero run, then data
-    layout = _core.describe_layout(sizes)
-    assert weight_checker.sha256_many(msgs) == [hashlib.sha256(m).hexdigest() for m in msgs], layout
+    assignment = _core.describe_assignment(sizes)
+    assert weight_checker.sha256_many(msgs) == [hashlib.sha256(m).hexdigest() for m in msgs], assignment

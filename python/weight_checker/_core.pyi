@@ -15,7 +15,7 @@ __all__ = [
     "checksum_module",
     "checksum_safetensors",
     "copy_into",
-    "describe_layout",
+    "describe_assignment",
     "digest_many",
     "hash_floor",
     "kernel",
@@ -106,7 +106,7 @@ def hash_floor(count: int, nbytes: int, repeat: int = 3) -> list[float]:
     binding's per-tensor work, on this machine as it is now. Raises
     ``ValueError`` for a zero count or repeat, or more than 4 GiB."""
 
-def describe_layout(sizes: list[int]) -> str:
+def describe_assignment(sizes: list[int]) -> str:
     """How a run of messages of ``sizes`` bytes would be laid out on this CPU:
     workers, each one's kernel and lanes (some on SHA-NI for the largest and
     the rest on the 16-lane AVX-512 kernel, where the run model says that ends

@@ -1,6 +1,6 @@
 //! What the scheduler chose on this CPU, and the figures it chose by:
 //! `_core.kernel`, `threads`, `lanes`, `streams`, the calibrations, a run's
-//! layout, the hashing floor, `set_threads`.
+//! assignment, the hashing floor, `set_threads`.
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -58,8 +58,8 @@ pub(super) fn calibrate_wide(py: Python<'_>) -> (f64, f64) {
 /// workers, the kernel and lanes of each, what is dealt (a sentence, for
 /// benchmarks to print beside their figures).
 #[pyfunction]
-pub(super) fn describe_layout(py: Python<'_>, sizes: Vec<u64>) -> String {
-    py.detach(|| Scheduler::default().describe_layout(&sizes))
+pub(super) fn describe_assignment(py: Python<'_>, sizes: Vec<u64>) -> String {
+    py.detach(|| Scheduler::default().describe_assignment(&sizes))
 }
 
 /// `(wide, narrow)`: this core's GB/s on 64 messages of 4 KiB with the

@@ -199,7 +199,7 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     use checkpoints::{checksum_safetensors, safetensors_tensors};
     use copy::copy_into;
     use diagnostics::{
-        calibrate, calibrate_small, calibrate_wide, describe_layout, hash_floor, kernel, lanes, set_threads,
+        calibrate, calibrate_small, calibrate_wide, describe_assignment, hash_floor, kernel, lanes, set_threads,
         small_lanes, streams, threads,
     };
     use multi::MultiHasher;
@@ -216,7 +216,7 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(small_lanes, m)?)?;
     m.add_function(wrap_pyfunction!(calibrate_small, m)?)?;
     m.add_function(wrap_pyfunction!(calibrate_wide, m)?)?;
-    m.add_function(wrap_pyfunction!(describe_layout, m)?)?;
+    m.add_function(wrap_pyfunction!(describe_assignment, m)?)?;
     m.add_function(wrap_pyfunction!(hash_floor, m)?)?;
     m.add_function(wrap_pyfunction!(copy_into, m)?)?;
     m.add_function(wrap_pyfunction!(set_threads, m)?)?;

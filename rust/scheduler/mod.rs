@@ -16,7 +16,7 @@
 //! where this CPU's rates say a run of many messages ends sooner with it
 //! (`Scheduler::fit_wide`); a thread holding 16 runs them wide while enough
 //! are open and SHA-NI for the rest (`worker`). Where a small simulation of
-//! the run with this CPU's rates says so (`model`, `layout`), some threads
+//! the run with this CPU's rates says so (`model`, `assignment`), some threads
 //! hold the largest messages on SHA-NI while the others run the rest wide:
 //! a Llama-shaped set's two embeddings on one core, its layers on the other.
 //!
@@ -29,9 +29,9 @@
 //! would crawl in a wide lane alone), see `worker`; and lanes whose
 //! addresses alias are moved apart (`dephase`).
 
+mod assignment;
 mod batches;
 mod dephase;
-mod layout;
 mod model;
 mod multi;
 mod source;
@@ -41,8 +41,8 @@ mod worker;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use assignment::Assignment;
 pub use batches::{batches_floor, hash_batched, BatchQueue, Batches};
-use layout::Layout;
 pub use multi::MultiHasher;
 pub use source::{ChunkSource, Slices};
 pub use threads::{default_threads, set_default_threads, THREADS_ENV};
@@ -218,9 +218,9 @@ impl Scheduler {
         tasks.sort_by_key(|t| std::cmp::Reverse(t.bytes));
         let total: u64 = tasks.iter().map(|t| t.bytes).sum();
         let sizes: Vec<u64> = tasks.iter().map(|t| t.bytes).collect();
-        let layout = self.layout(&sizes, progress.is_some());
-        let Layout { workers, parallel, .. } = layout;
-        let shared = Shared::new(self.kernel, &layout, tasks, progress.is_some());
+        let assignment = self.assignment(&sizes, progress.is_some());
+        let Assignment { workers, parallel, .. } = assignment;
+        let shared = Shared::new(self.kernel, &assignment, tasks, progress.is_some());
         if !parallel {
             worker(&shared, 0);
         } else {

@@ -5,8 +5,8 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex};
 
+use super::assignment::Assignment;
 use super::dephase::dephase;
-use super::layout::Layout;
 use super::ChunkSource;
 use crate::error::Error;
 use crate::sha256::{Digest, Kernel, Sha256, Wide, BLOCK_LEN, STEP_BYTES, WIDE_LANES};
@@ -52,7 +52,7 @@ pub(super) struct Shared<'a, S> {
     /// Messages each worker holds open (up to [`WIDE_LANES`]).
     pub(super) lanes: usize,
     pub(super) workers: usize,
-    /// A mixed plan: the first `narrow.0` workers hold `narrow.1` messages
+    /// A mixed split: the first `narrow.0` workers hold `narrow.1` messages
     /// each on the kernel's own lanes (never the wide kernel) and are the
     /// ones dealt to. `(0, 0)`: every worker runs as the others do.
     pub(super) narrow: (usize, usize),
@@ -75,14 +75,14 @@ pub(super) struct Shared<'a, S> {
 }
 
 impl<'a, S> Shared<'a, S> {
-    pub(super) fn new(kernel: Kernel, layout: &Layout, tasks: Vec<Task<'a, S>>, count_progress: bool) -> Self {
+    pub(super) fn new(kernel: Kernel, assignment: &Assignment, tasks: Vec<Task<'a, S>>, count_progress: bool) -> Self {
         Shared {
             kernel,
-            wide: layout.wide,
-            lanes: layout.lanes,
-            workers: layout.workers,
-            narrow: layout.narrow,
-            dealt: layout.dealt,
+            wide: assignment.wide,
+            lanes: assignment.lanes,
+            workers: assignment.workers,
+            narrow: assignment.narrow,
+            dealt: assignment.dealt,
             queue: tasks.into_iter().map(|t| Mutex::new(Some(t))).collect(),
             cursor: AtomicUsize::new(0),
             stop: AtomicBool::new(false),
@@ -107,7 +107,7 @@ impl<'a, S> Shared<'a, S> {
     /// second one runs, and a 70B layer's three 448 MiB tensors ran as
     /// lanes of one core while the other finished the rest and idled (3.0
     /// GB/s instead of 5+ on a 2-vCPU AMD EPYC, Zen 4). Then the rest, in order, whoever is free first;
-    /// then dealt tasks whose worker has not started yet. In a mixed plan
+    /// then dealt tasks whose worker has not started yet. In a mixed split
     /// only the narrow workers are dealt to.
     fn next_task(&self, w: usize, deal: &mut Deal) -> Option<Task<'a, S>> {
         let (seats, rounds) = match self.narrow {

@@ -10,8 +10,14 @@ const UNSET: Digest = Digest {
     all_zero: true,
 };
 
-fn layout(wide: Option<WidePlan>, lanes: usize, workers: usize, narrow: (usize, usize), dealt: usize) -> Layout {
-    Layout {
+fn assignment(
+    wide: Option<WidePlan>,
+    lanes: usize,
+    workers: usize,
+    narrow: (usize, usize),
+    dealt: usize,
+) -> Assignment {
+    Assignment {
         workers,
         parallel: workers > 1,
         lanes,
@@ -61,7 +67,7 @@ fn hash_on_sixteen_lanes(wide: Wide, wide_min: usize, data: &[Vec<u8>]) {
         min_open: wide_min,
         over_one_stream: 2.5,
     };
-    let shared = Shared::new(kernel, &layout(Some(plan), WIDE_LANES, 1, (0, 0), 0), tasks, true);
+    let shared = Shared::new(kernel, &assignment(Some(plan), WIDE_LANES, 1, (0, 0), 0), tasks, true);
     worker(&shared, 0);
     let hashed = shared.done.load(Ordering::Relaxed);
     drop(shared);
@@ -165,7 +171,7 @@ fn a_lone_worker_takes_the_tasks_dealt_to_others() {
                 .collect();
             let workers = 3;
             let dealt = (workers * lanes).min(data.len());
-            let shared = Shared::new(kernel, &layout(None, lanes, workers, (0, 0), dealt), tasks, false);
+            let shared = Shared::new(kernel, &assignment(None, lanes, workers, (0, 0), dealt), tasks, false);
             worker(&shared, 1);
             drop(shared);
             for (d, got) in data.iter().zip(&digests) {
@@ -176,14 +182,14 @@ fn a_lone_worker_takes_the_tasks_dealt_to_others() {
     }
 }
 
-/// A mixed plan: worker 0 on four SHA-NI lanes, dealt the largest two
+/// A mixed split: worker 0 on four SHA-NI lanes, dealt the largest two
 /// messages, worker 1 on the wide kernel's sixteen. Every digest is right
 /// with both running at once, and with either alone (the other never
 /// starts: the lone wide worker then takes the dealt ones too).
 #[test]
 fn a_mixed_plan_hashes_every_message_whoever_runs() {
     let Some(wide) = Wide::detect() else {
-        return; // no AVX-512 here: the mixed plan never runs
+        return; // no AVX-512 here: the mixed split never runs
     };
     let mut data: Vec<Vec<u8>> = vec![vec![7; 3 << 20], vec![9; (3 << 20) + 5]];
     data.extend((0..30).map(|i| {
@@ -215,8 +221,8 @@ fn a_mixed_plan_hashes_every_message_whoever_runs() {
             min_open: 8,
             over_one_stream: 2.5,
         };
-        let layout = layout(Some(plan), WIDE_LANES, 2, (1, 4), 4);
-        let shared = Shared::new(Kernel::best_available(), &layout, tasks, true);
+        let assignment = assignment(Some(plan), WIDE_LANES, 2, (1, 4), 4);
+        let shared = Shared::new(Kernel::best_available(), &assignment, tasks, true);
         std::thread::scope(|s| {
             for &w in &who {
                 let shared = &shared;

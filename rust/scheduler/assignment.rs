@@ -1,26 +1,17 @@
-//! How one run is laid out: worker threads, lanes per worker, which kernel
+//! A run's assignment: worker threads, lanes per worker, which kernel
 //! each worker runs, and which of the largest messages are dealt to whom.
 //! The closed-form estimates choose between SHA-NI lanes (2 or 4) and the
 //! wide kernel for every worker; the run model (`model`) may then give some
 //! workers SHA-NI and the others the wide kernel.
 
-use super::model::{self, Plan, Rates};
+use super::model::{self, Rates, Split};
 use super::worker::WidePlan;
 use super::{Scheduler, PARALLEL_MIN_BYTES};
 use crate::sha256::WIDE_LANES;
 
-/// How much sooner (a fraction) the run model must say a mixed plan ends
-/// than the uniform one for a run to use it: the model is a model.
-const MIXED_GAIN: f64 = 0.03;
-
-/// Runs of more messages than this are not modelled (see
-/// [`Scheduler::fit_mixed`]): many messages keep every core's lanes full
-/// whichever kernel it runs, and the model would cost more than it wins.
-const MODEL_MAX_MESSAGES: usize = 4096;
-
-/// One run's layout (see the module's doc).
+/// One run's assignment (see the module's doc).
 #[derive(Clone, Copy, Debug)]
-pub(super) struct Layout {
+pub(super) struct Assignment {
     pub(super) workers: usize,
     /// Whether the workers run on rayon threads (else on the caller's).
     pub(super) parallel: bool,
@@ -28,7 +19,7 @@ pub(super) struct Layout {
     pub(super) lanes: usize,
     /// How wide workers use the wide kernel; `None`: no worker does.
     pub(super) wide: Option<WidePlan>,
-    /// `(workers, lanes each)` on SHA-NI in a mixed plan, the first ones;
+    /// `(workers, lanes each)` on SHA-NI in a mixed split, the first ones;
     /// `(0, 0)`: every worker runs the same.
     pub(super) narrow: (usize, usize),
     /// The first `dealt` messages are dealt (see `Shared::next_task`).
@@ -36,10 +27,10 @@ pub(super) struct Layout {
 }
 
 impl Scheduler {
-    /// The layout of a run of messages of `sizes` bytes, largest first;
+    /// The assignment for a run of messages of `sizes` bytes, largest first;
     /// `progress`: whether a callback reports progress (the caller's thread
     /// then waits, so even one worker runs on its own thread).
-    pub(super) fn layout(&self, sizes: &[u64], progress: bool) -> Layout {
+    pub(super) fn assignment(&self, sizes: &[u64], progress: bool) -> Assignment {
         let total: u64 = sizes.iter().sum();
         let mut workers = self.effective_threads().min(sizes.len()).max(1);
         let parallel = !(total < PARALLEL_MIN_BYTES || (workers == 1 && !progress));
@@ -90,7 +81,7 @@ impl Scheduler {
         // the wide kernel, where the run model says so (see `model`).
         let mut narrow = (0, 0);
         if let (Some(p), true, true) = (plan, parallel, self.fit_lanes && self.effective_lanes() == 4) {
-            let uniform = Plan {
+            let uniform = Split {
                 narrow: if lanes > 4 { 0 } else { workers },
                 narrow_lanes: lanes.min(4),
             };
@@ -105,7 +96,7 @@ impl Scheduler {
                 });
             }
         }
-        Layout {
+        Assignment {
             workers,
             parallel,
             lanes,
@@ -115,15 +106,15 @@ impl Scheduler {
         }
     }
 
-    /// The layout of a run of messages of `sizes` bytes in words, for
+    /// The assignment for a run of messages of `sizes` bytes in words, for
     /// benchmarks and diagnostics.
-    pub fn describe_layout(&self, sizes: &[u64]) -> String {
+    pub fn describe_assignment(&self, sizes: &[u64]) -> String {
         let mut sorted = sizes.to_vec();
         sorted.sort_unstable_by(|a, b| b.cmp(a));
         if sorted.is_empty() {
             return "no messages".into();
         }
-        let l = self.layout(&sorted, false);
+        let l = self.assignment(&sorted, false);
         let dealt = if l.dealt > 0 {
             format!(", the largest {} dealt", l.dealt)
         } else {
@@ -204,27 +195,13 @@ impl Scheduler {
         Some((Rates { one, two, four, wide }, break_even))
     }
 
-    /// A mixed plan (see [`model`]) where the run model says it ends at
-    /// least [`MIXED_GAIN`] sooner than `uniform`, the plan the closed-form
-    /// estimates chose: some workers on SHA-NI lanes (`narrow_lanes` each),
-    /// the rest on the wide kernel. Only for runs of a few thousand
-    /// messages at most, on more than one worker.
-    fn fit_mixed(&self, sizes: &[u64], workers: usize, uniform: Plan, deal: bool) -> Option<(Plan, usize, f64)> {
-        if workers < 2 || sizes.len() > MODEL_MAX_MESSAGES {
-            return None;
-        }
+    /// A mixed split by this CPU's rates (see [`model::best_mixed`]), with
+    /// the wide workers' break-even open count and the wide kernel's rate
+    /// over one SHA-NI stream's.
+    fn fit_mixed(&self, sizes: &[u64], workers: usize, uniform: Split, deal: bool) -> Option<(Split, usize, f64)> {
         let (rates, break_even) = self.model_rates()?;
-        let now = model::simulate(sizes, rates, workers, uniform, deal, break_even);
-        // A wide worker's share must fill its lanes past the break-even.
-        // Narrow counts 1, 2, 4, ... below `workers`: a few simulations
-        // (each ~20-400 us: 2-112 workers, 50-4096 messages) on any host.
-        let (best, plan) = std::iter::successors(Some(1usize), |n| Some(n * 2))
-            .take_while(|&n| n < workers)
-            .flat_map(|narrow| [2, 4].map(|narrow_lanes| Plan { narrow, narrow_lanes }))
-            .filter(|p| sizes.len().saturating_sub(p.narrow * p.narrow_lanes) >= (workers - p.narrow) * break_even)
-            .map(|plan| (model::simulate(sizes, rates, workers, plan, true, break_even), plan))
-            .min_by(|a, b| a.0.total_cmp(&b.0))?;
-        (best < now * (1.0 - MIXED_GAIN)).then_some((plan, break_even, rates.wide / rates.one))
+        let split = model::best_mixed(sizes, rates, workers, uniform, deal, break_even)?;
+        Some((split, break_even, rates.wide / rates.one))
     }
 }
 
