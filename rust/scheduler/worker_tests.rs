@@ -31,25 +31,17 @@ fn assignment(
 /// (all tests of this binary).
 pub(super) static MOVED: AtomicUsize = AtomicUsize::new(0);
 
-/// Hashes `data` (each message fed in chunks of uneven sizes) on one
-/// worker holding sixteen lanes, the wide kernel running while at least
-/// `wide_min` are open, and checks every digest and all-zero flag
+/// Hashes `data`, each message fed as its `pieces`, with `assignment`, on
+/// the workers `running` (at once; the others never start), and checks
+/// that every byte was hashed once and every digest and all-zero flag
 /// against `sha2`.
-fn hash_on_sixteen_lanes(wide: Wide, wide_min: usize, data: &[Vec<u8>]) {
-    let pieces: Vec<Vec<&[u8]>> = data
-        .iter()
-        .enumerate()
-        .map(|(i, d)| {
-            let cut = [BLOCK_LEN * 3 + 1, STEP_BYTES - 5, 700_001][i % 3];
-            d.chunks(cut.max(1)).collect()
-        })
-        .collect();
+fn hash_and_check(assignment: &Assignment, running: &[usize], data: &[Vec<u8>], pieces: &[Vec<&[u8]>], what: &str) {
     let mut states = vec![Sha256::new(); data.len()];
     let mut digests = vec![UNSET; data.len()];
     let mut tasks: Vec<_> = states
         .iter_mut()
         .zip(digests.iter_mut())
-        .zip(&pieces)
+        .zip(pieces)
         .map(|((state, out), p)| {
             let source = Slices::new(p);
             Task {
@@ -61,22 +53,48 @@ fn hash_on_sixteen_lanes(wide: Wide, wide_min: usize, data: &[Vec<u8>]) {
         })
         .collect();
     tasks.sort_by_key(|t| std::cmp::Reverse(t.bytes));
-    let kernel = Kernel::best_available();
+    let shared = Shared::new(Kernel::best_available(), assignment, tasks, true);
+    std::thread::scope(|s| {
+        for &w in running {
+            let shared = &shared;
+            s.spawn(move || worker(shared, w));
+        }
+    });
+    let hashed = shared.done.load(Ordering::Relaxed);
+    drop(shared);
+    assert_eq!(hashed, data.iter().map(|d| d.len() as u64).sum::<u64>(), "{what}");
+    for (d, got) in data.iter().zip(&digests) {
+        let want: [u8; 32] = sha2::Sha256::digest(d).into();
+        assert_eq!(got.bytes, want, "{what}, len {}", d.len());
+        assert_eq!(got.all_zero, d.iter().all(|&b| b == 0), "{what}, len {}", d.len());
+    }
+}
+
+/// Hashes `data` (each message fed in chunks of uneven sizes) on one
+/// worker holding sixteen lanes, the wide kernel running while at least
+/// `wide_min` are open (see [`hash_and_check`]).
+fn hash_on_sixteen_lanes(wide: Wide, wide_min: usize, data: &[Vec<u8>]) {
+    let pieces: Vec<Vec<&[u8]>> = data
+        .iter()
+        .enumerate()
+        .map(|(i, d)| {
+            let cut = [BLOCK_LEN * 3 + 1, STEP_BYTES - 5, 700_001][i % 3];
+            d.chunks(cut.max(1)).collect()
+        })
+        .collect();
     let plan = WidePlan {
         kernel: wide,
         min_open: wide_min,
         over_one_stream: 2.5,
     };
-    let shared = Shared::new(kernel, &assignment(Some(plan), WIDE_LANES, 1, (0, 0), 0), tasks, true);
-    worker(&shared, 0);
-    let hashed = shared.done.load(Ordering::Relaxed);
-    drop(shared);
-    assert_eq!(hashed, data.iter().map(|d| d.len() as u64).sum::<u64>());
-    for (d, got) in data.iter().zip(&digests) {
-        let want: [u8; 32] = sha2::Sha256::digest(d).into();
-        assert_eq!(got.bytes, want, "wide from {wide_min} open, len {}", d.len());
-        assert_eq!(got.all_zero, d.iter().all(|&b| b == 0), "len {}", d.len());
-    }
+    let what = format!("wide from {wide_min} open");
+    hash_and_check(
+        &assignment(Some(plan), WIDE_LANES, 1, (0, 0), 0),
+        &[0],
+        data,
+        &pieces,
+        &what,
+    );
 }
 
 /// Twenty-three messages of mixed lengths (empty, under a block, not a
@@ -187,7 +205,7 @@ fn a_lone_worker_takes_the_tasks_dealt_to_others() {
 /// with both running at once, and with either alone (the other never
 /// starts: the lone wide worker then takes the dealt ones too).
 #[test]
-fn a_mixed_plan_hashes_every_message_whoever_runs() {
+fn a_mixed_split_hashes_every_message_whoever_runs() {
     let Some(wide) = Wide::detect() else {
         return; // no AVX-512 here: the mixed split never runs
     };
@@ -197,47 +215,14 @@ fn a_mixed_plan_hashes_every_message_whoever_runs() {
             .map(|b| (b * 31 + i) as u8)
             .collect::<Vec<u8>>()
     }));
-    let chunks: Vec<Vec<&[u8]>> = data.iter().map(|d| d.chunks(STEP_BYTES + 3).collect()).collect();
-    for who in [vec![0, 1], vec![0], vec![1]] {
-        let mut states = vec![Sha256::new(); data.len()];
-        let mut digests = vec![UNSET; data.len()];
-        let mut tasks: Vec<_> = states
-            .iter_mut()
-            .zip(digests.iter_mut())
-            .zip(&chunks)
-            .map(|((state, out), c)| {
-                let source = Slices::new(c);
-                Task {
-                    bytes: source.total_bytes(),
-                    state,
-                    source,
-                    digest_out: Some(out),
-                }
-            })
-            .collect();
-        tasks.sort_by_key(|t| std::cmp::Reverse(t.bytes));
-        let plan = WidePlan {
-            kernel: wide,
-            min_open: 8,
-            over_one_stream: 2.5,
-        };
-        let assignment = assignment(Some(plan), WIDE_LANES, 2, (1, 4), 4);
-        let shared = Shared::new(Kernel::best_available(), &assignment, tasks, true);
-        std::thread::scope(|s| {
-            for &w in &who {
-                let shared = &shared;
-                s.spawn(move || worker(shared, w));
-            }
-        });
-        assert_eq!(
-            shared.done.load(Ordering::Relaxed),
-            data.iter().map(|d| d.len() as u64).sum::<u64>(),
-            "workers {who:?}"
-        );
-        drop(shared);
-        for (d, got) in data.iter().zip(&digests) {
-            let want: [u8; 32] = sha2::Sha256::digest(d).into();
-            assert_eq!(got.bytes, want, "workers {who:?}, len {}", d.len());
-        }
+    let pieces: Vec<Vec<&[u8]>> = data.iter().map(|d| d.chunks(STEP_BYTES + 3).collect()).collect();
+    let plan = WidePlan {
+        kernel: wide,
+        min_open: 8,
+        over_one_stream: 2.5,
+    };
+    let split = assignment(Some(plan), WIDE_LANES, 2, (1, 4), 4);
+    for running in [vec![0, 1], vec![0], vec![1]] {
+        hash_and_check(&split, &running, &data, &pieces, &format!("workers {running:?}"));
     }
 }
