@@ -80,7 +80,8 @@ impl Scheduler {
         // Some cores on SHA-NI for the largest messages and the others on
         // the wide kernel, where the run model says so (see `model`).
         let mut narrow = (0, 0);
-        if let (Some(p), true, true) = (plan, parallel, self.fit_lanes && self.effective_lanes() == 4) {
+        // (`fit_mixed` needs calibrated lanes: see `wide_may_run`.)
+        if let (Some(p), true) = (plan, parallel) {
             let uniform = Split {
                 narrow: if lanes > 4 { 0 } else { workers },
                 narrow_lanes: lanes.min(4),

@@ -10,6 +10,8 @@
 //! every core on one kernel, the embeddings either crawl in wide lanes (a
 //! sixteenth of a core each) or keep the other lanes waiting on SHA-NI.
 
+use super::worker::{largest_runs_alone, narrow_run};
+
 /// One core's GB/s in all: SHA-NI with 1, 2 and 4 lanes busy, and the wide
 /// kernel with 16.
 #[derive(Clone, Copy, Debug)]
@@ -44,12 +46,6 @@ const MODEL_MAX_MESSAGES: usize = 4096;
 /// choices to matter.
 const MIN_STEP: u64 = 1 << 20;
 const EVENTS: u64 = 4096;
-
-/// Whether the wide workers' rule moves the largest open message to one
-/// SHA-NI stream (the worker's `runs_alone`, same formula).
-fn runs_alone(largest: u64, next: u64, over_one_stream: f64) -> bool {
-    (largest as f64) * over_one_stream < 16.0 * (largest - next) as f64
-}
 
 /// Simulated seconds until the last of `workers` ends, hashing `sizes`
 /// (largest first) with `split`. Where every worker runs one kernel, the
@@ -121,15 +117,15 @@ pub(super) fn simulate(sizes: &[u64], rates: Rates, workers: usize, split: Split
         h.sort_unstable_by(|a, b| b.cmp(a));
         let n = h.len();
         let (run, lane_rate) = if w >= narrow && n >= min_open {
-            if runs_alone(h[0], h.get(1).copied().unwrap_or(0), over_one_stream) {
+            if largest_runs_alone(h[0], h.get(1).copied().unwrap_or(0), over_one_stream) {
                 (1, rates.one)
             } else {
                 (n, rates.wide / 16.0)
             }
         } else {
-            match n {
+            match narrow_run(n) {
                 1 => (1, rates.one),
-                2 | 3 => (2, rates.two / 2.0),
+                2 => (2, rates.two / 2.0),
                 _ => (4, rates.four / 4.0),
             }
         };

@@ -277,10 +277,7 @@ pub(super) fn worker<S: ChunkSource>(shared: &Shared<'_, S>, w: usize) {
 /// core). Three lanes at equal steps would run as two plus one, below what
 /// two alone do (2.5 vs 3.3 GB/s there).
 fn narrow_lanes<S>(open: &mut [Option<Lane<'_, S>>]) -> usize {
-    let run = match open.len() {
-        3 => 2,
-        n => n.min(4),
-    };
+    let run = narrow_run(open.len());
     let left = |l: &Option<Lane<'_, S>>| l.as_ref().map_or(0, |l| l.left);
     for waiting in run..open.len() {
         let fewest = (0..run).min_by_key(|&i| left(&open[i])).unwrap_or(0);
@@ -289,6 +286,15 @@ fn narrow_lanes<S>(open: &mut [Option<Lane<'_, S>>]) -> usize {
         }
     }
     run
+}
+
+/// Of `open` messages on SHA-NI, how many run: four, or two of three, or
+/// all of one or two (see [`narrow_lanes`]; the run model uses it too).
+pub(super) fn narrow_run(open: usize) -> usize {
+    match open {
+        3 => 2,
+        n => n.min(4),
+    }
 }
 
 /// How a run uses the wide kernel.
@@ -316,7 +322,13 @@ fn runs_alone<S>(plan: &WidePlan, open: &mut [Option<Lane<'_, S>>]) -> bool {
     };
     open.swap(0, top);
     let (largest, next) = (left(&open[0]), open[1..].iter().map(left).max().unwrap_or(0));
-    (largest as f64) * plan.over_one_stream < (WIDE_LANES as f64) * (largest - next) as f64
+    largest_runs_alone(largest, next, plan.over_one_stream)
+}
+
+/// [`runs_alone`]'s rule on the bytes left of the two largest open
+/// messages (the run model uses it too).
+pub(super) fn largest_runs_alone(largest: u64, next: u64, over_one_stream: f64) -> bool {
+    (largest as f64) * over_one_stream < (WIDE_LANES as f64) * (largest - next) as f64
 }
 
 /// Hashes the next `step` bytes (whole blocks, ready in each chunk) of every
