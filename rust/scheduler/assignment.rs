@@ -2,7 +2,8 @@
 //! each worker runs, and which of the largest messages are dealt to whom.
 //! The closed-form estimates choose between SHA-NI lanes (2 or 4) and the
 //! wide kernel for every worker; the run model (`model`) may then give some
-//! workers SHA-NI and the others the wide kernel.
+//! workers SHA-NI for the largest messages (then the wide kernel) and the
+//! others the wide kernel.
 
 use super::model::{self, Rates, Split};
 use super::worker::WidePlan;
@@ -123,7 +124,7 @@ impl Scheduler {
         };
         match (l.wide, l.narrow) {
             (Some(_), (n, lanes)) if n > 0 => format!(
-                "{} workers: {n} on {lanes} SHA-NI lanes, {} on the 16-lane wide kernel{dealt}",
+                "{} workers: {n} on {lanes} SHA-NI lanes until its dealt ones end, then wide; {} on the 16-lane wide kernel{dealt}",
                 l.workers,
                 l.workers - n
             ),

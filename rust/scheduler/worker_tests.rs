@@ -31,6 +31,10 @@ fn assignment(
 /// (all tests of this binary).
 pub(super) static MOVED: AtomicUsize = AtomicUsize::new(0);
 
+/// Narrow workers of a mixed split that turned wide once their dealt
+/// messages ended (all tests of this binary).
+pub(super) static TURNED_WIDE: AtomicUsize = AtomicUsize::new(0);
+
 /// Hashes `data`, each message fed as its `pieces`, with `assignment`, on
 /// the workers `running` (at once; the others never start), and checks
 /// that every byte was hashed once and every digest and all-zero flag
@@ -223,6 +227,38 @@ fn a_mixed_split_hashes_every_message_whoever_runs() {
     };
     let split = assignment(Some(plan), WIDE_LANES, 2, (1, 4), 4);
     for running in [vec![0, 1], vec![0], vec![1]] {
+        hash_and_check(&split, &running, &data, &pieces, &format!("workers {running:?}"));
+    }
+}
+
+/// A narrow worker turns wide once its dealt messages have ended: alone
+/// (the wide worker never starts) it hashes its dealt pair, then the rest
+/// sixteen at a time; every digest stays right whoever runs.
+#[test]
+fn a_narrow_worker_turns_wide_once_its_dealt_messages_end() {
+    let Some(wide) = Wide::detect() else {
+        return; // no AVX-512 here: the mixed split never runs
+    };
+    let mut data: Vec<Vec<u8>> = vec![vec![3; (2 << 20) + 17], vec![0; 2 << 20]];
+    data.extend((0..40).map(|i| {
+        (0..(150 << 10) + i * 1021)
+            .map(|b| (b * 13 + i) as u8)
+            .collect::<Vec<u8>>()
+    }));
+    let pieces: Vec<Vec<&[u8]>> = data.iter().map(|d| d.chunks(STEP_BYTES - 64).collect()).collect();
+    let plan = WidePlan {
+        kernel: wide,
+        min_open: 8,
+        over_one_stream: 2.5,
+    };
+    let split = assignment(Some(plan), WIDE_LANES, 2, (1, 2), 2);
+    let turned = TURNED_WIDE.load(Ordering::Relaxed);
+    hash_and_check(&split, &[0], &data, &pieces, "the narrow worker alone");
+    assert!(
+        TURNED_WIDE.load(Ordering::Relaxed) > turned,
+        "the narrow worker never turned wide"
+    );
+    for running in [vec![0, 1], vec![1]] {
         hash_and_check(&split, &running, &data, &pieces, &format!("workers {running:?}"));
     }
 }
