@@ -124,8 +124,10 @@ impl Scheduler {
         };
         match (l.wide, l.narrow) {
             (Some(_), (n, lanes)) if n > 0 => format!(
-                "{} workers: {n} on {lanes} SHA-NI lanes until its dealt ones end, then wide; {} on the 16-lane wide kernel{dealt}",
+                "{} workers: {n} on {lanes} SHA-NI lane{} each until the dealt ones end, then wide; {} on the \
+                 16-lane wide kernel{dealt}",
                 l.workers,
+                if lanes == 1 { "" } else { "s" },
                 l.workers - n
             ),
             (Some(p), _) => format!(

@@ -261,4 +261,16 @@ fn a_narrow_worker_turns_wide_once_its_dealt_messages_end() {
     for running in [vec![0, 1], vec![1]] {
         hash_and_check(&split, &running, &data, &pieces, &format!("workers {running:?}"));
     }
+    // Two narrow workers of one lane each (a core for each of the two
+    // largest), two wide ones.
+    let split = assignment(Some(plan), WIDE_LANES, 4, (2, 1), 2);
+    for running in [vec![0, 1, 2, 3], vec![0], vec![1, 3], vec![2]] {
+        hash_and_check(
+            &split,
+            &running,
+            &data,
+            &pieces,
+            &format!("(2, 1), workers {running:?}"),
+        );
+    }
 }
