@@ -8,32 +8,13 @@
 
 use weight_checker::{Kernel, Scheduler};
 
-fn llama() -> Vec<usize> {
-    // hidden 2048, intermediate 5632, 8 layers, vocab 32000, kv 512, bf16.
-    let (h, i, kv, v) = (2048usize, 5632usize, 512usize, 32000usize);
-    let mut sizes = vec![v * h * 2, v * h * 2];
-    for _ in 0..8 {
-        sizes.extend([
-            h * h * 2,
-            kv * h * 2,
-            kv * h * 2,
-            h * h * 2,
-            i * h * 2,
-            i * h * 2,
-            i * h * 2,
-            h * 2,
-        ]);
-    }
-    sizes
-}
-
-/// Llama-3.2-3B's tensors (hidden 3072, intermediate 8192, 28 layers,
-/// vocab 128256, kv 1024, tied embedding, bf16): 6.4 GB in 254 tensors,
-/// one 788 MB embedding among 6-50 MB layer tensors.
-fn llama_3b() -> Vec<usize> {
-    let (h, i, kv, v) = (3072usize, 8192usize, 1024usize, 128256usize);
-    let mut sizes = vec![v * h * 2, h * 2];
-    for _ in 0..28 {
+/// The tensors of a Llama-architecture model (bf16): the embedding (and an
+/// untied `lm_head`), then per layer q, k, v, o, gate, up, down and two
+/// norms.
+fn llama_like(hidden: usize, inter: usize, kv: usize, vocab: usize, layers: usize, tied: bool) -> Vec<usize> {
+    let (h, i) = (hidden, inter);
+    let mut sizes = vec![vocab * h * 2; if tied { 1 } else { 2 }];
+    for _ in 0..layers {
         sizes.extend([
             h * h * 2,
             kv * h * 2,
@@ -65,8 +46,13 @@ fn main() {
     ];
     let shapes: [(&str, Vec<usize>); 5] = [
         ("one Llama-70B layer", layer_70b),
-        ("llama-shaped 0.98 GB", llama()),
-        ("Llama-3.2-3B-shaped 6.4 GB", llama_3b()),
+        // The benchmarks' Llama-shaped set: hidden 2048, 8 layers, vocab 32000.
+        ("llama-shaped 0.98 GB", llama_like(2048, 5632, 512, 32000, 8, false)),
+        // Llama-3.2-3B: 254 tensors, one 788 MB embedding among 6-50 MB ones.
+        (
+            "Llama-3.2-3B-shaped 6.4 GB",
+            llama_like(3072, 8192, 1024, 128256, 28, true),
+        ),
         ("64 x 16 MiB", vec![16 << 20; 64]),
         ("8 x 128 MiB", vec![128 << 20; 8]),
     ];
