@@ -108,9 +108,9 @@ def hash_floor(count: int, nbytes: int, repeat: int = 3) -> list[float]:
 
 def describe_assignment(sizes: list[int]) -> str:
     """How a run of messages of ``sizes`` bytes would be laid out on this CPU:
-    workers, each one's kernel and lanes (some on SHA-NI for the largest and
-    the rest on the 16-lane AVX-512 kernel, where the run model says that ends
-    sooner), and how many of the largest are dealt. For benchmarks."""
+    workers, each one's kernel and lanes (some on SHA-NI for the largest, then
+    wide, and the rest on the 16-lane AVX-512 kernel, where the run model says
+    that ends sooner), and how many of the largest are dealt. For benchmarks."""
 
 def streams() -> int:
     """The most messages a run keeps in flight: threads x lanes, with 16 lanes
