@@ -44,7 +44,7 @@ fn main() {
         16384,
         16384,
     ];
-    let shapes: [(&str, Vec<usize>); 5] = [
+    let shapes: [(&str, Vec<usize>); 6] = [
         ("one Llama-70B layer", layer_70b),
         // The benchmarks' Llama-shaped set: hidden 2048, 8 layers, vocab 32000.
         ("llama-shaped 0.98 GB", llama_like(2048, 5632, 512, 32000, 8, false)),
@@ -55,11 +55,20 @@ fn main() {
         ),
         ("64 x 16 MiB", vec![16 << 20; 64]),
         ("8 x 128 MiB", vec![128 << 20; 8]),
+        // Llama-3-8B, 16 GB in memory: only when named (`shapes 8B`).
+        (
+            "Llama-3-8B-shaped 16 GB (only when named)",
+            llama_like(4096, 14336, 1024, 128256, 32, false),
+        ),
     ];
     // `cargo run --release --example shapes -- 3B`: the shapes whose name has "3B".
     let only = std::env::args().nth(1);
     for (name, sizes) in shapes {
-        if only.as_ref().is_some_and(|o| !name.contains(o.as_str())) {
+        let wanted = match &only {
+            Some(o) => name.contains(o.as_str()),
+            None => !name.contains("only when named"),
+        };
+        if !wanted {
             continue;
         }
         let total: usize = sizes.iter().sum();
