@@ -20,8 +20,10 @@ pub(super) struct Assignment {
     pub(super) lanes: usize,
     /// How wide workers use the wide kernel; `None`: no worker does.
     pub(super) wide: Option<WidePlan>,
-    /// `(workers, lanes each)` on SHA-NI in a mixed split, the first ones;
-    /// `(0, 0)`: every worker runs the same.
+    /// A mixed split: the first `narrow.0` workers hold `narrow.1` messages
+    /// each on SHA-NI and are the ones dealt to; once its dealt messages
+    /// have ended, a narrow worker runs as the wide ones do. `(0, 0)`: every
+    /// worker runs the same.
     pub(super) narrow: (usize, usize),
     /// The first `dealt` messages are dealt (see `Shared::next_task`).
     pub(super) dealt: usize,

@@ -60,18 +60,14 @@ pub(super) fn simulate(sizes: &[u64], rates: Rates, workers: usize, split: Split
     let total: u64 = sizes.iter().sum();
     let step = (total / EVENTS).max(MIN_STEP);
     let narrow = split.narrow.min(workers);
-    let mut turned_wide = vec![false; workers];
-    let lanes_of = |w: usize, turned_wide: &[bool]| {
-        if w < narrow && !turned_wide[w] {
-            split.narrow_lanes
-        } else {
-            16
-        }
-    };
-    let (deal_to, rounds) = if narrow > 0 && narrow < workers {
+    let mixed = narrow > 0 && narrow < workers;
+    // Which workers still run as narrow ones (a mixed split's turn wide).
+    let mut narrow_now: Vec<bool> = (0..workers).map(|w| w < narrow).collect();
+    let lanes_of = |narrow_now: bool| if narrow_now { split.narrow_lanes } else { 16 };
+    let (deal_to, rounds) = if mixed {
         (narrow, split.narrow_lanes)
     } else if deal {
-        (workers, lanes_of(0, &turned_wide))
+        (workers, lanes_of(narrow_now[0]))
     } else {
         (0, 0)
     };
@@ -100,7 +96,7 @@ pub(super) fn simulate(sizes: &[u64], rates: Rates, workers: usize, split: Split
         .filter(|&w| !ended[w])
         .min_by(|&a, &b| clock[a].total_cmp(&clock[b]))
     {
-        while held[w].len() < lanes_of(w, &turned_wide) {
+        while held[w].len() < lanes_of(narrow_now[w]) {
             let mut next = None;
             while let Some(i) = dealt_to[w].pop() {
                 if !taken[i] {
@@ -127,8 +123,7 @@ pub(super) fn simulate(sizes: &[u64], rates: Rates, workers: usize, split: Split
         }
         h.sort_unstable_by_key(|&(left, _)| std::cmp::Reverse(left));
         let n = h.len();
-        let narrow_now = w < narrow && !turned_wide[w];
-        let (run, lane_rate) = if !narrow_now && n >= min_open {
+        let (run, lane_rate) = if !narrow_now[w] && n >= min_open {
             if largest_runs_alone(h[0].0, h.get(1).map_or(0, |x| x.0), over_one_stream) {
                 (1, rates.one)
             } else {
@@ -148,8 +143,8 @@ pub(super) fn simulate(sizes: &[u64], rates: Rates, workers: usize, split: Split
         }
         h.retain(|&left| left.0 > 0);
         // As a narrow worker does: wide once none of its dealt messages is left.
-        if narrow_now && narrow < workers && dealt_to[w].is_empty() && h.iter().all(|&(_, dealt)| !dealt) {
-            turned_wide[w] = true;
+        if mixed && narrow_now[w] && dealt_to[w].is_empty() && h.iter().all(|&(_, dealt)| !dealt) {
+            narrow_now[w] = false;
         }
     }
     clock.into_iter().fold(0.0, f64::max)
@@ -157,8 +152,8 @@ pub(super) fn simulate(sizes: &[u64], rates: Rates, workers: usize, split: Split
 
 /// A mixed split where the model says it ends at least [`MIXED_GAIN`]
 /// sooner than `uniform` (the split the closed-form estimates chose, dealt
-/// where `deal`): some workers on SHA-NI lanes (2 or 4 each), the rest on
-/// the wide kernel, each wide worker's share past the break-even count
+/// where `deal`): some workers on SHA-NI lanes (1, 2 or 4 each) for the
+/// largest messages, then wide, the rest on the wide kernel, each wide worker's share past the break-even count
 /// `min_open`. Only for runs of at most [`MODEL_MAX_MESSAGES`] on more than
 /// one worker.
 pub(super) fn best_mixed(

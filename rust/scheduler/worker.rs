@@ -50,19 +50,8 @@ impl<S: ChunkSource> Lane<'_, S> {
 /// What the workers of one run share.
 pub(super) struct Shared<'a, S> {
     pub(super) kernel: Kernel,
-    /// How the wide kernel is used; `None`: the kernel's own lanes only.
-    pub(super) wide: Option<WidePlan>,
-    /// Messages each worker holds open (up to [`WIDE_LANES`]).
-    pub(super) lanes: usize,
-    pub(super) workers: usize,
-    /// A mixed split: the first `narrow.0` workers hold `narrow.1` messages
-    /// each on the kernel's own lanes and are the ones dealt to; once its
-    /// dealt messages have ended, a narrow worker runs as the wide ones do.
-    /// `(0, 0)`: every worker runs as the others do.
-    pub(super) narrow: (usize, usize),
-    /// The first `dealt` tasks (the largest) are dealt to the workers before
-    /// any runs, see [`Shared::next_task`].
-    pub(super) dealt: usize,
+    /// Workers, lanes, kernels, the mixed split and what is dealt.
+    pub(super) assignment: Assignment,
     /// Tasks in scheduling order; each is taken exactly once, by the worker
     /// it was dealt to or whichever bumps the cursor to it. The per-task locks
     /// are all but uncontended; they make the hand-over safe without `unsafe`.
@@ -82,11 +71,7 @@ impl<'a, S> Shared<'a, S> {
     pub(super) fn new(kernel: Kernel, assignment: &Assignment, tasks: Vec<Task<'a, S>>, count_progress: bool) -> Self {
         Shared {
             kernel,
-            wide: assignment.wide,
-            lanes: assignment.lanes,
-            workers: assignment.workers,
-            narrow: assignment.narrow,
-            dealt: assignment.dealt,
+            assignment: *assignment,
             queue: tasks.into_iter().map(|t| Mutex::new(Some(t))).collect(),
             cursor: AtomicUsize::new(0),
             stop: AtomicBool::new(false),
@@ -120,14 +105,14 @@ impl<'a, S> Shared<'a, S> {
             deal.round += 1;
             let seat = if r.is_multiple_of(2) { w } else { seats - 1 - w };
             let i = r * seats + seat;
-            if i < self.dealt {
+            if i < self.assignment.dealt {
                 if let Some(task) = self.take(i) {
                     return Some((task, true));
                 }
             }
         }
         loop {
-            let i = self.dealt + self.cursor.fetch_add(1, Ordering::Relaxed);
+            let i = self.assignment.dealt + self.cursor.fetch_add(1, Ordering::Relaxed);
             if i >= self.queue.len() {
                 break;
             }
@@ -136,7 +121,7 @@ impl<'a, S> Shared<'a, S> {
             }
         }
         if !deal.scanned {
-            if let Some(task) = (0..self.dealt).find_map(|i| self.take(i)) {
+            if let Some(task) = (0..self.assignment.dealt).find_map(|i| self.take(i)) {
                 return Some((task, true));
             }
             // Dealt tasks are never put back: once none is left, none comes.
@@ -147,8 +132,8 @@ impl<'a, S> Shared<'a, S> {
 
     /// How many workers are dealt to (the first ones) and how many rounds.
     fn dealing(&self) -> (usize, usize) {
-        match self.narrow {
-            (0, _) => (self.workers, self.lanes),
+        match self.assignment.narrow {
+            (0, _) => (self.assignment.workers, self.assignment.lanes),
             narrow => narrow,
         }
     }
@@ -234,10 +219,11 @@ pub(super) fn worker<S: ChunkSource>(shared: &Shared<'_, S>, w: usize) {
     // would hash the rest of the run at its SHA-NI rate beside wide cores
     // (on a Llama-8B-shaped set, two 1 GB embeddings among 3.5-117 MB
     // tensors: 7% later by the run model on a 2-vCPU AMD EPYC).
-    let mut narrow = w < shared.narrow.0;
+    let all = &shared.assignment;
+    let mut narrow = w < all.narrow.0;
     let (mut lanes, mut wide_plan) = match narrow {
-        true => (shared.narrow.1, None),
-        false => (shared.lanes, shared.wide.as_ref()),
+        true => (all.narrow.1, None),
+        false => (all.lanes, all.wide.as_ref()),
     };
     let mut deal = Deal::default();
     while !shared.stop.load(Ordering::Relaxed) {
@@ -254,7 +240,7 @@ pub(super) fn worker<S: ChunkSource>(shared: &Shared<'_, S>, w: usize) {
         }
         if narrow && deal.round >= shared.dealing().1 && held.iter().flatten().all(|l| !l.dealt) {
             narrow = false;
-            (lanes, wide_plan) = (shared.lanes, shared.wide.as_ref());
+            (lanes, wide_plan) = (all.lanes, all.wide.as_ref());
             #[cfg(test)]
             tests::TURNED_WIDE.fetch_add(1, Ordering::Relaxed);
             continue; // fill the wide lanes first
