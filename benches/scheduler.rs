@@ -1,5 +1,5 @@
 //! Criterion benches: the scheduler against plain `sha2`, one thread, for 1, 2
-//! and 4 interleaved streams, the same-length path small batches take, plus
+//! and 4 interleaved narrow streams, the same-length path small batches take, plus
 //! all threads. Each case hashes a batch of equal buffers so the
 //! multi-stream scheduler has messages to pair. The last case is 10,000
 //! small parameters as a model holds them, each its own allocation.
@@ -8,7 +8,7 @@
 
 use std::time::Duration;
 
-use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use criterion::{criterion_group, BenchmarkId, Criterion, Throughput};
 use sha2::Digest as _;
 use weight_checker::scheduler::hash_batched;
 use weight_checker::{Kernel, Scheduler};
@@ -96,4 +96,14 @@ fn bench_separate(c: &mut Criterion) {
 }
 
 criterion_group!(benches, bench, bench_separate);
-criterion_main!(benches);
+
+/// `criterion_main!`, after checking the core's settings: an invalid
+/// `WEIGHT_CHECKER_*` value is reported, not silently defaulted.
+fn main() {
+    if let Err(e) = weight_checker::settings::check() {
+        eprintln!("error: {e}");
+        std::process::exit(2);
+    }
+    benches();
+    Criterion::default().configure_from_args().final_summary();
+}

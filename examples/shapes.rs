@@ -1,5 +1,5 @@
 //! Model-shaped runs through the scheduler, in memory, on all threads: the
-//! calibrated default against SHA-NI lanes fixed at 4 and the wide AVX-512
+//! calibrated default against narrow lanes fixed at 4 and the wide AVX-512
 //! kernel asked for (16), measured side by side, best of 5 each, with the
 //! assignment the calibrated scheduler chose for each shape (workers,
 //! kernel and lanes of each).
@@ -31,6 +31,14 @@ fn llama_like(hidden: usize, inter: usize, kv: usize, vocab: usize, layers: usiz
 }
 
 fn main() {
+    // An invalid WEIGHT_CHECKER_* setting is reported, not silently defaulted.
+    let calibrated = match Scheduler::from_env() {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::exit(2);
+        }
+    };
     let kernel = Kernel::best_available();
     let mib = 1usize << 20;
     let layer_70b = vec![
@@ -74,10 +82,11 @@ fn main() {
         let total: usize = sizes.iter().sum();
         let pool: Vec<Vec<u8>> = sizes.iter().map(|&n| vec![7u8; n]).collect();
         let bufs: Vec<&[u8]> = pool.iter().map(Vec::as_slice).collect();
+        let narrow = format!("narrow {kernel} x4");
         let schedulers = [
-            ("calibrated", Scheduler::default()),
-            ("sha-ni x4", Scheduler::new(kernel, 4, 0)),
-            ("avx-512 x16", Scheduler::new(kernel, 16, 0)),
+            ("calibrated", calibrated),
+            (narrow.as_str(), Scheduler::new(kernel, 4, 0)),
+            ("wide avx512 x16", Scheduler::new(kernel, 16, 0)),
         ];
         let mut best = [f64::MAX; 3];
         for _ in 0..5 {

@@ -231,7 +231,8 @@ fn diagnose(path: &Path, file: &[u8]) -> Result<(), Error> {
     Ok(())
 }
 
-/// An opened checkpoint file: its tensors and a read-only mapping.
+/// An opened checkpoint file: its tensors and a read-only shared mapping
+/// (see [`CheckpointFile::open`]).
 pub struct CheckpointFile {
     pub path: PathBuf,
     pub tensors: Vec<TensorEntry>,
@@ -239,6 +240,12 @@ pub struct CheckpointFile {
 }
 
 impl CheckpointFile {
+    /// Opens and maps `path` and validates its header.
+    ///
+    /// The file is mapped read-only and shared (`PROT_READ`, `MAP_SHARED`:
+    /// memmap2's `Mmap::map`), so its bytes are read in place, from the page
+    /// cache, never copied. The caller's contract: the file is not modified
+    /// or truncated while it is open (see the SAFETY note below).
     pub fn open(path: &Path) -> Result<CheckpointFile, Error> {
         let io = |source| Error::Io {
             path: path.to_path_buf(),
@@ -249,9 +256,14 @@ impl CheckpointFile {
         if len == 0 {
             return Err(bad(path, None, "empty file"));
         }
-        // SAFETY: the mapping is read-only and private to this process. If
-        // another process truncates the file while we hash, reads past the
-        // new end fault (SIGBUS) — the same hazard as every mmap-based
+        // SAFETY: `Mmap::map` maps the file read-only and shared (PROT_READ,
+        // MAP_SHARED), and the mapping derefs to a `&[u8]` that must not
+        // change while it is borrowed. We never write it; the precondition
+        // is the caller's: nobody modifies or truncates the file while it is
+        // mapped and read. A write by another process shows through a
+        // shared mapping (a data race on what Rust reads as `&[u8]`, and a
+        // digest mixing old and new bytes); a truncation makes reads past
+        // the new end fault (SIGBUS). The same hazard as every mmap-based
         // safetensors reader, documented in the CLI's README section.
         let map = unsafe { Mmap::map(&file) }.map_err(io)?;
         let tensors = parse_header(path, &map)?;
@@ -270,9 +282,10 @@ impl CheckpointFile {
         if hi > lo {
             // SAFETY: MADV_DONTNEED on a read-only shared file mapping only
             // drops page-table entries: a later read of the same pages faults
-            // them back in from the page cache with identical contents, so no
-            // reader (including other threads hashing neighbouring tensors)
-            // can observe a change.
+            // them back in from the page cache with identical contents (the
+            // file is not modified while it is read: `open`'s precondition),
+            // so no reader (including other threads hashing neighbouring
+            // tensors) can observe a change.
             let _ = unsafe { self.map.unchecked_advise_range(UncheckedAdvice::DontNeed, lo, hi - lo) };
         }
     }
@@ -297,7 +310,7 @@ fn page_size() -> usize {
 pub const CHUNK_BYTES: usize = 4 << 20;
 
 /// What the hashed windows of all lanes together may keep resident: 8
-/// SHA-NI lanes (2 threads x 4) at [`CHUNK_BYTES`]. With more messages in
+/// narrow lanes (2 threads x 4) at [`CHUNK_BYTES`]. With more messages in
 /// flight (the wide kernel's 16 a thread, more threads) each lane's window
 /// shrinks to fit, down to [`MIN_CHUNK_BYTES`]. Where the page cache holds
 /// large folios (Linux 6.x), a fault maps the rest of the folio too, up to

@@ -4,7 +4,7 @@ use super::*;
 
 #[test]
 fn lane_windows_share_a_fixed_resident_total() {
-    // 2 threads x 4 SHA-NI lanes: the full window and read-ahead.
+    // 2 threads x 4 narrow lanes: the full window and read-ahead.
     let w = Windows::for_streams(8);
     assert_eq!((w.chunk, w.read_ahead), (CHUNK_BYTES, READ_AHEAD_BYTES));
     // 2 threads x 16 wide lanes: a quarter each, the same totals.

@@ -7,12 +7,21 @@ pub mod checkpoint;
 pub mod error;
 mod prefetch;
 pub mod scheduler;
+pub mod settings;
 pub mod sha256;
 pub mod strided;
 
 #[cfg(feature = "python")]
 mod python;
 
+/// The wide kernel's test policy, shared with the integration tests.
+#[cfg(test)]
+#[path = "tests/common/wide_check.rs"]
+mod wide_check;
+
 pub use error::Error;
-pub use scheduler::{BatchQueue, Batches, ChunkSource, MultiHasher, Scheduler, Slices};
+pub use scheduler::{
+    BatchQueue, BatchTally, Batches, ChunkSource, MultiHasher, RunShape, RunSummary, Scheduler, Slices,
+};
+pub use settings::SettingError;
 pub use sha256::{Digest, Kernel, Sha256};

@@ -20,9 +20,9 @@ pub struct StridedView {
 }
 
 // SAFETY: a `StridedView` is only a description of memory that its creator
-// promised (see `new`) stays alive and readable for the view's lifetime; it
-// never writes, so reading it from another thread is as sound as reading it
-// from this one.
+// promised (see `new`) stays alive, readable and unwritten by anyone for the
+// view's lifetime; it never writes, so reading it from another thread (the
+// scheduler's workers) is as sound as reading it from this one.
 unsafe impl Send for StridedView {}
 unsafe impl Sync for StridedView {}
 
@@ -30,7 +30,10 @@ impl StridedView {
     /// # Safety
     /// For every index tuple `i` within `shape`, the `itemsize` bytes at
     /// `ptr + sum(i[d] * strides[d])` must be readable for as long as the
-    /// view is used. When any extent is zero, `ptr` is never read.
+    /// view is used, and nobody may write them meanwhile (from any thread,
+    /// or a device): the view hands them out as `&[u8]` (for a tensor, the
+    /// caller's contract that the model is not updated during a checksum).
+    /// When any extent is zero, `ptr` is never read.
     pub unsafe fn new(ptr: *const u8, itemsize: usize, shape: Vec<usize>, strides: Vec<isize>) -> StridedView {
         assert_eq!(shape.len(), strides.len());
         StridedView {
@@ -72,7 +75,8 @@ impl StridedView {
             return Some(&[]);
         }
         // SAFETY: contiguous, so the elements are exactly the `len` bytes
-        // from `ptr`, readable per the contract of `new`.
+        // from `ptr`, readable and unwritten while borrowed, per the
+        // contract of `new`.
         Some(unsafe { std::slice::from_raw_parts(self.ptr, len) })
     }
 
@@ -102,7 +106,7 @@ impl StridedView {
         loop {
             // SAFETY: `offset` is the byte offset of element (index.., 0) and
             // the row's elements lie at `offset + k * inner_s`, all inside the
-            // view per the contract of `new`.
+            // view, readable and unwritten, per the contract of `new`.
             unsafe {
                 let row = self.ptr.offset(offset);
                 if row_contiguous {

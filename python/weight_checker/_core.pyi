@@ -1,5 +1,17 @@
 """Type stubs for the compiled core (rust/python/mod.rs), checked against the
-module by ``python -m mypy.stubtest weight_checker._core`` in ``make lint``."""
+module by ``python -m mypy.stubtest weight_checker._core`` in ``make lint``.
+
+Two kernel families hash: a *narrow* one (one message per stream, 1, 2 or 4
+interleaved streams a thread: ``sha-ni``, or ``portable``) and the *wide*
+one (the 16-lane AVX-512 multi-buffer kernel, sixteen messages in the lanes
+of one vector), used where the CPU has it and the calibration (or
+``WEIGHT_CHECKER_LANES=16``) says so.
+
+Every function that reads the core's settings (``WEIGHT_CHECKER_KERNEL``,
+``WEIGHT_CHECKER_LANES``, ``WEIGHT_CHECKER_THREADS``) raises ``ValueError``
+before any work where one holds a value it does not accept, with a message
+such as ``WEIGHT_CHECKER_LANES='8': expected one of 1, 2, 4, 16 (unset:
+measured at first use)``; :func:`check_settings` checks them up front."""
 
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, final
@@ -12,6 +24,7 @@ __all__ = [
     "calibrate",
     "calibrate_small",
     "calibrate_wide",
+    "check_settings",
     "checksum_module",
     "checksum_safetensors",
     "copy_into",
@@ -20,6 +33,7 @@ __all__ = [
     "hash_floor",
     "kernel",
     "lanes",
+    "last_run",
     "safetensors_tensors",
     "set_threads",
     "sha256_many",
@@ -27,6 +41,7 @@ __all__ = [
     "streams",
     "tensor_impl_offset",
     "threads",
+    "wide_kernel_available",
 ]
 
 __version__: str
@@ -60,10 +75,40 @@ def checksum_module(
     ``None`` when the module does not use torch's own walk (an override, a
     non-dict ``_parameters``...): the caller walks it in Python. Raises
     ``DeviceTensorError`` for device memory, ``ValueError`` for a name given
-    twice."""
+    twice or an invalid setting."""
 
 def kernel() -> str:
-    """The SHA-256 kernel in use: ``"sha-ni"`` or ``"portable"``."""
+    """The SHA-256 kernels this process's runs may use: the narrow kernel
+    (``"sha-ni"`` or ``"portable"``), with ``"+avx512-x16"`` where this CPU
+    has the 16-lane wide kernel and the calibration (or
+    ``WEIGHT_CHECKER_LANES=16``) lets runs use it: ``"sha-ni+avx512-x16"``.
+    Calibrates at first use (milliseconds); cheap after that."""
+
+def check_settings() -> None:
+    """Raises ``ValueError`` naming the first invalid core setting
+    (``WEIGHT_CHECKER_KERNEL``, ``WEIGHT_CHECKER_LANES``,
+    ``WEIGHT_CHECKER_THREADS``), its value and the values it accepts, e.g.
+    ``WEIGHT_CHECKER_LANES='8': expected one of 1, 2, 4, 16 (unset: measured
+    at first use)``; ``None`` when all are valid (unset or empty means the
+    default). Reads the environment as it is now."""
+
+def last_run() -> str | None:
+    """How the latest hashing call made on the calling thread ran, in one
+    line (:func:`sha256_many`, :func:`digest_many`, :func:`checksum_module`,
+    :func:`checksum_safetensors`, ``MultiHasher.update``/``update_at``): the
+    threads, the narrow kernel and its lanes, the 16-lane wide kernel, and
+    the tensor count, e.g. ``"1 thread on 4 narrow lanes (sha-ni); 15
+    tensors"`` or ``"2 threads: 1 on 4 narrow lanes (sha-ni), 1 on the
+    16-lane wide kernel (avx512); 51 tensors"``. Where small tensors were
+    hashed in batches beside a run of the large ones, each part with its
+    count: ``"9984 small by 2 threads in batches on the 16-lane wide kernel
+    (avx512); 16 large by 2 threads on 4 narrow lanes (sha-ni); 10000
+    tensors"``. ``None`` before any run on this thread, or when the latest
+    one failed."""
+
+def wide_kernel_available() -> bool:
+    """Whether this CPU has the 16-lane wide (AVX-512) kernel, detected at
+    run time, whatever the settings."""
 
 def threads() -> int:
     """Worker threads the scheduler uses (``WEIGHT_CHECKER_THREADS``, else
@@ -75,29 +120,30 @@ def tensor_impl_offset() -> int | None:
     nothing is prefetched, digests are the same)."""
 
 def lanes() -> int:
-    """Messages each scheduler thread holds open: 1, 2 or 4 SHA-NI lanes, the
+    """Messages each scheduler thread holds open: 1, 2 or 4 narrow lanes, the
     fastest on this CPU as measured at first use, or 16 where
-    ``WEIGHT_CHECKER_LANES=16`` asks for the 16-lane AVX-512 kernel and the
+    ``WEIGHT_CHECKER_LANES=16`` asks for the 16-lane wide kernel and the
     CPU has it. Where it is 4, a run may use 2 (a few big tensors) or the
-    AVX-512 kernel (many tensors, where ``calibrate_wide()`` finds it faster)."""
+    wide kernel (many tensors, where ``calibrate_wide()`` finds it faster)."""
 
 def calibrate() -> list[tuple[int, float]]:
-    """This core's GB/s with 1, 2 and 4 interleaved streams (best of 5 short runs)."""
+    """This core's GB/s with 1, 2 and 4 interleaved narrow streams (best of at
+    least 5 short runs)."""
 
 def calibrate_wide() -> tuple[float, float]:
     """``(wide, four)`` GB/s of one core streaming 16 x 256 KiB through the
-    16-lane AVX-512 kernel and through four SHA-NI lanes, measured once at
+    16-lane wide kernel and through four narrow lanes, measured once at
     first use; what a run decides by whether to use the wide kernel.
     ``(0.0, 0.0)`` without AVX-512, with the portable kernel, or where
     ``WEIGHT_CHECKER_LANES`` fixes the lanes."""
 
 def small_lanes() -> int:
     """Lanes for many small tensors of one length: 16 where the 16-lane
-    AVX-512 kernel was measured faster on this CPU at first use, else ``lanes()``."""
+    wide kernel was measured faster on this CPU at first use, else ``lanes()``."""
 
 def calibrate_small() -> tuple[float, float]:
-    """``(wide, narrow)`` GB/s of one core on 64 x 4 KiB: the 16-lane AVX-512
-    kernel and the active kernel's lanes (0.0, 0.0 without AVX-512)."""
+    """``(wide, narrow)`` GB/s of one core on 64 x 4 KiB: the 16-lane wide
+    kernel and the active narrow kernel's lanes (0.0, 0.0 without AVX-512)."""
 
 def hash_floor(count: int, nbytes: int, repeat: int = 3) -> list[float]:
     """Seconds each of ``repeat`` passes takes to hash ``count`` separately
@@ -108,13 +154,16 @@ def hash_floor(count: int, nbytes: int, repeat: int = 3) -> list[float]:
 
 def describe_assignment(sizes: list[int]) -> str:
     """How a run of messages of ``sizes`` bytes would be laid out on this CPU:
-    workers, each one's kernel and lanes (some on SHA-NI for the largest, then
-    wide, and the rest on the 16-lane AVX-512 kernel, where the run model says
-    that ends sooner), and how many of the largest are dealt. For benchmarks."""
+    workers, each one's kernel and lanes (some on narrow lanes for the
+    largest, then wide, and the rest on the 16-lane wide kernel, where the run
+    model says that ends sooner), and how many of the largest are dealt, e.g.
+    ``"2 workers on 4 narrow lanes (sha-ni)"`` or ``"2 workers: 1 on 4 narrow
+    lanes (sha-ni) each until the dealt ones end, then wide; 1 on the 16-lane
+    wide kernel (avx512), the largest 4 dealt"``. For benchmarks."""
 
 def streams() -> int:
     """The most messages a run keeps in flight: threads x lanes, with 16 lanes
-    where ``calibrate_wide()`` finds the AVX-512 kernel faster than four SHA-NI
+    where ``calibrate_wide()`` finds the wide kernel faster than four narrow
     lanes (a run of that many messages may then use it). The staging pipeline
     opens this many tensors at once."""
 
@@ -141,7 +190,9 @@ def safetensors_tensors(path: str) -> list[tuple[str, str, list[int], int]]:
 
 @final
 class MultiHasher:
-    """Several digests open at once, each fed its bytes in order."""
+    """Several digests open at once, each fed its bytes in order. Each update
+    is one scheduler run (see :func:`last_run`); a buffer is read in place
+    with the GIL released, so it must not be written until the call returns."""
 
     def __new__(cls, n: int) -> MultiHasher: ...
     def __len__(self) -> int: ...

@@ -2,6 +2,14 @@
 //! torch's exchange API, else DLPack), objects with `__dlpack__`, and the
 //! buffer protocol. What comes out is a byte range or a strided view, and
 //! the Python object that keeps it alive.
+//!
+//! The bytes are read in place, not copied, and mostly with the GIL
+//! released. Besides their owner keeping them alive, that needs the
+//! caller's contract: nobody writes an input (another Python thread, a
+//! device copy, an optimizer step) from its acquisition until its digest is
+//! out. For a model: it is not being updated during a checksum. A write in
+//! that window is a data race on memory Rust reads through `&[u8]`, and the
+//! digest would mix old and new bytes.
 
 use std::ffi::c_int;
 
@@ -91,7 +99,11 @@ impl Held<'_> {
                 &[]
             } else {
                 // SAFETY: `ptr..ptr+len` is the data of a contiguous CPU
-                // tensor (or export) that `_owner` keeps alive; we only read.
+                // tensor (or export) that `_owner` keeps alive for as long
+                // as `self`, which the slice borrows; we only read it. It
+                // does not change while the slice is used: by the caller's
+                // contract (see the module doc), nobody writes the tensor
+                // while it is hashed, though the GIL is released then.
                 unsafe { std::slice::from_raw_parts(*ptr, *len) }
             }),
             Held::Strided { view, .. } | Held::Buffer { strided: view, .. } => match view.as_contiguous() {
@@ -189,7 +201,7 @@ fn acquire_tensor<'py>(t: &Bound<'py, PyAny>, names: Names<'_, '_>, index: usize
             return Ok(held);
         }
     }
-    let helper = py.import(intern!(py, "weight_checker._tensors"))?;
+    let helper = py.import(intern!(py, "weight_checker.hashing.dlpack_export"))?;
     let exportable = helper.call_method1(intern!(py, "dlpack_exportable"), (t,))?;
     acquire_dlpack(&exportable, names, index)
 }
@@ -199,7 +211,9 @@ fn acquire_tensor<'py>(t: &Bound<'py, PyAny>, names: Names<'_, '_>, index: usize
 /// # Safety
 /// `t` must be a DLTensor filled by its producer: `shape` (and `strides`
 /// when non-null) point to `ndim` integers, and the elements it describes
-/// stay readable for as long as the returned view is used.
+/// stay readable, and unwritten by anyone (the caller's contract: the
+/// tensor is not updated while it is hashed), for as long as the returned
+/// view is used.
 pub(super) unsafe fn view_of(t: &DLTensor, names: Names<'_, '_>, index: usize) -> PyResult<StridedView> {
     if t.device.device_type != KDL_CPU && t.device.device_type != KDL_CUDA_HOST {
         return Err(DeviceTensorError::new_err(format!(
@@ -235,7 +249,8 @@ pub(super) unsafe fn view_of(t: &DLTensor, names: Names<'_, '_>, index: usize) -
     };
     let ptr = (t.data as *const u8).wrapping_add(t.byte_offset as usize);
     // SAFETY: the elements are readable host memory (device checked above)
-    // for as long as the caller keeps the producer alive.
+    // for as long as the caller keeps the producer alive, and nobody writes
+    // them meanwhile: both per this function's contract.
     Ok(unsafe { StridedView::new(ptr, itemsize, shape, strides) })
 }
 
@@ -254,6 +269,7 @@ pub(super) fn acquire_dlpack<'py>(obj: &Bound<'py, PyAny>, names: Names<'_, '_>,
     // SAFETY: a capsule named "dltensor" holds a DLManagedTensor that stays
     // valid, with the tensor it describes, until the capsule's destructor
     // runs; the capsule is kept in `Held` for as long as the view is used.
+    // Nobody writes the tensor meanwhile: the caller's contract (module doc).
     let view = unsafe { view_of(&(*managed).dl_tensor, names, index)? };
     Ok(Held::Strided {
         view,
@@ -302,7 +318,8 @@ pub(super) fn exchange_view<'py>(t: &Bound<'py, PyAny>, names: Names<'_, '_>, in
             _owner: t.clone(),
         });
     }
-    // SAFETY: as above; the data stays in `t`'s storage, kept alive in `Held`.
+    // SAFETY: as above; the data stays in `t`'s storage, kept alive in
+    // `Held`, and unwritten while it is hashed (the caller's contract).
     let view = unsafe { view_of(&dl, names, index).ok()? };
     Some(Held::Strided {
         view,
@@ -339,7 +356,9 @@ pub(super) fn acquire_buffer<'py>(obj: &Bound<'py, PyAny>, names: Names<'_, '_>,
     }
     // SAFETY: the exporter guarantees the described memory stays valid until
     // PyBuffer_Release, which only the export's `drop` calls, and `Held`
-    // keeps the export alive as long as the view.
+    // keeps the export alive as long as the view. A read-only export does
+    // not stop others writing the object (a numpy array, a bytearray): that
+    // nobody does while it is hashed is the caller's contract (module doc).
     let strided = unsafe { StridedView::new(view.buf as *const u8, itemsize, shape, strides) };
     Ok(Held::Buffer {
         _export: export,

@@ -33,10 +33,17 @@ pub(super) fn copy_into(py: Python<'_>, dst: &Bound<'_, PyAny>, srcs: &Bound<'_,
         let to = view.buf as usize;
         py.detach(|| {
             // SAFETY: the exporter guarantees `len` writable, contiguous bytes
-            // at `buf` until PyBuffer_Release (when `export` drops, after the copies), and
-            // the sources' bytes are kept alive by `held`; the pieces written
-            // add up to exactly `len` bytes (checked above). `copy` (memmove)
-            // keeps even overlapping ranges sound.
+            // at `buf` until PyBuffer_Release (when `export` drops, after the
+            // copies), and the sources' bytes are kept alive by `held`; the
+            // pieces written add up to exactly `len` bytes (checked above).
+            // With the GIL released, the caller's contract keeps the rest:
+            // nobody writes the sources during the copy (the model is not
+            // updated while it is staged), and nobody else reads or writes
+            // the destination (a staging slot is handed to one copy at a
+            // time, and hashed only once the copy has returned); nor does
+            // the destination overlap a source. (`copy`, memmove, is used
+            // rather than `copy_nonoverlapping` so that a caller breaking
+            // that last rule gets memmove's bytes, not worse.)
             let mut at = to as *mut u8;
             let mut put = |piece: &[u8]| unsafe {
                 std::ptr::copy(piece.as_ptr(), at, piece.len());

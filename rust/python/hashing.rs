@@ -5,7 +5,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use super::acquire::{acquire, Held, Names, Source};
-use crate::scheduler::{BatchQueue, Batches, Scheduler};
+use crate::scheduler::{BatchQueue, Batches, RunSummary, Scheduler};
 use crate::sha256::Digest;
 
 /// Above this many bytes, the GIL is released while hashing (as hashlib does
@@ -14,36 +14,50 @@ const RELEASE_GIL_BYTES: usize = 2048;
 
 /// Hashes every held input: contiguous ones together through the scheduler,
 /// strided ones gathered in bounded pieces, all with the GIL released.
-fn digest_held(py: Python<'_>, held: &[Held<'_>]) -> Vec<Digest> {
+/// Returns the digests, in input order, and how the two parts ran.
+fn digest_held(py: Python<'_>, held: &[Held<'_>]) -> (Vec<Digest>, RunSummary) {
     digest_held_refs(py, &held.iter().collect::<Vec<_>>())
 }
 
-fn digest_held_refs(py: Python<'_>, held: &[&Held<'_>]) -> Vec<Digest> {
+fn digest_held_refs(py: Python<'_>, held: &[&Held<'_>]) -> (Vec<Digest>, RunSummary) {
     let sources: Vec<Source<'_>> = held.iter().map(|h| h.source()).collect();
     let total: usize = sources.iter().map(Source::len).sum();
+    // With the GIL released other Python threads run while the bytes are
+    // read: what keeps them unchanged until hashed is the caller's contract
+    // (the model is not updated during a checksum; see `Held::source`).
     let work = move || {
         let scheduler = Scheduler::default();
         let slices: Vec<&[u8]> = sources
             .iter()
-            .map(|s| match s {
-                Source::Slice(b) => *b,
-                Source::Strided(_) => &[][..],
+            .filter_map(|s| match s {
+                Source::Slice(b) => Some(*b),
+                Source::Strided(_) => None,
             })
             .collect();
-        let mut digests = scheduler.hash_many(&slices);
+        let (contiguous, streamed) = scheduler.hash_many_shaped(&slices);
         use rayon::prelude::*;
-        let strided: Vec<(usize, Digest)> = sources
+        let strided: Vec<Digest> = sources
             .par_iter()
-            .enumerate()
-            .filter_map(|(i, s)| match s {
-                Source::Strided(v) => Some((i, v.digest(scheduler.kernel))),
+            .filter_map(|s| match s {
+                Source::Strided(v) => Some(v.digest(scheduler.kernel)),
                 Source::Slice(_) => None,
             })
             .collect();
-        for (i, d) in strided {
-            digests[i] = d;
-        }
-        digests
+        let summary = RunSummary {
+            batched: None,
+            streamed,
+            gathered: (!strided.is_empty()).then_some((scheduler.kernel, strided.len())),
+        };
+        let (mut contiguous, mut strided) = (contiguous.into_iter(), strided.into_iter());
+        let digests = sources
+            .iter()
+            .map(|s| match s {
+                Source::Slice(_) => contiguous.next(),
+                Source::Strided(_) => strided.next(),
+            })
+            .map(|d| d.expect("one digest per input"))
+            .collect();
+        (digests, summary)
     };
     if total > RELEASE_GIL_BYTES {
         py.detach(work)
@@ -68,24 +82,26 @@ const OVERLAP_MIN_ITEMS: usize = 128;
 /// all-threads pass, which schedules them largest first.
 const OVERLAP_MAX_ITEM_BYTES: usize = 1 << 20;
 
-/// Digests of many Python objects.
+/// Digests of many Python objects, and how they were hashed.
 pub(super) fn digest_objects<'py>(
     py: Python<'py>,
     objs: Vec<Bound<'py, PyAny>>,
     names: Option<&Bound<'py, PyAny>>,
-) -> PyResult<Vec<Digest>> {
+) -> PyResult<(Vec<Digest>, RunSummary)> {
     check_names(names, objs.len())?;
     let mut digests: Vec<Option<Digest>> = vec![None; objs.len()];
-    digest_as_acquired(py, objs.into_iter(), Names(names), &mut |i, d| {
+    let (_, summary) = digest_as_acquired(py, objs.into_iter(), Names(names), &mut |i, d| {
         digests[i] = Some(d);
         Ok(())
     })?;
-    Ok(digests.into_iter().map(|d| d.expect("every input digested")).collect())
+    let digests = digests.into_iter().map(|d| d.expect("every input digested")).collect();
+    Ok((digests, summary))
 }
 
 /// Hashes the objects an iterator yields, handing each `(index, digest)` to
 /// `sink` (with the GIL held, in no particular order, each index once), and
-/// returns the bytes hashed.
+/// returns the bytes hashed and how the hashing ran (batches of small
+/// inputs, a streamed run of the rest, strided inputs gathered).
 ///
 /// Reading each tensor's address takes a C call into torch, a fifth of the
 /// cost of hashing a 4 KiB tensor. With many inputs, batches of small ones
@@ -101,7 +117,7 @@ pub(super) fn digest_as_acquired<'py>(
     objs: impl Iterator<Item = Bound<'py, PyAny>>,
     names: Names<'_, 'py>,
     sink: &mut dyn FnMut(usize, Digest) -> PyResult<()>,
-) -> PyResult<u64> {
+) -> PyResult<(u64, RunSummary)> {
     let mut objs = objs.enumerate();
     let mut held: Vec<Held<'_>> = Vec::new();
     for (i, obj) in objs.by_ref() {
@@ -112,10 +128,11 @@ pub(super) fn digest_as_acquired<'py>(
     }
     let mut total: u64 = held.iter().map(|h| h.source().len() as u64).sum();
     if held.len() < OVERLAP_MIN_ITEMS {
-        for (i, d) in digest_held(py, &held).into_iter().enumerate() {
+        let (digests, summary) = digest_held(py, &held);
+        for (i, d) in digests.into_iter().enumerate() {
             sink(i, d)?;
         }
-        return Ok(total);
+        return Ok((total, summary));
     }
     // Each input's hold on its Python object, until its digest is out.
     // Declared before the scope so that it outlives every spawned batch, even
@@ -140,7 +157,10 @@ pub(super) fn digest_as_acquired<'py>(
                     // alive (not to `h` itself, which may move). `h` goes into
                     // `held`, which outlives this scope, and leaves it only
                     // when `drain` has the digest of these bytes: after every
-                    // read of the slice.
+                    // read of the slice. Nobody writes them while the helpers
+                    // read them (with the GIL released, other Python threads
+                    // run): the caller's contract, as for `Held::source`, is
+                    // that the model is not updated during a checksum.
                     let s: &[u8] = unsafe { std::slice::from_raw_parts(s.as_ptr(), s.len()) };
                     return batches.push(i, s);
                 }
@@ -169,6 +189,10 @@ pub(super) fn digest_as_acquired<'py>(
     })?;
     // The helpers' last batches.
     drain(&mut held)?;
+    let mut summary = RunSummary {
+        batched: Some(queue.tally()),
+        ..RunSummary::default()
+    };
     // What was not hashed as acquired (large or strided) goes through the full scheduler.
     let (indices, rest): (Vec<usize>, Vec<&Held<'_>>) = held
         .iter()
@@ -176,9 +200,11 @@ pub(super) fn digest_as_acquired<'py>(
         .filter_map(|(i, h)| Some((i, h.as_ref()?)))
         .unzip();
     if !rest.is_empty() {
-        for (i, d) in indices.into_iter().zip(digest_held_refs(py, &rest)) {
+        let (digests, rest_ran) = digest_held_refs(py, &rest);
+        (summary.streamed, summary.gathered) = (rest_ran.streamed, rest_ran.gathered);
+        for (i, d) in indices.into_iter().zip(digests) {
             sink(i, d)?;
         }
     }
-    Ok(total)
+    Ok((total, summary))
 }

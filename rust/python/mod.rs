@@ -5,8 +5,14 @@
 //! `named_parameters()` does; `multi` (the `MultiHasher` class),
 //! `checkpoints` (safetensors files), `copy` (the staging copier) and
 //! `diagnostics` (the scheduler's choices and calibrations) are one entry
-//! point each. Here: the exceptions and the digest entry points. Everything
-//! else lives in the pure-Rust modules.
+//! point each; `runs` says how the latest hashing call ran and whether the
+//! settings are valid. Here: the exceptions and the digest entry points.
+//! Everything else lives in the pure-Rust modules.
+//!
+//! Every entry point that reads the core's settings checks them first
+//! (`runs::settings_valid`: `ValueError` naming the invalid one); every one
+//! that hashes does so through `runs::recorded`, which checks them and
+//! records how the call ran for `_core.last_run()`.
 
 mod acquire;
 mod checkpoints;
@@ -15,6 +21,7 @@ mod diagnostics;
 mod dlpack;
 mod hashing;
 mod multi;
+mod runs;
 mod torch_types;
 mod walk;
 
@@ -24,8 +31,10 @@ use pyo3::types::{PyDict, PyList, PyString};
 
 use acquire::Names;
 use hashing::{digest_as_acquired, digest_objects};
+use runs::recorded;
 
 use crate::error::Error;
+use crate::scheduler::RunSummary;
 use crate::sha256::Digest;
 
 pyo3::create_exception!(
@@ -62,7 +71,10 @@ fn sha256_many<'py>(
     buffers: &Bound<'py, PyAny>,
     names: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Vec<String>> {
-    let digests = digest_objects(py, collect_objects(buffers)?, names)?;
+    let digests = recorded(|| {
+        let (digests, ran) = digest_objects(py, collect_objects(buffers)?, names)?;
+        Ok((digests, Some(ran)))
+    })?;
     Ok(digests.iter().map(Digest::hex).collect())
 }
 
@@ -74,7 +86,10 @@ fn digest_many<'py>(
     buffers: &Bound<'py, PyAny>,
     names: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<(Vec<String>, Vec<bool>)> {
-    let digests = digest_objects(py, collect_objects(buffers)?, names)?;
+    let digests = recorded(|| {
+        let (digests, ran) = digest_objects(py, collect_objects(buffers)?, names)?;
+        Ok((digests, Some(ran)))
+    })?;
     Ok((
         digests.iter().map(Digest::hex).collect(),
         digests.iter().map(|d| d.all_zero).collect(),
@@ -87,7 +102,8 @@ fn digest_many<'py>(
 /// `weight_checker.walk.expand`, called for tensors that are not exactly a
 /// `Tensor` or `Parameter`. `None` when `module` does not use torch's own walk
 /// (the caller walks it in Python). Raises `DeviceTensorError` for a tensor
-/// in device memory and `ValueError` for a name given twice.
+/// in device memory and `ValueError` for a name given twice or an invalid
+/// setting.
 #[pyfunction]
 #[pyo3(signature = (module, expand, prefix=""))]
 fn checksum_module<'py>(
@@ -95,20 +111,34 @@ fn checksum_module<'py>(
     module: &Bound<'py, PyAny>,
     expand: &Bound<'py, PyAny>,
     prefix: &str,
-) -> PyResult<Option<(Bound<'py, PyDict>, u64)>> {
+) -> PyResult<Option<Checksums<'py>>> {
+    recorded(|| checksum_walked(py, module, expand, prefix))
+}
+
+/// `checksum_module`'s answer: the digests by name and the bytes hashed.
+type Checksums<'py> = (Bound<'py, PyDict>, u64);
+
+/// `checksum_module`'s work, and how the hashing ran (`None` where the
+/// module was left to Python's walk).
+fn checksum_walked<'py>(
+    py: Python<'py>,
+    module: &Bound<'py, PyAny>,
+    expand: &Bound<'py, PyAny>,
+    prefix: &str,
+) -> PyResult<(Option<Checksums<'py>>, Option<RunSummary>)> {
     let Some(mut leaves) = walk::Leaves::new(module, expand)? else {
-        return Ok(None);
+        return Ok((None, None));
     };
     let names = leaves.names.clone();
     let mut out = Entries::new(PyDict::new(py), &names, prefix);
-    let total = digest_as_acquired(py, leaves.by_ref(), Names(Some(names.as_any())), &mut |i, d| {
+    let (total, ran) = digest_as_acquired(py, leaves.by_ref(), Names(Some(names.as_any())), &mut |i, d| {
         out.put(i, d)
     })?;
     if let Some(e) = leaves.error {
         return Err(e);
     }
     if leaves.declined {
-        return Ok(None);
+        return Ok((None, None));
     }
     let out = out.finish()?;
     if out.len() != names.len() {
@@ -123,7 +153,7 @@ fn checksum_module<'py>(
             }
         }
     }
-    Ok(Some((out, total)))
+    Ok((Some((out, total)), Some(ran)))
 }
 
 /// The `{prefix + name: hex}` dict, filled while hashing goes on: digests
@@ -203,6 +233,7 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
         small_lanes, streams, threads,
     };
     use multi::MultiHasher;
+    use runs::{check_settings, last_run, wide_kernel_available};
     m.add_function(wrap_pyfunction!(sha256_many, m)?)?;
     m.add_function(wrap_pyfunction!(digest_many, m)?)?;
     m.add_function(wrap_pyfunction!(checksum_module, m)?)?;
@@ -222,6 +253,9 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(set_threads, m)?)?;
     m.add_function(wrap_pyfunction!(checksum_safetensors, m)?)?;
     m.add_function(wrap_pyfunction!(safetensors_tensors, m)?)?;
+    m.add_function(wrap_pyfunction!(check_settings, m)?)?;
+    m.add_function(wrap_pyfunction!(last_run, m)?)?;
+    m.add_function(wrap_pyfunction!(wide_kernel_available, m)?)?;
     m.add_class::<MultiHasher>()?;
     m.add("SafetensorsError", m.py().get_type::<SafetensorsError>())?;
     m.add("DeviceTensorError", m.py().get_type::<DeviceTensorError>())?;

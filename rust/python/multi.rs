@@ -5,12 +5,15 @@ use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
 use super::acquire::{acquire, Names, Source};
+use super::runs::{recorded, settings_valid};
 use super::to_py_err;
 use crate::error::Error;
-use crate::scheduler::{MultiHasher as CoreMultiHasher, Scheduler};
+use crate::scheduler::{self as scheduler_mod, MultiHasher as CoreMultiHasher, RunSummary, Scheduler};
 use crate::sha256::Digest;
+
 /// Several SHA-256 digests open at once, each fed its bytes in order over
 /// many `update` calls (the staging pipeline streams large tensors this way).
+/// Each update is one run of the scheduler, recorded for `_core.last_run()`.
 #[pyclass(module = "weight_checker._core")]
 pub(super) struct MultiHasher {
     inner: Option<CoreMultiHasher>,
@@ -26,11 +29,14 @@ impl MultiHasher {
 
 #[pymethods]
 impl MultiHasher {
+    /// Raises `ValueError` where one of the core's settings is invalid (the
+    /// hasher keeps the scheduler it was built with).
     #[new]
-    fn new(n: usize) -> Self {
-        MultiHasher {
+    fn new(n: usize) -> PyResult<Self> {
+        settings_valid()?;
+        Ok(MultiHasher {
             inner: Some(Scheduler::default().multi(n)),
-        }
+        })
     }
 
     fn __len__(&self) -> usize {
@@ -72,12 +78,16 @@ impl MultiHasher {
             .collect();
         let feeds: Vec<(usize, &[u8])> = indices.into_iter().zip(sources).collect();
         let inner = self.open()?;
-        py.detach(|| inner.update(&feeds)).map_err(to_py_err)
+        // The fed buffers are read in place with the GIL released: the caller
+        // must not write them until this call returns (see `Held::source`).
+        recorded(|| update_recorded(py, inner, &feeds))
     }
 
     /// Feeds `(index, offset, length)` slices of one contiguous buffer (a
     /// staging slot): one acquisition for any number of pieces. Pieces for
-    /// one digest apply in the order given.
+    /// one digest apply in the order given. The caller must not refill the
+    /// slot (nor let a copy into it run) until this call returns: it is read
+    /// in place, with the GIL released.
     fn update_at(
         &mut self,
         py: Python<'_>,
@@ -104,7 +114,7 @@ impl MultiHasher {
             slices.push((index, piece));
         }
         let inner = self.open()?;
-        py.detach(|| inner.update(&slices)).map_err(to_py_err)
+        recorded(|| update_recorded(py, inner, &slices))
     }
 
     /// Finishes every digest: `(hex digests, all-zero flags)`, in index order.
@@ -119,4 +129,22 @@ impl MultiHasher {
             digests.iter().map(|d| d.all_zero).collect(),
         ))
     }
+}
+
+/// One update through the scheduler, with the GIL released, and how it ran
+/// (the run starts on this thread: the closure runs on it).
+fn update_recorded(
+    py: Python<'_>,
+    inner: &mut CoreMultiHasher,
+    feeds: &[(usize, &[u8])],
+) -> PyResult<((), Option<RunSummary>)> {
+    let streamed = py.detach(|| inner.update(feeds).map(|()| scheduler_mod::last_run()));
+    let streamed = streamed.map_err(to_py_err)?;
+    Ok((
+        (),
+        Some(RunSummary {
+            streamed,
+            ..RunSummary::default()
+        }),
+    ))
 }

@@ -1,14 +1,14 @@
 //! A run's assignment: worker threads, lanes per worker, which kernel
 //! each worker runs, and which of the largest messages are dealt to whom.
-//! The closed-form estimates choose between SHA-NI lanes (2 or 4) and the
+//! The closed-form estimates choose between narrow lanes (2 or 4) and the
 //! wide kernel for every worker; the run model (`model`) may then give some
-//! workers SHA-NI for the largest messages (then the wide kernel) and the
-//! others the wide kernel.
+//! workers narrow lanes for the largest messages (then the wide kernel) and
+//! the others the wide kernel.
 
 use super::model::{self, Rates, Split};
 use super::worker::WidePlan;
 use super::{Scheduler, PARALLEL_MIN_BYTES};
-use crate::sha256::WIDE_LANES;
+use crate::sha256::{Wide, WIDE_LANES};
 
 /// One run's assignment (see the module's doc).
 #[derive(Clone, Copy, Debug)]
@@ -21,7 +21,7 @@ pub(super) struct Assignment {
     /// How wide workers use the wide kernel; `None`: no worker does.
     pub(super) wide: Option<WidePlan>,
     /// A mixed split: the first `narrow.0` workers hold `narrow.1` messages
-    /// each on SHA-NI and are the ones dealt to; once its dealt messages
+    /// each on narrow lanes and are the ones dealt to; once its dealt messages
     /// have ended, a narrow worker runs as the wide ones do. `(0, 0)`: every
     /// worker runs the same.
     pub(super) narrow: (usize, usize),
@@ -46,7 +46,7 @@ impl Scheduler {
         // the most bytes left, see `worker`.)
         let mut lanes = self.effective_lanes().min(sizes.len().div_ceil(workers)).max(1);
         // Where lanes were given, the wide kernel runs while at least half of
-        // its lanes hold a message, and counts as 2.5 SHA-NI streams (the
+        // its lanes hold a message, and counts as 2.5 narrow streams (the
         // ratio measured on AMD Zen 5 and Intel Emerald Rapids cores was
         // 2.1-2.5); where they were calibrated, by this CPU's rates (see
         // `fit_wide`).
@@ -80,7 +80,7 @@ impl Scheduler {
         } else {
             0
         };
-        // Some cores on SHA-NI for the largest messages and the others on
+        // Some cores on narrow lanes for the largest messages and the others on
         // the wide kernel, where the run model says so (see `model`).
         let mut narrow = (0, 0);
         // (`fit_mixed` needs calibrated lanes: see `wide_may_run`.)
@@ -111,7 +111,11 @@ impl Scheduler {
     }
 
     /// The assignment for a run of messages of `sizes` bytes in words, for
-    /// benchmarks and diagnostics.
+    /// benchmarks and diagnostics: `"2 workers on 4 narrow lanes (sha-ni)"`,
+    /// `"2 workers on the 16-lane wide kernel (avx512, while 8+ open)"`, or
+    /// a mixed split, `"2 workers: 1 on 4 narrow lanes (sha-ni) each until
+    /// the dealt ones end, then wide; 1 on the 16-lane wide kernel
+    /// (avx512)"`; each followed by `", the largest N dealt"` where some are.
     pub fn describe_assignment(&self, sizes: &[u64]) -> String {
         let mut sorted = sizes.to_vec();
         sorted.sort_unstable_by(|a, b| b.cmp(a));
@@ -124,19 +128,31 @@ impl Scheduler {
         } else {
             String::new()
         };
+        let kernel = self.kernel;
+        let plural = |n: usize| if n == 1 { "" } else { "s" };
         match (l.wide, l.narrow) {
             (Some(_), (n, lanes)) if n > 0 => format!(
-                "{} workers: {n} on {lanes} SHA-NI lane{} each until the dealt ones end, then wide; {} on the \
-                 16-lane wide kernel{dealt}",
+                "{} workers: {n} on {lanes} narrow lane{} ({kernel}) each until the dealt ones end, then wide; \
+                 {} on the {WIDE_LANES}-lane wide kernel ({}){dealt}",
                 l.workers,
-                if lanes == 1 { "" } else { "s" },
-                l.workers - n
+                plural(lanes),
+                l.workers - n,
+                Wide::NAME,
             ),
             (Some(p), _) => format!(
-                "{} workers on the 16-lane wide kernel (while {}+ open){dealt}",
-                l.workers, p.min_open
+                "{} worker{} on the {WIDE_LANES}-lane wide kernel ({}, while {}+ open){dealt}",
+                l.workers,
+                plural(l.workers),
+                Wide::NAME,
+                p.min_open
             ),
-            (None, _) => format!("{} workers on {} SHA-NI lanes{dealt}", l.workers, l.lanes),
+            (None, _) => format!(
+                "{} worker{} on {} narrow lane{} ({kernel}){dealt}",
+                l.workers,
+                plural(l.workers),
+                l.lanes,
+                plural(l.lanes)
+            ),
         }
     }
 
@@ -158,15 +174,15 @@ impl Scheduler {
     /// Whether a run whose largest message has `largest` of `total` bytes in
     /// `count` messages ends sooner through the wide kernel, by this CPU's
     /// streaming rates ([`Kernel::wide_stream_rates`]); if so, the fewest
-    /// open messages for which it still beats four SHA-NI lanes (break-even:
-    /// `open x wide / 16 = four-lane rate`) and its rate over one SHA-NI
+    /// open messages for which it still beats four narrow lanes (break-even:
+    /// `open x wide / 16 = four-lane rate`) and its rate over one narrow
     /// stream's, which the workers plan by (see `WidePlan`).
     ///
     /// The estimate, per worker, with the wide kernel: its share of the bytes
     /// at the wide rate, unless the largest message ends it: at a sixteenth
     /// of the core, or hashed alone first at one stream's rate and the rest
     /// wide after, whichever is sooner (the workers choose so). Against it,
-    /// four or two SHA-NI lanes as in [`Scheduler::fit_to_largest`].
+    /// four or two narrow lanes as in [`Scheduler::fit_to_largest`].
     fn fit_wide(&self, largest: u64, total: u64, workers: usize, count: usize) -> Option<(usize, f64)> {
         let (rates, break_even) = self.model_rates()?;
         if count < workers * break_even {
@@ -185,7 +201,7 @@ impl Scheduler {
     }
 
     /// This CPU's rates for the run model, where the wide kernel may run:
-    /// the wide kernel and four SHA-NI lanes streaming beside it, one and
+    /// the wide kernel and four narrow lanes streaming beside it, one and
     /// two lanes from the (L2-hot) lane calibration scaled to that
     /// streaming rate of four; and the break-even open count for the wide
     /// kernel, `16 x four / wide`.
@@ -203,7 +219,7 @@ impl Scheduler {
 
     /// A mixed split by this CPU's rates (see [`model::best_mixed`]), with
     /// the wide workers' break-even open count and the wide kernel's rate
-    /// over one SHA-NI stream's.
+    /// over one narrow stream's.
     fn fit_mixed(&self, sizes: &[u64], workers: usize, uniform: Split, deal: bool) -> Option<(Split, usize, f64)> {
         let (rates, break_even) = self.model_rates()?;
         let split = model::best_mixed(sizes, rates, workers, uniform, deal, break_even)?;

@@ -1,10 +1,11 @@
 //! Many small messages hashed in batches while the caller produces them.
 
-use std::sync::{Condvar, Mutex};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Condvar, Mutex, OnceLock};
 use std::time::Duration;
 
-use super::Scheduler;
-use crate::sha256::{Digest, STEP_BYTES};
+use super::{BatchTally, Scheduler};
+use crate::sha256::{same_length_split, Digest, Kernel, STEP_BYTES};
 
 /// Small messages hashed in batches while the caller is still producing
 /// them (when producing one costs about as much as hashing it, e.g. reading
@@ -50,6 +51,30 @@ pub struct BatchQueue<'a> {
     pending: Mutex<Pending<'a>>,
     ready: Condvar,
     done: Mutex<Vec<(usize, Digest)>>,
+    tally: Tally,
+}
+
+/// How the batches ran ([`BatchQueue::tally`]): counted once a batch.
+#[derive(Default)]
+struct Tally {
+    kernel: OnceLock<Kernel>,
+    threads: AtomicUsize,
+    wide: AtomicUsize,
+    narrow: AtomicUsize,
+    narrow_lanes: AtomicUsize,
+}
+
+impl Tally {
+    fn add(&self, kernel: Kernel, wide: usize, narrow: usize, narrow_lanes: usize) {
+        self.kernel.get_or_init(|| kernel);
+        if wide > 0 {
+            self.wide.fetch_add(wide, Ordering::Relaxed);
+        }
+        if narrow > 0 {
+            self.narrow.fetch_add(narrow, Ordering::Relaxed);
+            self.narrow_lanes.fetch_max(narrow_lanes, Ordering::Relaxed);
+        }
+    }
 }
 
 #[derive(Default)]
@@ -62,6 +87,19 @@ struct Pending<'a> {
 impl<'a> BatchQueue<'a> {
     pub fn new() -> BatchQueue<'a> {
         BatchQueue::default()
+    }
+
+    /// How the batches hashed so far ran: on how many threads, how many
+    /// messages through the wide kernel and how many on narrow lanes.
+    pub fn tally(&self) -> BatchTally {
+        let t = &self.tally;
+        BatchTally {
+            kernel: t.kernel.get().copied(),
+            threads: t.threads.load(Ordering::Relaxed),
+            wide: t.wide.load(Ordering::Relaxed),
+            narrow: t.narrow.load(Ordering::Relaxed),
+            narrow_lanes: t.narrow_lanes.load(Ordering::Relaxed),
+        }
     }
 
     /// Every `(index, digest)` hashed, in no particular order.
@@ -128,12 +166,22 @@ impl<'a> BatchQueue<'a> {
     fn hash(&self, scheduler: Scheduler, batch: Vec<(usize, &'a [u8])>) {
         let (index, slices): (Vec<usize>, Vec<&[u8]>) = batch.into_iter().unzip();
         let same_length = slices.windows(2).all(|w| w[0].len() == w[1].len());
+        let kernel = scheduler.kernel;
         let digests = if same_length && slices.first().is_some_and(|m| m.len() <= STEP_BYTES) {
             // Small parameters of one shape (the usual batch); the zero
             // check and the hash then read the same cache-resident bytes.
-            crate::sha256::digest_same_length(scheduler.kernel, scheduler.same_length_lanes(), &slices)
+            let lanes = scheduler.same_length_lanes();
+            let (_, wide, narrow_lanes) = same_length_split(kernel, lanes, slices.len());
+            self.tally.add(kernel, wide, slices.len() - wide, narrow_lanes);
+            crate::sha256::digest_same_length(kernel, lanes, &slices)
         } else {
-            scheduler.hash_many(&slices)
+            let (digests, shape) = scheduler.hash_many_shaped(&slices);
+            match shape {
+                Some(s) if s.wide() => self.tally.add(kernel, s.messages, 0, 0),
+                Some(s) => self.tally.add(kernel, 0, s.messages, s.narrow_lanes),
+                None => {}
+            }
+            digests
         };
         self.done
             .lock()
@@ -153,7 +201,9 @@ impl<'s, 'a: 's> Batches<'s, 'a> {
             threads: 1,
             ..scheduler
         };
-        for _ in 1..scheduler.effective_threads() {
+        let threads = scheduler.effective_threads();
+        queue.tally.threads.fetch_max(threads, Ordering::Relaxed);
+        for _ in 1..threads {
             scope.spawn(move |_| queue.work(one_thread));
         }
         Batches {

@@ -12,21 +12,26 @@
 //! queue. So `threads x lanes` messages are in flight at any time, and memory
 //! is bounded by that many chunks, whatever the size of the work.
 //!
-//! Lanes are 1, 2 or 4 SHA-NI streams, or 16 for the wide AVX-512 kernel
-//! where this CPU's rates say a run of many messages ends sooner with it
+//! Two kernel families run the lanes. A *narrow* kernel hashes one message
+//! per stream and interleaves 1, 2 or 4 streams on a thread (SHA-NI on x86,
+//! the portable `sha2` path elsewhere); the *wide* kernel (16-lane AVX-512
+//! multi-buffer) hashes sixteen messages in the lanes of one vector. A
+//! thread holds 1, 2 or 4 narrow lanes, or 16 where this CPU's rates say a
+//! run of many messages ends sooner with the wide kernel
 //! (`Scheduler::fit_wide`); a thread holding 16 runs them wide while enough
-//! are open and SHA-NI for the rest (`worker`). Where a small simulation of
-//! the run with this CPU's rates says so (`model`, `assignment`), some threads
-//! hold the largest messages on SHA-NI while the others run the rest wide:
-//! a Llama-shaped set's two embeddings on one core, its layers on the other.
+//! are open and on narrow lanes for the rest (`worker`). Where a small
+//! simulation of the run with this CPU's rates says so (`model`,
+//! `assignment`), some threads hold the largest messages on narrow lanes
+//! while the others run the rest wide: a Llama-shaped set's two embeddings
+//! on one core, its layers on the other.
 //!
 //! Three refinements matter when a few tensors of hundreds of MB make up
 //! the work, since one of them then ends the run: the largest are dealt
 //! across the threads when taking them in order would put more than a
 //! thread's share on the first to start (`Shared::next_task`); a thread
-//! runs the messages with the most bytes left on SHA-NI (two of three at
-//! full two-lane speed rather than all three at two-plus-one; the one that
-//! would crawl in a wide lane alone), see `worker`; and lanes whose
+//! runs the messages with the most bytes left on narrow lanes (two of three
+//! at full two-lane speed rather than all three at two-plus-one; the one
+//! that would crawl in a wide lane alone), see `worker`; and lanes whose
 //! addresses alias are moved apart (`dephase`).
 
 mod assignment;
@@ -34,6 +39,7 @@ mod batches;
 mod dephase;
 mod model;
 mod multi;
+mod report;
 mod source;
 mod threads;
 mod worker;
@@ -44,11 +50,13 @@ use std::time::Duration;
 use assignment::Assignment;
 pub use batches::{batches_floor, hash_batched, BatchQueue, Batches};
 pub use multi::MultiHasher;
+pub use report::{last_run, BatchTally, RunShape, RunSummary};
 pub use source::{ChunkSource, Slices};
 pub use threads::{default_threads, set_default_threads, THREADS_ENV};
 use worker::{worker, Shared, Task};
 
 use crate::error::Error;
+use crate::settings::{self, SettingError};
 use crate::sha256::{Digest, Kernel, Sha256, Wide, WIDE_LANES};
 
 /// Below this many bytes in total, threads cost more than they save.
@@ -63,11 +71,14 @@ const UNSET: Digest = Digest {
 /// How often a progress callback is called while a run is in flight.
 const PROGRESS_EVERY: Duration = Duration::from_millis(100);
 
-/// How to hash: which kernel, how many lanes per thread, how many threads.
+/// How to hash: which narrow kernel, how many lanes per thread, how many
+/// threads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Scheduler {
+    /// The narrow kernel (the wide one is used where the CPU has it and
+    /// `lanes` or this CPU's rates ask for it).
     pub kernel: Kernel,
-    /// Messages each thread holds open (1, 2 or 4 SHA-NI lanes; 16 for the
+    /// Messages each thread holds open (1, 2 or 4 narrow lanes; 16 for the
     /// wide AVX-512 kernel where the CPU has it; capped by the kernel).
     pub lanes: usize,
     /// Worker threads: 0 means [`default_threads`].
@@ -80,6 +91,13 @@ pub struct Scheduler {
 }
 
 impl Default for Scheduler {
+    /// The process's scheduler: the active kernel, the lanes
+    /// `WEIGHT_CHECKER_LANES` fixes or this CPU's calibration chose, the
+    /// default threads.
+    ///
+    /// # Panics
+    /// If one of the core's settings holds a value it does not accept (see
+    /// [`crate::settings`]; [`Scheduler::from_env`] returns the error).
     fn default() -> Self {
         let kernel = Kernel::active();
         Scheduler {
@@ -92,6 +110,13 @@ impl Default for Scheduler {
 }
 
 impl Scheduler {
+    /// [`Scheduler::default`], after checking the core's settings as the
+    /// environment holds them now: an invalid one is an error naming it.
+    pub fn from_env() -> Result<Scheduler, SettingError> {
+        settings::check()?;
+        Ok(Scheduler::default())
+    }
+
     pub fn new(kernel: Kernel, lanes: usize, threads: usize) -> Scheduler {
         Scheduler {
             kernel,
@@ -119,7 +144,7 @@ impl Scheduler {
     }
 
     /// `(wide, four)` streaming GB/s of a core where a calibrated run may
-    /// choose the wide kernel: it exists here and outruns four SHA-NI lanes.
+    /// choose the wide kernel: it exists here and outruns four narrow lanes.
     fn wide_may_run(&self) -> Option<(f64, f64)> {
         if !self.fit_lanes || self.effective_lanes() != 4 {
             return None;
@@ -138,6 +163,29 @@ impl Scheduler {
             self.kernel.small_message_lanes()
         } else {
             self.effective_lanes()
+        }
+    }
+
+    /// Whether runs of this scheduler may use the wide kernel: this CPU has
+    /// it, the narrow kernel may hand it work, and 16 lanes were asked for
+    /// or this CPU's calibration lets runs choose it (streamed runs of many
+    /// messages, [`Scheduler::streams`], or small messages of one length,
+    /// [`Scheduler::same_length_lanes`]). Calibrates at first use.
+    pub fn may_use_wide(&self) -> bool {
+        self.wide().is_some()
+            && (self.effective_lanes() == WIDE_LANES
+                || self.wide_may_run().is_some()
+                || self.same_length_lanes() == WIDE_LANES)
+    }
+
+    /// The kernels runs of this scheduler may use: the narrow kernel's name
+    /// (`sha-ni`, `portable`), with `+avx512-x16` where they may use the
+    /// 16-lane wide kernel ([`Scheduler::may_use_wide`]).
+    pub fn kernel_name(&self) -> &'static str {
+        match self.kernel {
+            #[cfg(target_arch = "x86_64")]
+            Kernel::ShaNi if self.may_use_wide() => "sha-ni+avx512-x16",
+            kernel => kernel.name(),
         }
     }
 
@@ -163,22 +211,45 @@ impl Scheduler {
         self.effective_threads() * lanes
     }
 
-    /// SHA-256 of each buffer, in input order.
+    /// SHA-256 of each buffer, in input order. Records the run's shape for
+    /// [`last_run`].
     pub fn hash_many(&self, buffers: &[&[u8]]) -> Vec<Digest> {
+        let (digests, shape) = self.hash_many_shaped(buffers);
+        report::record(shape);
+        digests
+    }
+
+    /// [`Scheduler::hash_many`] and the run's shape (`None`: no buffers),
+    /// not recorded for [`last_run`] (a batch of [`Batches`] is no run of
+    /// its caller's).
+    pub(crate) fn hash_many_shaped(&self, buffers: &[&[u8]]) -> (Vec<Digest>, Option<RunShape>) {
         let sources: Vec<Slices<'_>> = buffers.iter().map(std::slice::from_ref).map(Slices::new).collect();
-        self.hash_sources(sources, None)
-            .expect("in-memory sources cannot fail and nothing can cancel")
+        let (digests, shape) = self.hash_sources_shaped(sources, None);
+        let digests = digests.expect("in-memory sources cannot fail and nothing can cancel");
+        (digests, shape)
     }
 
     /// SHA-256 of each streamed message, in input order. `progress(done,
     /// total)` (bytes) is called on the calling thread about every 100 ms and
     /// once at the end; returning false cancels the run ([`Error::Cancelled`]).
     /// The first error a source returns stops every worker and is returned.
+    ///
+    /// Records the run's shape for [`last_run`], whether it succeeded or not.
     pub fn hash_sources<S: ChunkSource>(
+        &self,
+        sources: Vec<S>,
+        progress: Option<&mut dyn FnMut(u64, u64) -> bool>,
+    ) -> Result<Vec<Digest>, Error> {
+        let (digests, shape) = self.hash_sources_shaped(sources, progress);
+        report::record(shape);
+        digests
+    }
+
+    fn hash_sources_shaped<S: ChunkSource>(
         &self,
         mut sources: Vec<S>,
         progress: Option<&mut dyn FnMut(u64, u64) -> bool>,
-    ) -> Result<Vec<Digest>, Error> {
+    ) -> (Result<Vec<Digest>, Error>, Option<RunShape>) {
         let mut states: Vec<Sha256> = vec![Sha256::new(); sources.len()];
         let mut digests = vec![UNSET; sources.len()];
         let tasks = states
@@ -192,8 +263,8 @@ impl Scheduler {
                 digest_out: Some(out),
             })
             .collect();
-        self.run(tasks, progress)?;
-        Ok(digests)
+        let (result, shape) = self.run(tasks, progress);
+        (result.map(|()| digests), shape)
     }
 
     /// An incremental hasher of `n` digests driven by this scheduler.
@@ -201,24 +272,39 @@ impl Scheduler {
         MultiHasher::new(*self, n)
     }
 
+    /// Hashes `tasks`; returns the outcome and the run's shape (`None`: no
+    /// tasks).
     fn run<S: ChunkSource>(
+        &self,
+        tasks: Vec<Task<'_, S>>,
+        progress: Option<&mut dyn FnMut(u64, u64) -> bool>,
+    ) -> (Result<(), Error>, Option<RunShape>) {
+        if tasks.is_empty() {
+            let outcome = match progress.map(|p| p(0, 0)) {
+                Some(false) => Err(Error::Cancelled),
+                _ => Ok(()),
+            };
+            return (outcome, None);
+        }
+        let messages = tasks.len();
+        let mut shape = None;
+        let outcome = self.run_tasks(tasks, progress, &mut shape);
+        debug_assert!(shape.is_some_and(|s| s.messages == messages));
+        (outcome, shape)
+    }
+
+    fn run_tasks<S: ChunkSource>(
         &self,
         mut tasks: Vec<Task<'_, S>>,
         mut progress: Option<&mut dyn FnMut(u64, u64) -> bool>,
+        shape: &mut Option<RunShape>,
     ) -> Result<(), Error> {
-        if tasks.is_empty() {
-            if let Some(p) = progress {
-                if !p(0, 0) {
-                    return Err(Error::Cancelled);
-                }
-            }
-            return Ok(());
-        }
         // Stable sort: equal sizes keep input order, which keeps runs repeatable.
         tasks.sort_by_key(|t| std::cmp::Reverse(t.bytes));
         let total: u64 = tasks.iter().map(|t| t.bytes).sum();
         let sizes: Vec<u64> = tasks.iter().map(|t| t.bytes).collect();
         let assignment = self.assignment(&sizes, progress.is_some());
+        *shape = Some(RunShape::of(self.kernel, &assignment, tasks.len()));
         let Assignment { workers, parallel, .. } = assignment;
         let shared = Shared::new(self.kernel, &assignment, tasks, progress.is_some());
         if !parallel {
@@ -247,6 +333,8 @@ impl Scheduler {
                 }
             });
         }
+        // The run was started on this thread: its wide-kernel calls count here.
+        Wide::count_calls(shared.wide_calls.load(Ordering::Relaxed));
         if let Some(e) = shared.error.into_inner().unwrap_or_else(|e| e.into_inner()) {
             return Err(e);
         }

@@ -1,20 +1,21 @@
 //! The run model for mixed splits: how long a run of these sizes takes with
-//! some workers on SHA-NI lanes and the others on the wide kernel, by a
+//! some workers on narrow lanes and the others on the wide kernel, by a
 //! small simulation of the workers' own rules with this CPU's calibrated
 //! rates.
 //!
 //! Why mixed: on a Llama-shaped set (two 131 MB embeddings among 48 layer
 //! tensors of 8-46 MB) the soonest end (an LP over the calibrated rates,
 //! `benches/schedule_bound.py`) has one core hash the two embeddings on
-//! SHA-NI while the other runs the layer tensors sixteen at a time. With
-//! every core on one kernel, the embeddings either crawl in wide lanes (a
-//! sixteenth of a core each) or keep the other lanes waiting on SHA-NI.
+//! narrow lanes while the other runs the layer tensors sixteen at a time.
+//! With every core on one kernel, the embeddings either crawl in wide lanes
+//! (a sixteenth of a core each) or keep the other lanes waiting on narrow
+//! lanes.
 //! Once the embeddings have ended, their core joins the wide kernel.
 
 use super::worker::{largest_runs_alone, narrow_run};
 
-/// One core's GB/s in all: SHA-NI with 1, 2 and 4 lanes busy, and the wide
-/// kernel with 16.
+/// One core's GB/s in all: the narrow kernel with 1, 2 and 4 lanes busy,
+/// and the wide kernel with 16.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Rates {
     pub(super) one: f64,
@@ -24,7 +25,7 @@ pub(super) struct Rates {
 }
 
 /// Which workers run which kernel: the first `narrow` hold up to
-/// `narrow_lanes` messages each on SHA-NI, the rest sixteen on the wide
+/// `narrow_lanes` messages each on narrow lanes, the rest sixteen on the wide
 /// kernel. Mixed (some of each): the narrow workers are dealt the largest
 /// messages first and the wide ones take the next in order; a narrow
 /// worker whose dealt messages have all ended runs as a wide one.
@@ -152,7 +153,7 @@ pub(super) fn simulate(sizes: &[u64], rates: Rates, workers: usize, split: Split
 
 /// A mixed split where the model says it ends at least [`MIXED_GAIN`]
 /// sooner than `uniform` (the split the closed-form estimates chose, dealt
-/// where `deal`): some workers on SHA-NI lanes (1, 2 or 4 each) for the
+/// where `deal`): some workers on narrow lanes (1, 2 or 4 each) for the
 /// largest messages, then wide, the rest on the wide kernel, each wide worker's share past the break-even count
 /// `min_open`. Only for runs of at most [`MODEL_MAX_MESSAGES`] on more than
 /// one worker.
@@ -265,7 +266,7 @@ mod tests {
             assert_eq!(chosen.map(|s| s.narrow), Some(1), "{cpu}: llama, from all wide");
             assert!(
                 best_mixed(&llama(), rates, 2, narrow, false, min_open).is_some(),
-                "{cpu}: llama, from SHA-NI"
+                "{cpu}: llama, from narrow lanes"
             );
             assert_eq!(
                 best_mixed(&vec![16 * MIB; 64], rates, 2, WIDE, false, min_open),
@@ -331,9 +332,9 @@ mod tests {
         (Some(split), t, bound / t)
     }
 
-    /// The narrow core hashes the two embeddings on SHA-NI, then joins the
-    /// wide kernel: within 0.9 of the simple bound on both vendors' rates.
-    /// Left on SHA-NI for the rest of the run, the best split reaches 0.86
+    /// The narrow core hashes the two embeddings on narrow lanes, then joins
+    /// the wide kernel: within 0.9 of the simple bound on both vendors' rates.
+    /// Left narrow for the rest of the run, the best split reaches 0.86
     /// (AMD) and 0.87 (Intel, where all wide is the best without it).
     #[test]
     fn the_narrow_core_joins_the_wide_kernel_once_its_embeddings_end() {
@@ -345,7 +346,7 @@ mod tests {
 
     /// On 8 cores each embedding of Llama-3-8B takes longer on one stream
     /// (0.51 s on AMD) than the whole run would at the wide rate (0.39 s):
-    /// two workers hash one each on a single SHA-NI lane, then turn wide,
+    /// two workers hash one each on a single narrow lane, then turn wide,
     /// and the run ends with the embeddings. With 2 or 4 lanes a worker,
     /// the best split ends at 0.85 (AMD) and 0.76 (Intel) of that bound.
     #[test]

@@ -36,6 +36,8 @@ impl MultiHasher {
 
     /// Feeds each `(digest index, bytes)` pair. Pairs for the same digest are
     /// applied in the order given; different digests are hashed in parallel.
+    /// Each call is one run of the scheduler (its shape recorded for
+    /// [`super::last_run`]).
     pub fn update(&mut self, feeds: &[(usize, &[u8])]) -> Result<(), Error> {
         if let Some(&(bad, _)) = feeds.iter().find(|(i, _)| *i >= self.states.len()) {
             return Err(Error::DigestIndex {
@@ -65,7 +67,9 @@ impl MultiHasher {
             });
             start = end;
         }
-        self.scheduler.run(tasks, None)
+        let (outcome, shape) = self.scheduler.run(tasks, None);
+        super::report::record(shape);
+        outcome
     }
 
     /// Pads and finishes every digest, in index order.

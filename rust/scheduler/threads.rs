@@ -4,9 +4,8 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
-/// Environment variable that sets the worker threads of every scheduler in this
-/// process (overrides [`set_default_threads`]).
-pub const THREADS_ENV: &str = "WEIGHT_CHECKER_THREADS";
+use crate::settings;
+pub use crate::settings::THREADS_ENV;
 
 static DEFAULT_THREADS: AtomicUsize = AtomicUsize::new(0);
 
@@ -14,18 +13,20 @@ static DEFAULT_THREADS: AtomicUsize = AtomicUsize::new(0);
 /// [`THREADS_ENV`] is set, which always wins. A vLLM worker sets its share of
 /// the host here, so that eight workers on one host do not each start one
 /// thread per core.
+///
+/// [`Scheduler::default`]: super::Scheduler::default
 pub fn set_default_threads(threads: usize) {
     DEFAULT_THREADS.store(threads, Ordering::Relaxed);
 }
 
+/// [`THREADS_ENV`] as it was at first use.
+///
+/// # Panics
+/// At first use, on a value the variable does not accept (see
+/// [`crate::settings`]).
 fn env_threads() -> Option<usize> {
     static ENV: OnceLock<Option<usize>> = OnceLock::new();
-    *ENV.get_or_init(|| {
-        std::env::var(THREADS_ENV)
-            .ok()
-            .and_then(|v| v.trim().parse::<usize>().ok())
-            .filter(|&n| n > 0)
-    })
+    *ENV.get_or_init(|| settings::or_panic(settings::threads()))
 }
 
 /// The worker threads a default scheduler runs: [`THREADS_ENV`], else what

@@ -28,7 +28,7 @@ pub(super) struct Lane<'a, S> {
     /// Bytes of the message not yet absorbed.
     pub(super) left: u64,
     /// Whether the wide kernel has hashed part of this message (counted
-    /// by the tests when SHA-NI then takes it over).
+    /// by the tests when narrow lanes then take it over).
     went_wide: bool,
     /// Whether the message is one of the dealt (largest) ones: a narrow
     /// worker turns wide once it holds none (see [`worker`]).
@@ -65,6 +65,9 @@ pub(super) struct Shared<'a, S> {
     pub(super) done: AtomicU64,
     pub(super) finished: Mutex<usize>,
     pub(super) finished_cv: Condvar,
+    /// Calls of the wide kernel, all workers together (each adds its own
+    /// count once, as it ends): see `Wide::calls_on_this_thread`.
+    pub(super) wide_calls: AtomicU64,
 }
 
 impl<'a, S> Shared<'a, S> {
@@ -80,6 +83,7 @@ impl<'a, S> Shared<'a, S> {
             done: AtomicU64::new(0),
             finished: Mutex::new(0),
             finished_cv: Condvar::new(),
+            wide_calls: AtomicU64::new(0),
         }
     }
 
@@ -213,10 +217,10 @@ fn prepare<'a, S: ChunkSource>(shared: &Shared<'a, S>, w: usize, deal: &mut Deal
 pub(super) fn worker<S: ChunkSource>(shared: &Shared<'_, S>, w: usize) {
     let mut all_lanes: [Option<Lane<'_, S>>; WIDE_LANES] = std::array::from_fn(|_| None);
     // A narrow worker of a mixed split hashes the largest messages, dealt
-    // to it, on SHA-NI (a wide lane would give each a sixteenth of the
+    // to it, on narrow lanes (a wide lane would give each a sixteenth of the
     // core), refilling freed lanes from the queue. Once every dealt message
-    // it held has ended it runs as the wide workers do: left on SHA-NI, it
-    // would hash the rest of the run at its SHA-NI rate beside wide cores
+    // it held has ended it runs as the wide workers do: left narrow, it
+    // would hash the rest of the run at its narrow rate beside wide cores
     // (on a Llama-8B-shaped set, two 1 GB embeddings among 3.5-117 MB
     // tensors: 7% later by the run model on a 2-vCPU AMD EPYC).
     let all = &shared.assignment;
@@ -226,6 +230,7 @@ pub(super) fn worker<S: ChunkSource>(shared: &Shared<'_, S>, w: usize) {
         false => (all.lanes, all.wide.as_ref()),
     };
     let mut deal = Deal::default();
+    let mut wide_calls = 0u64;
     while !shared.stop.load(Ordering::Relaxed) {
         let held = &mut all_lanes[..lanes];
         for lane in held.iter_mut() {
@@ -247,8 +252,8 @@ pub(super) fn worker<S: ChunkSource>(shared: &Shared<'_, S>, w: usize) {
         }
         // The wide kernel while enough messages are open to be worth its
         // sixteen lanes and none would end the run at a sixteenth of a
-        // core (`runs_alone`); else SHA-NI on the ones with the most bytes
-        // left. A message
+        // core (`runs_alone`); else narrow lanes on the ones with the most
+        // bytes left. A message
         // moves between the two at a step boundary: both work on the same
         // state, whole blocks at a time.
         let (run, wide) = match wide_plan {
@@ -272,14 +277,18 @@ pub(super) fn worker<S: ChunkSource>(shared: &Shared<'_, S>, w: usize) {
         if wide.is_none() && step == STEP_BYTES && run > 1 && dephase(shared, active) {
             continue;
         }
+        wide_calls += u64::from(wide.is_some());
         hash_step(shared, active, step, wide);
+    }
+    if wide_calls > 0 {
+        shared.wide_calls.fetch_add(wide_calls, Ordering::Relaxed);
     }
     let mut finished = shared.finished.lock().unwrap_or_else(|e| e.into_inner());
     *finished += 1;
     shared.finished_cv.notify_all();
 }
 
-/// Of `open` lanes (all open), how many SHA-NI runs, moved to the front:
+/// Of `open` lanes (all open), how many run on narrow lanes, moved to the front:
 /// four, or two of three, or all of one or two. The ones left waiting swap
 /// in once they have [`SWAP_BYTES`] more left than the running one with the
 /// fewest. So the longest messages, which end the run, get the streams, and
@@ -299,7 +308,7 @@ fn narrow_lanes<S>(open: &mut [Option<Lane<'_, S>>]) -> usize {
     run
 }
 
-/// Of `open` messages on SHA-NI, how many run: four, or two of three, or
+/// Of `open` messages on narrow lanes, how many run: four, or two of three, or
 /// all of one or two (see [`narrow_lanes`]; the run model uses it too).
 pub(super) fn narrow_run(open: usize) -> usize {
     match open {
@@ -312,14 +321,15 @@ pub(super) fn narrow_run(open: usize) -> usize {
 #[derive(Clone, Copy, Debug)]
 pub(super) struct WidePlan {
     pub(super) kernel: Wide,
-    /// The fewest open lanes a worker runs it with (fewer: SHA-NI).
+    /// The fewest open lanes a worker runs it with (fewer: narrow lanes).
     pub(super) min_open: usize,
-    /// A core's rate through it over one SHA-NI stream's (2-2.5 measured).
+    /// A core's rate through it over one narrow stream's (2-2.5 measured
+    /// against SHA-NI).
     pub(super) over_one_stream: f64,
 }
 
 /// With the wide kernel in use on `open` lanes (all open): whether the
-/// message with the most bytes left should run alone on one SHA-NI lane
+/// message with the most bytes left should run alone on one narrow lane
 /// instead, moved to the front. In a wide lane it gets a sixteenth of the
 /// core, so the lanes end when it does: `16 L / wide`. Hashed first at
 /// one stream's rate and the rest wide after, they end at
@@ -379,8 +389,9 @@ static IDLE_BLOCKS: [u8; STEP_BYTES] = [0; STEP_BYTES];
 
 /// Runs the `step` bytes ahead of each lane (at most sixteen, all open)
 /// through the wide kernel; lanes without a message hash zeros into a
-/// scratch state. Its compression ends with `vzeroupper`, so SHA-NI's
-/// legacy-SSE instructions after it pay no AVX-512 transition penalty.
+/// scratch state. Its compression ends with `vzeroupper`, so the narrow
+/// SHA-NI kernel's legacy-SSE instructions after it pay no AVX-512
+/// transition penalty.
 fn compress_wide<S: ChunkSource>(wide: Wide, lanes: &mut [Option<Lane<'_, S>>], step: usize) {
     let mut scratch = [[0u32; 8]; WIDE_LANES];
     let mut scratch = scratch.iter_mut();

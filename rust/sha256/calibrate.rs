@@ -4,24 +4,20 @@
 use std::sync::OnceLock;
 
 use super::{digest_same_length, Kernel, Wide, H0, WIDE_LANES};
+use crate::settings;
 
-/// Environment variable that fixes the lanes per thread (1, 2 or 4 SHA-NI
+/// `WEIGHT_CHECKER_LANES` as it is now: the lanes per thread (1, 2 or 4 narrow
 /// lanes) instead of measuring them at first use; `16` asks for the wide
 /// kernel where the CPU has it, for small messages of one length and for
-/// streamed ones (SHA-NI lanes still take the few messages that end a run).
-pub const LANES_ENV: &str = "WEIGHT_CHECKER_LANES";
-
+/// streamed ones (narrow lanes still take the few messages that end a run).
+///
+/// # Panics
+/// On a value the variable does not accept (see [`crate::settings`]).
 fn env_lanes() -> Option<usize> {
-    match std::env::var(LANES_ENV).ok()?.trim() {
-        "1" => Some(1),
-        "2" => Some(2),
-        "4" => Some(4),
-        "16" => Some(WIDE_LANES),
-        _ => None,
-    }
+    settings::or_panic(settings::lanes())
 }
 
-/// True when [`LANES_ENV`] asks for the wide kernel (`16`).
+/// True when `WEIGHT_CHECKER_LANES` asks for the wide kernel (`16`).
 pub fn wide_requested() -> bool {
     static REQUESTED: OnceLock<bool> = OnceLock::new();
     *REQUESTED.get_or_init(|| env_lanes() == Some(WIDE_LANES))
@@ -29,7 +25,7 @@ pub fn wide_requested() -> bool {
 
 impl Kernel {
     /// How many streams the scheduler interleaves per thread by default:
-    /// [`LANES_ENV`] if set, else the fastest of 1, 2 and 4 as measured on
+    /// `WEIGHT_CHECKER_LANES` if set, else the fastest of 1, 2 and 4 as measured on
     /// this CPU at first use (CPUs differ: 2 lanes win on some, 4 on others).
     pub fn default_lanes(self) -> usize {
         if self.max_lanes() == 1 {
@@ -44,7 +40,7 @@ impl Kernel {
 
     /// This core's GB/s with 1, 2 and 4 lanes as measured for
     /// [`Kernel::default_lanes`], when the lane count comes from that
-    /// measurement (`None` for a one-lane kernel or when [`LANES_ENV`] fixes
+    /// measurement (`None` for a one-lane kernel or when `WEIGHT_CHECKER_LANES` fixes
     /// it). A scheduler uses them to run fewer lanes on a few big messages.
     pub fn lane_rates(self) -> Option<[(usize, f64); 3]> {
         (self.max_lanes() > 1 && env_lanes().is_none()).then(|| self.calibrated().1)
@@ -56,10 +52,11 @@ impl Kernel {
     /// lanes), best of at least five runs ([`BestOf`]), measured once per
     /// process at first use.
     /// `None` where this CPU lacks the wide kernel, for the portable kernel,
-    /// and where [`LANES_ENV`] fixes the lanes. The scheduler hashes a run
+    /// and where `WEIGHT_CHECKER_LANES` fixes the lanes. The scheduler hashes a run
     /// through the wide kernel only where these rates say it ends sooner
-    /// (runs of many tensors on cores whose AVX-512 outruns SHA-NI x4: on a
-    /// 2-vCPU AMD EPYC Zen 5, 5.3 against 3.8 GB/s); elsewhere it keeps SHA-NI.
+    /// (runs of many tensors on cores whose AVX-512 outruns four narrow
+    /// SHA-NI lanes: on a 2-vCPU AMD EPYC Zen 5, 5.3 against 3.8 GB/s);
+    /// elsewhere it keeps the narrow lanes.
     pub fn wide_stream_rates(self) -> Option<(f64, f64)> {
         if self == Kernel::Portable || env_lanes().is_some() {
             return None;
@@ -156,7 +153,8 @@ impl Kernel {
             return self.default_lanes();
         }
         // Decided once per process (the scheduler asks for every batch), like
-        // the kernel and the lane calibration; only SHA-NI gets this far.
+        // the kernel and the lane calibration; only a multi-lane narrow
+        // kernel (SHA-NI) gets this far.
         static CHOSEN: OnceLock<usize> = OnceLock::new();
         *CHOSEN.get_or_init(|| match env_lanes() {
             Some(WIDE_LANES) => WIDE_LANES,

@@ -15,21 +15,28 @@ mod x86_avx512;
 #[cfg(target_arch = "x86_64")]
 mod x86_shani;
 
+use std::cell::Cell;
 use std::fmt;
 use std::sync::OnceLock;
 
-pub use calibrate::{wide_requested, LANES_ENV};
+pub use calibrate::wide_requested;
 pub use same_length::digest_same_length;
+pub(crate) use same_length::same_length_split;
 pub(crate) use state::is_all_zero;
 pub use state::{digest_with, Digest, Sha256};
 
-/// Environment variable that selects the kernel: `auto` (default),
-/// `portable` (the `sha2` crate, one stream) or `sha-ni` (fails over to
-/// `portable` when the CPU lacks the instructions).
-pub const KERNEL_ENV: &str = "WEIGHT_CHECKER_KERNEL";
+use crate::settings::{self, KernelSetting};
+pub use crate::settings::{KERNEL_ENV, LANES_ENV};
 
 /// Messages the wide (AVX-512 multi-buffer) kernel advances together.
 pub const WIDE_LANES: usize = 16;
+
+thread_local! {
+    /// Calls of the wide kernel made for work this thread started (see
+    /// [`Wide::calls_on_this_thread`]): thread-local, so that counting costs
+    /// no shared cache line.
+    static WIDE_CALLS: Cell<u64> = const { Cell::new(0) };
+}
 
 /// The 16-lane AVX-512 multi-buffer kernel: a token that exists only once
 /// run-time detection found `avx512f` and `avx512bw`, so that its
@@ -38,7 +45,12 @@ pub const WIDE_LANES: usize = 16;
 pub struct Wide(());
 
 impl Wide {
-    /// The kernel, where this CPU has it.
+    /// The wide kernel's name where one is shown to users (the narrow
+    /// kernel's is [`Kernel::name`]).
+    pub const NAME: &'static str = "avx512";
+
+    /// The kernel, where this CPU has it (detected at run time, whatever
+    /// the settings).
     pub fn detect() -> Option<Wide> {
         #[cfg(target_arch = "x86_64")]
         {
@@ -47,6 +59,24 @@ impl Wide {
             }
         }
         None
+    }
+
+    /// How many times the wide kernel's compression ran for work the
+    /// calling thread started: [`digest_same_length`] called on it, and
+    /// scheduler runs it started (whichever threads ran their workers; each
+    /// call advances sixteen messages by up to one step). The calibrations'
+    /// own measurements are not counted. The tests' evidence that they
+    /// exercised the kernel, not a guess from the settings.
+    pub fn calls_on_this_thread() -> u64 {
+        WIDE_CALLS.with(Cell::get)
+    }
+
+    /// Adds `calls` made for work this thread started (counted by the
+    /// caller, once per run or batch, never per call).
+    pub(crate) fn count_calls(calls: u64) {
+        if calls > 0 {
+            WIDE_CALLS.with(|c| c.set(c.get() + calls));
+        }
     }
 
     /// Compresses sixteen independent streams of the same number of whole blocks.
@@ -92,7 +122,10 @@ const H0: [u32; 8] = [
     0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a, 0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19,
 ];
 
-/// Which compression function runs the blocks.
+/// Which narrow compression function runs the blocks: one message per
+/// stream, up to [`Kernel::max_lanes`] streams interleaved on one thread.
+/// (The wide kernel, sixteen messages in the lanes of one vector, is
+/// [`Wide`].)
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Kernel {
     /// `sha2::compress256`: one stream at a time (itself SHA-NI accelerated
@@ -116,14 +149,25 @@ impl Kernel {
         Kernel::Portable
     }
 
-    /// The kernel in force for this process: [`KERNEL_ENV`] if set, else the best.
+    /// The kernel [`KERNEL_ENV`] selects on this CPU: `portable`, else the
+    /// best available (`sha-ni` fails over to `portable` where the CPU
+    /// lacks the instructions).
+    pub fn from_setting(setting: KernelSetting) -> Kernel {
+        match setting {
+            KernelSetting::Portable => Kernel::Portable,
+            KernelSetting::Auto | KernelSetting::ShaNi => Kernel::best_available(),
+        }
+    }
+
+    /// The kernel in force for this process: [`KERNEL_ENV`] as it was at
+    /// first use, else the best.
+    ///
+    /// # Panics
+    /// If [`KERNEL_ENV`] holds a value it does not accept at first use
+    /// (check with [`crate::settings::check`] first).
     pub fn active() -> Kernel {
         static ACTIVE: OnceLock<Kernel> = OnceLock::new();
-        let chosen = std::env::var(KERNEL_ENV);
-        *ACTIVE.get_or_init(|| match chosen.as_deref() {
-            Ok("portable") => Kernel::Portable,
-            _ => Kernel::best_available(),
-        })
+        *ACTIVE.get_or_init(|| Kernel::from_setting(settings::or_panic(settings::kernel())))
     }
 
     /// Every kernel usable on this CPU (for tests and benchmarks).

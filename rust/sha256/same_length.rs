@@ -21,8 +21,25 @@ fn prefetch_heads(msgs: &[&[u8]]) {
     }
 }
 
-/// Digests of messages that all have the same length, `lanes` (1, 2 or 4)
-/// at a time through the multi-stream kernel, their padding blocks
+/// How [`digest_same_length`] hashes `count` messages asked to run on
+/// `lanes`: the wide kernel for whole groups of sixteen where 16 lanes are
+/// asked for and this CPU has it (with a narrow kernel that may use it),
+/// and the narrow lanes (1, 2 or 4) for the rest. Returns (the wide kernel
+/// and how many messages it takes, the narrow lanes).
+pub(crate) fn same_length_split(kernel: Kernel, lanes: usize, count: usize) -> (Option<Wide>, usize, usize) {
+    let wide = Wide::detect().filter(|_| lanes >= WIDE_LANES && kernel != Kernel::Portable);
+    let narrow_lanes = match lanes.min(kernel.max_lanes()) {
+        0 | 1 => 1,
+        2 | 3 => 2,
+        _ => 4,
+    };
+    (wide, wide.map_or(0, |_| count / WIDE_LANES * WIDE_LANES), narrow_lanes)
+}
+
+/// Digests of messages that all have the same length, `lanes` at a time:
+/// 16 through the wide kernel where the CPU has it (see
+/// [`same_length_split`]), else 1, 2 or 4 through the narrow kernel's
+/// interleaved streams, their padding blocks
 /// included (the scheduler pads each message on its own, one stream).
 /// Many small parameters of one shape are the common case this serves:
 /// there is no queue, no per-message state to allocate, no scheduling.
@@ -53,7 +70,8 @@ pub fn digest_same_length(kernel: Kernel, lanes: usize, msgs: &[&[u8]]) -> Vec<D
     };
     let mut out = Vec::with_capacity(msgs.len());
     let mut msgs = msgs;
-    if let Some(wide) = Wide::detect().filter(|_| lanes >= WIDE_LANES && kernel != Kernel::Portable) {
+    let (wide, _, lanes) = same_length_split(kernel, lanes, msgs.len());
+    if let Some(wide) = wide {
         let mut groups = msgs.chunks_exact(WIDE_LANES);
         for group in &mut groups {
             let mut states = [H0; WIDE_LANES];
@@ -67,14 +85,11 @@ pub fn digest_same_length(kernel: Kernel, lanes: usize, msgs: &[&[u8]]) -> Vec<D
                 out.push(Digest::from_state(state, is_all_zero(m)));
             }
         }
-        // Fewer than sixteen left: this kernel's own lanes.
+        // Two calls a group: the whole blocks, then the padding.
+        Wide::count_calls(2 * (msgs.len() / WIDE_LANES) as u64);
+        // Fewer than sixteen left: this kernel's own (narrow) lanes.
         msgs = groups.remainder();
     }
-    let lanes = match lanes.min(kernel.max_lanes()) {
-        0 | 1 => 1,
-        2 | 3 => 2,
-        _ => 4,
-    };
     prefetch_heads(&msgs[..lanes.min(msgs.len())]);
     let mut groups = msgs.chunks_exact(lanes);
     for (g, group) in (&mut groups).enumerate() {

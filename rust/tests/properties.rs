@@ -1,6 +1,10 @@
 //! Property tests of every scheduler path against plain `sha2`.
 
+mod common;
+
+use common::WideCheck;
 use proptest::prelude::*;
+use proptest::test_runner::TestCaseError;
 use sha2::Digest as _;
 use weight_checker::{ChunkSource, Kernel, Scheduler};
 
@@ -54,65 +58,109 @@ fn schedulers() -> Vec<Scheduler> {
     out
 }
 
-proptest! {
-    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+/// Twenty misaligned buffers of 10-67 KB: enough open messages of similar
+/// lengths that sixteen lanes run wide, where the CPU has the wide kernel
+/// (the random cases do too, but not every time).
+fn sixteen_lanes_case() -> (Vec<u8>, Vec<(usize, usize)>) {
+    let specs: Vec<(usize, usize)> = (0..20).map(|i| (10_000 + 3001 * i, i % 16)).collect();
+    let total: usize = specs.iter().map(|(l, o)| l + o).sum();
+    let pool: Vec<u8> = (0..total).map(|i| (i as u32).wrapping_mul(2654435761) as u8).collect();
+    let mut at = 0;
+    let ranges = specs
+        .into_iter()
+        .map(|(len, off)| {
+            let start = at + off;
+            at = start + len;
+            (start, len)
+        })
+        .collect();
+    (pool, ranges)
+}
 
-    #[test]
-    fn hash_many_matches_sha2((pool, ranges) in buffers(), zero_some in any::<bool>()) {
-        let mut pool = pool;
-        if zero_some {
-            if let Some(&(s, l)) = ranges.first() {
-                pool[s..s + l].fill(0);
-            }
-        }
-        let bufs: Vec<&[u8]> = ranges.iter().map(|&(s, l)| &pool[s..s + l]).collect();
-        for scheduler in schedulers() {
-            let got = scheduler.hash_many(&bufs);
-            for (b, d) in bufs.iter().zip(&got) {
-                prop_assert_eq!(d.bytes, oracle(b), "{:?} len {}", scheduler, b.len());
-                prop_assert_eq!(d.all_zero, b.iter().all(|&x| x == 0));
-            }
+fn check_hash_many(mut pool: Vec<u8>, ranges: &[(usize, usize)], zero_some: bool) -> Result<(), TestCaseError> {
+    if zero_some {
+        if let Some(&(s, l)) = ranges.first() {
+            pool[s..s + l].fill(0);
         }
     }
-
-    #[test]
-    fn multi_hasher_random_chunkings_match_sha2(
-        (pool, ranges) in buffers(),
-        cuts in prop::collection::vec(0usize..1 << 21, 0..40),
-        rounds in 1usize..5,
-    ) {
-        let bufs: Vec<&[u8]> = ranges.iter().map(|&(s, l)| &pool[s..s + l]).collect();
-        for scheduler in schedulers() {
-            // Split every buffer at pseudo-random points, then feed the pieces
-            // over `rounds` updates, several pieces of one digest per update.
-            let mut pieces: Vec<Vec<&[u8]>> = bufs
-                .iter()
-                .enumerate()
-                .map(|(i, b)| {
-                    let mut points: Vec<usize> = cuts.iter().map(|c| (c + i * 7919) % (b.len() + 1)).collect();
-                    points.push(0);
-                    points.push(b.len());
-                    points.sort_unstable();
-                    points.windows(2).map(|w| &b[w[0]..w[1]]).collect()
-                })
-                .collect();
-            let mut multi = scheduler.multi(bufs.len());
-            for r in 0..rounds {
-                let mut feeds = Vec::new();
-                for (i, p) in pieces.iter_mut().enumerate() {
-                    let take = if r + 1 == rounds { p.len() } else { p.len().div_ceil(rounds) };
-                    feeds.extend(p.drain(..take.min(p.len())).map(|c| (i, c)));
-                }
-                multi.update(&feeds).unwrap();
-            }
-            for (i, b) in bufs.iter().enumerate() {
-                prop_assert_eq!(multi.bytes_fed(i), Some(b.len() as u64));
-            }
-            for (b, d) in bufs.iter().zip(multi.finish()) {
-                prop_assert_eq!(d.bytes, oracle(b), "{:?}", scheduler);
-            }
+    let bufs: Vec<&[u8]> = ranges.iter().map(|&(s, l)| &pool[s..s + l]).collect();
+    for scheduler in schedulers() {
+        let got = scheduler.hash_many(&bufs);
+        for (b, d) in bufs.iter().zip(&got) {
+            prop_assert_eq!(d.bytes, oracle(b), "{:?} len {}", scheduler, b.len());
+            prop_assert_eq!(d.all_zero, b.iter().all(|&x| x == 0));
         }
     }
+    Ok(())
+}
+
+#[test]
+fn hash_many_matches_sha2() {
+    let wide = WideCheck::start("hash_many_matches_sha2");
+    let (pool, ranges) = sixteen_lanes_case();
+    check_hash_many(pool, &ranges, true).unwrap();
+    proptest!(ProptestConfig { cases: 48, ..ProptestConfig::default() }, |((pool, ranges) in buffers(), zero_some in any::<bool>())| {
+        check_hash_many(pool, &ranges, zero_some)?;
+    });
+    wide.finish();
+}
+
+fn check_multi_hasher(
+    pool: &[u8],
+    ranges: &[(usize, usize)],
+    cuts: &[usize],
+    rounds: usize,
+) -> Result<(), TestCaseError> {
+    let bufs: Vec<&[u8]> = ranges.iter().map(|&(s, l)| &pool[s..s + l]).collect();
+    for scheduler in schedulers() {
+        // Split every buffer at pseudo-random points, then feed the pieces
+        // over `rounds` updates, several pieces of one digest per update.
+        let mut pieces: Vec<Vec<&[u8]>> = bufs
+            .iter()
+            .enumerate()
+            .map(|(i, b)| {
+                let mut points: Vec<usize> = cuts.iter().map(|c| (c + i * 7919) % (b.len() + 1)).collect();
+                points.push(0);
+                points.push(b.len());
+                points.sort_unstable();
+                points.windows(2).map(|w| &b[w[0]..w[1]]).collect()
+            })
+            .collect();
+        let mut multi = scheduler.multi(bufs.len());
+        for r in 0..rounds {
+            let mut feeds = Vec::new();
+            for (i, p) in pieces.iter_mut().enumerate() {
+                let take = if r + 1 == rounds {
+                    p.len()
+                } else {
+                    p.len().div_ceil(rounds)
+                };
+                feeds.extend(p.drain(..take.min(p.len())).map(|c| (i, c)));
+            }
+            multi.update(&feeds).unwrap();
+        }
+        for (i, b) in bufs.iter().enumerate() {
+            prop_assert_eq!(multi.bytes_fed(i), Some(b.len() as u64));
+        }
+        for (b, d) in bufs.iter().zip(multi.finish()) {
+            prop_assert_eq!(d.bytes, oracle(b), "{:?}", scheduler);
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn multi_hasher_random_chunkings_match_sha2() {
+    let wide = WideCheck::start("multi_hasher_random_chunkings_match_sha2");
+    let (pool, ranges) = sixteen_lanes_case();
+    check_multi_hasher(&pool, &ranges, &[5000, 70_001], 2).unwrap();
+    proptest!(
+        ProptestConfig { cases: 48, ..ProptestConfig::default() },
+        |((pool, ranges) in buffers(), cuts in prop::collection::vec(0usize..1 << 21, 0..40), rounds in 1usize..5)| {
+            check_multi_hasher(&pool, &ranges, &cuts, rounds)?;
+        }
+    );
+    wide.finish();
 }
 
 #[test]
@@ -217,26 +265,36 @@ impl ChunkSource for Chunked<'_> {
     }
 }
 
-proptest! {
-    #![proptest_config(ProptestConfig { cases: 32, ..ProptestConfig::default() })]
-
-    /// The streaming feeder: any chunking of any messages, any lanes and
-    /// threads, digests equal sha2's; progress ends at the total.
-    #[test]
-    fn streamed_sources_match_sha2((pool, ranges) in buffers(), cut in 1usize..100_000) {
-        let bufs: Vec<&[u8]> = ranges.iter().map(|&(s, l)| &pool[s..s + l]).collect();
-        let total: u64 = bufs.iter().map(|b| b.len() as u64).sum();
-        for scheduler in schedulers() {
-            let sources: Vec<Chunked<'_>> = bufs.iter().map(|b| Chunked::new(b, cut, None)).collect();
-            let mut last = (0, 0);
-            let mut report = |done: u64, all: u64| { last = (done, all); true };
-            let got = scheduler.hash_sources(sources, Some(&mut report)).unwrap();
-            for (b, d) in bufs.iter().zip(&got) {
-                prop_assert_eq!(d.bytes, oracle(b), "{:?} len {}", scheduler, b.len());
-            }
-            prop_assert_eq!(last, (total, total));
+fn check_streamed_sources(pool: &[u8], ranges: &[(usize, usize)], cut: usize) -> Result<(), TestCaseError> {
+    let bufs: Vec<&[u8]> = ranges.iter().map(|&(s, l)| &pool[s..s + l]).collect();
+    let total: u64 = bufs.iter().map(|b| b.len() as u64).sum();
+    for scheduler in schedulers() {
+        let sources: Vec<Chunked<'_>> = bufs.iter().map(|b| Chunked::new(b, cut, None)).collect();
+        let mut last = (0, 0);
+        let mut report = |done: u64, all: u64| {
+            last = (done, all);
+            true
+        };
+        let got = scheduler.hash_sources(sources, Some(&mut report)).unwrap();
+        for (b, d) in bufs.iter().zip(&got) {
+            prop_assert_eq!(d.bytes, oracle(b), "{:?} len {}", scheduler, b.len());
         }
+        prop_assert_eq!(last, (total, total));
     }
+    Ok(())
+}
+
+/// The streaming feeder: any chunking of any messages, any lanes and
+/// threads, digests equal sha2's; progress ends at the total.
+#[test]
+fn streamed_sources_match_sha2() {
+    let wide = WideCheck::start("streamed_sources_match_sha2");
+    let (pool, ranges) = sixteen_lanes_case();
+    check_streamed_sources(&pool, &ranges, 30_011).unwrap();
+    proptest!(ProptestConfig { cases: 32, ..ProptestConfig::default() }, |((pool, ranges) in buffers(), cut in 1usize..100_000)| {
+        check_streamed_sources(&pool, &ranges, cut)?;
+    });
+    wide.finish();
 }
 
 #[test]
@@ -355,39 +413,55 @@ fn an_abandoned_batches_releases_its_helpers() {
     }
 }
 
-proptest! {
-    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
-
-    /// Messages of one length, several at a time with their padding blocks
-    /// in the multi-stream kernel: every digest and all-zero flag right, for
-    /// every kernel and lane count, counts that are not multiples of 4.
-    #[test]
-    fn same_length_digests_match_sha2(
-        len in prop_oneof![
-            prop::sample::select(vec![0usize, 1, 55, 56, 57, 63, 64, 65, 119, 120, 127, 128, 129]),
-            0usize..9000,
-        ],
-        count in prop_oneof![0usize..11, 14usize..40],
-        zeros in prop::collection::vec(any::<bool>(), 40),
-        seed in any::<u8>(),
-    ) {
-        let msgs: Vec<Vec<u8>> = (0..count)
-            .map(|i| if zeros[i] { vec![0; len] } else { (0..len).map(|j| (i * 7 + j) as u8 ^ seed | 1).collect() })
-            .collect();
-        let refs: Vec<&[u8]> = msgs.iter().map(Vec::as_slice).collect();
-        for kernel in Kernel::all_available() {
-            // 16: the wide (AVX-512) kernel where the CPU has it, in groups of
-            // sixteen with this kernel's lanes for the rest.
-            for lanes in [1, 2, 3, 4, weight_checker::sha256::WIDE_LANES] {
-                let got = weight_checker::sha256::digest_same_length(kernel, lanes, &refs);
-                prop_assert_eq!(got.len(), count);
-                for (d, m) in got.iter().zip(&msgs) {
-                    prop_assert_eq!(d.bytes, oracle(m));
-                    prop_assert_eq!(d.all_zero, m.iter().all(|&b| b == 0));
-                }
+fn check_same_length(len: usize, count: usize, zeros: &[bool], seed: u8) -> Result<(), TestCaseError> {
+    let msgs: Vec<Vec<u8>> = (0..count)
+        .map(|i| {
+            if zeros[i] {
+                vec![0; len]
+            } else {
+                (0..len).map(|j| (i * 7 + j) as u8 ^ seed | 1).collect()
+            }
+        })
+        .collect();
+    let refs: Vec<&[u8]> = msgs.iter().map(Vec::as_slice).collect();
+    for kernel in Kernel::all_available() {
+        // 16: the wide (AVX-512) kernel where the CPU has it, in groups of
+        // sixteen with this kernel's lanes for the rest.
+        for lanes in [1, 2, 3, 4, weight_checker::sha256::WIDE_LANES] {
+            let got = weight_checker::sha256::digest_same_length(kernel, lanes, &refs);
+            prop_assert_eq!(got.len(), count);
+            for (d, m) in got.iter().zip(&msgs) {
+                prop_assert_eq!(d.bytes, oracle(m));
+                prop_assert_eq!(d.all_zero, m.iter().all(|&b| b == 0));
             }
         }
     }
+    Ok(())
+}
+
+/// Messages of one length, several at a time with their padding blocks
+/// in the multi-stream kernel: every digest and all-zero flag right, for
+/// every kernel and lane count, counts that are not multiples of 4.
+#[test]
+fn same_length_digests_match_sha2() {
+    let wide = WideCheck::start("same_length_digests_match_sha2");
+    let zeros: Vec<bool> = (0..40).map(|i| i % 5 == 0).collect();
+    check_same_length(4096 + 13, 37, &zeros, 7).unwrap();
+    proptest!(
+        ProptestConfig { cases: 64, ..ProptestConfig::default() },
+        |(
+            len in prop_oneof![
+                prop::sample::select(vec![0usize, 1, 55, 56, 57, 63, 64, 65, 119, 120, 127, 128, 129]),
+                0usize..9000,
+            ],
+            count in prop_oneof![0usize..11, 14usize..40],
+            zeros in prop::collection::vec(any::<bool>(), 40),
+            seed in any::<u8>(),
+        )| {
+            check_same_length(len, count, &zeros, seed)?;
+        }
+    );
+    wide.finish();
 }
 
 /// Sixteen different messages per group, each with its own bytes in every
@@ -395,10 +469,10 @@ proptest! {
 /// words of the wide kernel could not give the right digests.
 #[test]
 fn wide_kernel_keeps_every_lane_apart() {
-    let Some(_) = weight_checker::sha256::Wide::detect() else {
-        eprintln!("no AVX-512 on this CPU: the wide kernel is not used");
-        return;
-    };
+    let wide = WideCheck::start("wide_kernel_keeps_every_lane_apart");
+    if weight_checker::sha256::Wide::detect().is_none() {
+        return wide.finish(); // the notice (or, in CI on an AVX-512 CPU, the failure)
+    }
     for len in [0usize, 1, 63, 64, 65, 4096, 4096 + 13, 65_536 + 64] {
         let msgs: Vec<Vec<u8>> = (0..35)
             .map(|i| {
@@ -413,6 +487,7 @@ fn wide_kernel_keeps_every_lane_apart() {
             assert_eq!(d.bytes, oracle(m), "message {i} of length {len}");
         }
     }
+    wide.finish();
 }
 
 /// The floor measurement times each pass it was asked for.

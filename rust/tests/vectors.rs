@@ -1,5 +1,8 @@
 //! NIST SHA-256 vectors through every kernel, lane width and entry point.
 
+mod common;
+
+use common::{wide_check, WideCheck};
 use weight_checker::{Kernel, Scheduler, Sha256};
 
 fn vectors() -> Vec<(Vec<u8>, String)> {
@@ -31,7 +34,10 @@ fn nist_vectors_one_shot_every_backend() {
 
 #[test]
 fn nist_vectors_batched_every_lane_width() {
-    let vectors = vectors();
+    let wide = WideCheck::start("nist_vectors_batched_every_lane_width");
+    // Each vector eight times: enough messages to fill sixteen lanes, so that
+    // the wide kernel runs where the CPU has it.
+    let vectors: Vec<(Vec<u8>, String)> = vectors().into_iter().flat_map(|v| std::iter::repeat_n(v, 8)).collect();
     let messages: Vec<&[u8]> = vectors.iter().map(|(m, _)| m.as_slice()).collect();
     let mut schedulers = vec![Scheduler::default()]; // the calibrated lane count
     for kernel in Kernel::all_available() {
@@ -47,6 +53,7 @@ fn nist_vectors_batched_every_lane_width() {
             assert_eq!(&d.hex(), want, "{scheduler:?}");
         }
     }
+    wide.finish();
 }
 
 #[test]
@@ -91,6 +98,7 @@ fn calibration_measures_every_lane_count_and_chooses_one_it_can_run() {
 
 #[test]
 fn nist_vectors_through_the_wide_kernel() {
+    let wide = WideCheck::start("nist_vectors_through_the_wide_kernel");
     // Each vector seventeen times: one group of sixteen in the wide kernel
     // (where the CPU has it) and one left for the narrow lanes.
     for kernel in Kernel::all_available() {
@@ -104,6 +112,30 @@ fn nist_vectors_through_the_wide_kernel() {
             );
         }
     }
+    wide.finish();
+}
+
+/// The policy of the tests above: a notice where the CPU lacks the wide
+/// kernel or it was not exercised; a failure only in CI on a CPU that has it.
+#[test]
+fn an_untested_wide_kernel_fails_ci_only_where_the_cpu_has_it() {
+    use wide_check::outcome;
+    assert_eq!(outcome("t", true, true, true, true), Ok(None));
+    assert_eq!(
+        outcome("t", false, false, false, false),
+        Ok(Some("t: wide kernel not available on this CPU: not tested".into()))
+    );
+    // Without AVX-512, CI passes with the notice.
+    assert!(matches!(outcome("t", false, false, false, true), Ok(Some(_))));
+    // With it: detection or the scheduler failing to use it fails CI...
+    assert!(outcome("t", true, false, false, true)
+        .unwrap_err()
+        .contains("not available"));
+    assert!(outcome("t", true, true, false, true)
+        .unwrap_err()
+        .contains("did not exercise"));
+    // ... and is a notice elsewhere.
+    assert!(matches!(outcome("t", true, true, false, false), Ok(Some(_))));
 }
 
 /// `autotests` is off (the root `tests/` holds the Python suite), so a file
