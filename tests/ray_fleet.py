@@ -14,7 +14,7 @@ import sys
 
 import ray
 import weight_checker
-from weight_checker.ray import EngineActorMixin
+from weight_checker.integrations.ray import EngineActorMixin
 
 
 @ray.remote(num_cpus=0)

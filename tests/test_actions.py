@@ -32,7 +32,7 @@ def test_reset_zeroes_exactly_the_walked_tensors():
     after = weight_checker.checksum(m)
     assert set(after) == set(before)
     assert all(after[k] != before[k] for k in before)  # every covered tensor changed
-    from weight_checker.walk import collect
+    from weight_checker.hashing.walk import collect
 
     for name, t in zip(*collect(m), strict=True):
         assert torch.count_nonzero(t) == 0, name

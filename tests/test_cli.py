@@ -282,7 +282,7 @@ def test_compare_both_stdin_is_refused():
 
 
 def test_progress_bar_only_after_a_delay(capsys):
-    from weight_checker.cli_report import Progress
+    from weight_checker.cli.report import Progress
 
     quiet = Progress("x", enabled=True, delay=60)
     quiet(5, 10)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import weight_checker
-from weight_checker.launch import vllm_available, vllm_server
+from weight_checker.testing.launch import vllm_available, vllm_server
 
 from . import vllm_checks as checks
 from .models import write_model

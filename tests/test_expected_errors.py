@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 import weight_checker
-from weight_checker.launch import vllm_available, write_tiny_llama
+from weight_checker.testing.launch import vllm_available
+from weight_checker.testing.models import write_tiny_llama
 
 pytestmark = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed")
 

@@ -12,7 +12,8 @@ import time
 
 import pytest
 import weight_checker
-from weight_checker.targets import Progress, combine
+from weight_checker.verify.engine_digests import decide_layout
+from weight_checker.verify.fanout import Progress
 
 from .fake_fleet import fake_fleet, reload_all
 
@@ -88,7 +89,7 @@ def test_independent_replicas_are_kept_apart_and_a_mismatch_names_its_engine():
         }
         reload_all(fleet)()  # the engine the transfer skipped is still zeroed
         assert weight_checker.verify([s.url for s in fleet], transfer=reload_all(fleet)).match
-        fleet[1].weights["w0"] = "0" * 64
+        fleet[1].weights["dp0:pp0:pcp0:tp0:w0"] = "0" * 64
         rep = weight_checker.replicas([s.url for s in fleet])
         assert not rep.consistent
         assert list(rep.inconsistent) == ["pp0:pcp0:tp0:w0"]
@@ -97,7 +98,7 @@ def test_independent_replicas_are_kept_apart_and_a_mismatch_names_its_engine():
 
 def test_expected_digests_apply_to_every_engine_of_a_fleet():
     with fake_fleet(2, independent=True) as fleet:
-        expected = {f"dp0:pp0:pcp0:tp0:{k}": v for k, v in fleet[0].loaded.items()}
+        expected = dict(fleet[0].loaded)
 
         def push_first_only() -> None:
             fleet[0].weights = dict(fleet[0].loaded)
@@ -115,10 +116,85 @@ def test_a_server_given_twice_is_refused_before_anything_is_paused():
         assert not fleet[0].paused
 
 
-def test_partly_shared_keys_merge_only_when_disjoint():
+def test_the_key_sets_decide_merge_or_fleet_and_a_partial_overlap_is_an_error():
     a, b = {"dp0:x": "1"}, {"dp1:x": "2"}
-    assert combine([("a", a), ("b", b)]) == ({"dp0:x": "1", "dp1:x": "2"}, False)
-    assert combine([("a", a), ("b", a)]) == ({"a dp0:x": "1", "b dp0:x": "1"}, True)
+    assert decide_layout({"a": a}, None) == "single"
+    assert decide_layout({"a": a, "b": b}, None) == "merge"
+    assert decide_layout({"a": a, "b": dict(a)}, None) == "fleet"
+    with pytest.raises(weight_checker.InputError, match=r"a serves dp0:y but b does not"):
+        decide_layout({"a": {**a, "dp0:y": "3"}, "b": dict(a)}, None)
+    with pytest.raises(weight_checker.InputError, match=r"a and b both serve dp0:x.*same data-parallel rank"):
+        decide_layout({"a": a, "b": dict(a)}, "merge")
+    with pytest.raises(weight_checker.InputError, match=r"--fleet: a serves dp0:x but b does not"):
+        decide_layout({"a": a, "b": b}, "fleet")
+
+
+def test_a_fleet_where_every_rank_loaded_tp0s_shard_is_wrong_shard_naming_tp0():
+    """Server URLs hold colons: the classes must see the keys, not "{url} {key}"."""
+    with fake_fleet(2, independent=True, tp=2) as fleet:
+        expected = dict(fleet[0].loaded)
+
+        def every_rank_loads_tp0() -> None:
+            for s in fleet:
+                s.weights = {k: expected[k.replace(":tp1:", ":tp0:")] for k in s.weights}
+
+        every_rank_loads_tp0()  # the step before went wrong the same way: "before" equals "after"
+        result = weight_checker.verify([s.url for s in fleet], transfer=every_rank_loads_tp0, expected=expected)
+    assert result.layout == "fleet"
+    wrong = {f"{s.url} dp0:pp0:pcp0:tp1:w{j}" for s in fleet for j in range(3)}
+    assert result.mismatches == dict.fromkeys(wrong, "wrong-shard")
+    assert all(result.details[k].startswith("holds the expected digest of tp0 ") for k in wrong)
+    assert result.by_engine[fleet[0].url] == {f"dp0:pp0:pcp0:tp1:w{j}": "wrong-shard" for j in range(3)}
+
+
+def test_partly_shared_key_sets_fail_naming_both_servers_and_a_key_and_every_server_is_resumed():
+    with fake_fleet(2) as fleet:
+        fleet[1].loaded = {**fleet[1].loaded, "dp0:pp0:pcp0:tp0:w0": fleet[0].loaded["dp0:pp0:pcp0:tp0:w0"]}
+        fleet[1].weights = dict(fleet[1].loaded)
+        urls = [a for s in fleet for a in ("--url", s.url)]
+        r = subprocess.run(
+            [*CLI, "verify", *urls, "--transfer-cmd", "true"], capture_output=True, text=True, timeout=60
+        )
+        assert r.returncode == 2, r.stdout + r.stderr
+        assert fleet[0].url in r.stderr and fleet[1].url in r.stderr and "dp0:pp0:pcp0:tp0:w1" in r.stderr
+        assert not any(s.paused for s in fleet) and not any(s.resets for s in fleet)
+
+
+def test_merge_of_two_servers_started_as_the_same_rank_fails_and_every_server_is_resumed():
+    with fake_fleet(2, independent=True) as fleet:
+        urls = [a for s in fleet for a in ("--url", s.url)]
+        r = subprocess.run(
+            [*CLI, "verify", *urls, "--merge", "--transfer-cmd", "true"], capture_output=True, text=True, timeout=60
+        )
+        assert r.returncode == 2, r.stdout + r.stderr
+        assert f"{fleet[0].url} and {fleet[1].url} both serve dp0:pp0:pcp0:tp0:w0" in r.stderr
+        assert not any(s.paused for s in fleet) and not any(s.resets for s in fleet)
+        # The library takes the same request.
+        with pytest.raises(weight_checker.VerifyError, match="both serve"):
+            weight_checker.verify([s.url for s in fleet], transfer=reload_all(fleet), merge=True)
+        with pytest.raises(weight_checker.InputError, match="exclude each other"):
+            weight_checker.verify([s.url for s in fleet], transfer=reload_all(fleet), merge=True, fleet=True)
+
+
+def test_fleet_requested_for_servers_of_disjoint_ranks_fails():
+    with fake_fleet(2) as fleet:
+        with pytest.raises(weight_checker.VerifyError, match=r"--fleet: .* serves dp0:pp0:pcp0:tp0:w0 but"):
+            weight_checker.verify([s.url for s in fleet], transfer=reload_all(fleet), fleet=True)
+        assert not any(s.paused for s in fleet)
+
+
+def test_reload_transfer_posts_to_every_server_at_once():
+    special = {str(i): {"delay": 0.0} for i in range(3)}
+    with fake_fleet(3, **special) as fleet:
+        for s in fleet:
+            s.reload_delay = 1.0
+        urls = [a for s in fleet for a in ("--url", s.url)]
+        r = subprocess.run(
+            [*CLI, "verify", *urls, "--transfer", "reload", "--json"], capture_output=True, text=True, timeout=60
+        )
+        assert r.returncode == 0, r.stdout + r.stderr
+        transfer = next(s for s in json.loads(r.stdout)["steps"] if s["step"] == "transfer")
+        assert transfer["seconds"] < 2.0, transfer  # one after another: 3 s
 
 
 def test_progress_line_names_done_total_and_the_slowest(capsys, monkeypatch):
@@ -145,8 +221,10 @@ def test_keys_that_hold_no_bytes_on_the_engine_are_flagged_in_the_report():
     import hashlib
 
     with fake_fleet(1) as fleet:
-        expected = {f"dp0:pp0:pcp0:tp0:{k}": v for k, v in fleet[0].loaded.items()}
-        fleet[0].loaded["w1"] = hashlib.sha256(b"").hexdigest()  # what a CPU backend leaves of a linear weight
+        expected = dict(fleet[0].loaded)
+        fleet[0].loaded["dp0:pp0:pcp0:tp0:w1"] = hashlib.sha256(
+            b""
+        ).hexdigest()  # what a CPU backend leaves of a linear weight
         fleet[0].weights = dict(fleet[0].loaded)
         result = weight_checker.verify([fleet[0].url], transfer=reload_all(fleet), expected=expected)
     assert result.mismatches == {"dp0:pp0:pcp0:tp0:w1": "stale"}

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
-from weight_checker import guard
-from weight_checker.launch import vllm_available
+from weight_checker.integrations.vllm import guard
+from weight_checker.testing.launch import vllm_available
 
 from .test_server import Workers, make_app
 

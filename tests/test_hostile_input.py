@@ -18,7 +18,7 @@ import pytest
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from weight_checker import cli
+from weight_checker.cli.main import main as cli_main
 
 from .test_server import Workers, assert_vllm_error, make_app
 
@@ -107,7 +107,7 @@ def run_cli(argv: list[str], stdin: str = "") -> tuple[int, str, str]:
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
-                code = cli.main(argv)
+                code = cli_main(argv)
             except SystemExit as e:  # argparse usage errors
                 code = e.code if isinstance(e.code, int) else 2
     finally:

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from weight_checker.launch import AMX_SITE_DIR, local_workers, omp_threads_bind, vllm_env
+from weight_checker.testing.launch import AMX_SITE_DIR, local_workers, omp_threads_bind, vllm_env
 
 ARCH_GET_XCOMP_PERM = 0x1022
 XFEATURE_XTILEDATA = 18

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from weight_checker.launch import vllm_available, vllm_env
+from weight_checker.testing.launch import vllm_available, vllm_env
 
 pytestmark = [
     pytest.mark.vllm,

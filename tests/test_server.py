@@ -196,7 +196,7 @@ def test_route_exists_only_in_dev_mode(workers, monkeypatch):
     # The route is engine-neutral: the caller decides whether to mount it...
     assert TestClient(make_app(workers, dev_mode=False)).post("/weight_checker", json={}).status_code == 404
     # ... and vLLM's glue mounts it only with VLLM_SERVER_DEV_MODE=1, as vLLM does.
-    from weight_checker.vllm import WeightCheckerEndpoint
+    from weight_checker.integrations.vllm.endpoint import WeightCheckerEndpoint
 
     for flag, present in (("0", False), ("1", True)):
         monkeypatch.setenv("VLLM_SERVER_DEV_MODE", flag)

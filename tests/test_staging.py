@@ -20,7 +20,8 @@ import torch
 import weight_checker
 from hypothesis import given
 from hypothesis import strategies as st
-from weight_checker import _core, copy_engines, staging
+from weight_checker import _core
+from weight_checker.hashing import copy_engines, staging
 from weight_checker.staging import HostCopyEngine, StagingStats, digest_staged, plan_slots
 
 from .conftest import vllm_digest
@@ -185,7 +186,7 @@ class OddlyFailingEngine(HostCopyEngine):
 
 
 def test_a_copy_engine_error_of_any_type_names_the_tensor_and_keeps_its_cause():
-    from weight_checker.staging import StagingError
+    from weight_checker.errors import StagingError
 
     tensors = [random_tensor((1000,), torch.uint8, i) for i in range(4)]
     names = [f"w{i}" for i in range(4)]
@@ -231,7 +232,7 @@ def test_budget_env_var(monkeypatch):
     monkeypatch.setenv(staging.BUDGET_ENV, "64")
     assert staging.budget_bytes() == 64 << 20
     monkeypatch.setenv(staging.BUDGET_ENV, "lots")
-    with pytest.raises(ValueError, match="number of MiB"):
+    with pytest.raises(ValueError, match=r"WEIGHT_CHECKER_STAGING_MB=.lots.: expected a positive number"):
         staging.budget_bytes()
 
 

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from weight_checker.launch import vllm_available, vllm_env
+from weight_checker.testing.launch import vllm_available, vllm_env
 
 from . import vllm_checks as checks
 
@@ -74,6 +74,6 @@ def test_async_llm_in_process(tiny_llama):
 def test_empty_digest_constant_is_sha256_of_nothing():
     import hashlib
 
-    from weight_checker.classes import EMPTY_DIGEST
+    from weight_checker.verify.classes import EMPTY_DIGEST
 
     assert EMPTY_DIGEST == hashlib.sha256(b"").hexdigest() == checks.EMPTY

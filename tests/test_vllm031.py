@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from weight_checker.launch import vllm_available, vllm_server
+from weight_checker.testing.launch import vllm_available, vllm_server
 
 from . import vllm_checks as checks
 

@@ -5,7 +5,7 @@ path vLLM <= 0.31, which has no built-in route, relies on)."""
 from __future__ import annotations
 
 import pytest
-from weight_checker.launch import vllm_available, vllm_server
+from weight_checker.testing.launch import vllm_available, vllm_server
 
 from . import vllm_checks as checks
 

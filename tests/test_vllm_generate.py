@@ -6,8 +6,8 @@ which shows that the request is what makes the other vLLM tests pass there."""
 from __future__ import annotations
 
 import pytest
-from weight_checker.httpclient import HttpError
-from weight_checker.launch import vllm_available, vllm_server
+from weight_checker.errors import HttpError
+from weight_checker.testing.launch import vllm_available, vllm_server
 
 pytestmark = [
     pytest.mark.vllm,

@@ -12,7 +12,7 @@ import sys
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from weight_checker.launch import vllm_available, vllm_server
+from weight_checker.testing.launch import vllm_available, vllm_server
 
 from . import vllm_checks as checks
 

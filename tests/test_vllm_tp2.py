@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from weight_checker.launch import vllm_available, vllm_server
+from weight_checker.testing.launch import vllm_available, vllm_server
 
 from . import vllm_checks as checks
 

@@ -9,7 +9,8 @@ import subprocess
 import sys
 
 import pytest
-from weight_checker.launch import vllm_available, vllm_server, write_tiny_llama
+from weight_checker.testing.launch import vllm_available, vllm_server
+from weight_checker.testing.models import write_tiny_llama
 
 from . import vllm_checks as checks
 

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from weight_checker import _core
-from weight_checker.walk import collect, expand
+from weight_checker.hashing.walk import collect, expand
 
 from .conftest import vllm_digest
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import re
 
-from weight_checker.launch import Server
+from weight_checker.testing.launch import Server
 
 EMPTY = hashlib.sha256(b"").hexdigest()
 #: The workflow's steps, in order, before the resume of a paused server.
@@ -88,10 +88,13 @@ def check_seed_flow(server: Server) -> None:
     assert body["choices"][0]["finish_reason"] in ("length", "stop")
 
 
-#: The plugin's INFO line for one rank's checksum (weight_checker/vllm.py).
+#: The plugin's INFO line for one rank's checksum (integrations/vllm/worker.py):
+#: the kernels this process may use, then what the run used.
 SERVED = re.compile(
     r"weight_checker: (?P<tensors>\d+) tensors, (?P<bytes>\d+) bytes in \S+ s \(\S+ GB/s\) on "
-    r"(?P<rank>dp\d+:pp\d+:pcp\d+:tp\d+) by the Rust core \(weight_checker \S+, kernel (?P<kernel>[\w-]+),"
+    r"(?P<rank>dp\d+:pp\d+:pcp\d+:tp\d+) by the Rust core \(weight_checker \S+, kernel (?P<kernel>[\w+-]+): "
+    r"(?P<run>.+)\)$",
+    re.M,
 )
 
 
@@ -114,6 +117,8 @@ def check_rust_core_served(server: Server, answer: dict[str, str], workers: int)
         assert int(line["tensors"]) == count, (rank, line.group(0), count)
         assert int(line["bytes"]) > 0, line.group(0)
         assert line["kernel"] == weight_checker.kernel(), line.group(0)
+        # What the run used, not the process's defaults: its own tensor count.
+        assert line["run"].endswith(f"; {count} tensors"), line.group(0)
 
 
 def merge_results(body: dict) -> dict[str, str]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from weight_checker.errors import WeightCheckerError
+from weight_checker.errors import DuplicateKeysError, InputError
 
 
 def rank_prefix(dp: int, pp: int, pcp: int, tp: int) -> str:
@@ -15,18 +15,8 @@ def rank_prefix(dp: int, pp: int, pcp: int, tp: int) -> str:
     """
     for label, value in (("dp", dp), ("pp", pp), ("pcp", pcp), ("tp", tp)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"rank_prefix: {label} must be a non-negative int, got {value!r}")
+            raise InputError(f"rank_prefix: {label} must be a non-negative int, got {value!r}")
     return f"dp{dp}:pp{pp}:pcp{pcp}:tp{tp}:"
-
-
-class DuplicateKeysError(WeightCheckerError, ValueError):
-    """Two sources (workers, servers) produced the same key."""
-
-    def __init__(self, keys: list[str], source: object = None):
-        where = f" (also from {source})" if source is not None else ""
-        super().__init__(f"duplicate keys{where}: {keys[:5]}{' ...' if len(keys) > 5 else ''}")
-        self.keys = keys
-        self.source = source
 
 
 def merge_digests(maps: Iterable[Mapping[str, str]], sources: Iterable[object] | None = None) -> dict[str, str]:
@@ -51,6 +41,16 @@ def first_repeated(items: Iterable[str]) -> str:
             return item
         seen.add(item)
     raise ValueError("no item appears twice")
+
+
+def split_rank(key: str) -> tuple[str, str]:
+    """``("dp0:pp0:pcp0:tp0", "name")``: a key's rank and its name (which may
+    itself hold colons, e.g. ``lora:NAME:module.lora_a``); ``("", key)`` for a
+    key without the rank prefix."""
+    parts = key.split(":", 4)
+    if len(parts) < 5:
+        return "", key
+    return ":".join(parts[:4]), parts[4]
 
 
 def split_key(key: str) -> tuple[str, str]:

@@ -12,7 +12,7 @@ class TestHooks:
     def weight_checker_test_gpu_layout_digests(self) -> dict[str, str]:
         """``{key: digest}`` of the parameters the CPU backend repacked after
         loading, as the loader left them (see ``sitecustomize``)."""
-        from weight_checker.vllm import worker_prefix
+        from weight_checker.integrations.vllm.worker import worker_prefix
 
         prefix = worker_prefix(self)
         out = {}

@@ -9,12 +9,15 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-#: The fields of a manifest: ``checksums`` and, from ``expect``, its provenance.
-MANIFEST_FIELDS = {"checksums", "vllm_version", "layout", "unwritten"}
+from weight_checker.errors import WeightCheckerError
+
+if TYPE_CHECKING:
+    from weight_checker.expected.digests import ExpectedDigests
 
 
-class UsageError(Exception):
+class UsageError(WeightCheckerError):
     """Bad input: one line on stderr, exit 2."""
 
 
@@ -41,22 +44,16 @@ def write_output(text: str, path: str | None) -> None:
         raise
 
 
-def load_expected(path: str):
+def load_expected(path: str) -> ExpectedDigests:
     """An ``expect`` manifest (or any manifest) as :class:`ExpectedDigests`."""
-    from weight_checker.expected import ExpectedDigests
+    from weight_checker.expected.digests import ExpectedDigests
 
     digests = load_manifest(path, [False])
-    out = ExpectedDigests(digests)
     try:
         raw = json.loads(Path(path).read_text())
     except (OSError, ValueError):
         raw = {}
-    meta = raw if isinstance(raw, dict) else {}
-    out.vllm_version = meta.get("vllm_version", "") if isinstance(meta.get("vllm_version"), str) else ""
-    out.layout = meta.get("layout", {}) if isinstance(meta.get("layout"), dict) else {}
-    unwritten = meta.get("unwritten", [])
-    out.unwritten = [k for k in unwritten if isinstance(k, str)] if isinstance(unwritten, list) else []
-    return out
+    return ExpectedDigests.from_manifest(raw if isinstance(raw, dict) else {}, digests)
 
 
 def load_manifest(path: str, stdin_used: list[bool]) -> dict[str, str]:
@@ -71,14 +68,16 @@ def load_manifest(path: str, stdin_used: list[bool]) -> dict[str, str]:
             text, where = Path(path).read_text(), path
         except (OSError, ValueError) as e:  # incl. UnicodeDecodeError, an embedded NUL in the path
             reason = e.strerror if isinstance(e, OSError) and e.strerror else e
-            raise UsageError(f"{path}: cannot read: {reason}") from None
+            raise UsageError(f"{path}: cannot read: {reason}") from e
     try:
         data = json.loads(text)
-    except RecursionError:
-        raise UsageError(f"{where}: invalid JSON: nested too deeply") from None
+    except RecursionError as e:
+        raise UsageError(f"{where}: invalid JSON: nested too deeply") from e
     except ValueError as e:  # JSONDecodeError, or a number too long to convert
-        raise UsageError(f"{where}: invalid JSON: {str(e)[:200]}") from None
-    if isinstance(data, dict) and "checksums" in data and set(data) <= MANIFEST_FIELDS:
+        raise UsageError(f"{where}: invalid JSON: {e}") from e
+    from weight_checker.expected.digests import ExpectedDigests
+
+    if isinstance(data, dict) and "checksums" in data and set(data) <= ExpectedDigests.FIELDS:
         data = data["checksums"]
     if not isinstance(data, dict):
         raise UsageError(f'{where}: expected {{key: sha256 hex}} or {{"checksums": {{...}}}}')

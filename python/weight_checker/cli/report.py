@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 import time
 
-from weight_checker.classes import class_counts
+from weight_checker.verify.classes import class_counts
 
 
 class Progress:
@@ -44,7 +44,7 @@ class Progress:
 def compare_report(baseline: dict[str, str], current: dict[str, str]) -> dict:
     """``compare``'s JSON report: vLLM's compare with every mismatching key
     classed by :func:`weight_checker.classes.classify`, grouped by class."""
-    from weight_checker.classes import classify
+    from weight_checker.verify.classes import classify
 
     classes = classify(baseline, current)
     by_class: dict[str, list[str]] = {}
@@ -69,6 +69,15 @@ def summary_line(result: dict, nbase: int, ncur: int) -> str:
     return f"MISMATCH: {n} keys differ ({counts}); baseline {nbase} keys, current {ncur}"
 
 
+def _fleet(report: dict) -> str:
+    layout = report.get("layout")
+    if layout == "fleet":
+        return f" (a fleet of {len(report['servers'])} replicas, each compared on its own)"
+    if layout == "merge":
+        return f" ({len(report['servers'])} servers' ranks merged into one model)"
+    return ""
+
+
 def print_verify_report(report: dict) -> None:
     print(f"weight-checker verify: {len(report['servers'])} server(s): {' '.join(report['servers'])}")
     for i, s in enumerate(report["steps"], 1):
@@ -81,13 +90,18 @@ def print_verify_report(report: dict) -> None:
     if report.get("error") and not report.get("key_count"):
         print(f"result: ERROR: {report['error']}")
         return
-    with_expected = any(s["step"] == "checksum (after)" for s in report["steps"])
-    reference = "the expected digest" if with_expected else "the baseline"
+    reference = "the expected digest" if report.get("reference") == "the expected digests" else "the baseline"
+    for engine, seen in report.get("weight_versions", {}).items():
+        print(f"weight version: {engine}: {seen['before']} -> {seen['after']}")
     if report["match"]:
-        print(f"result: MATCH: {report['key_count']} keys, every digest equals {reference}")
+        print(f"result: MATCH: {report['key_count']} keys, every digest equals {reference}{_fleet(report)}")
     else:
         counts = class_counts({k: c for c, ks in report["classes"].items() for k in ks})
-        print(f"result: MISMATCH: {len(report['mismatches'])} keys ({counts})")
+        versions = len(report.get("version_mismatches", {}))
+        also = f"; {versions} engine(s) claim a weight version their weights are not" if versions else ""
+        print(f"result: MISMATCH: {len(report['mismatches'])} keys ({counts or 'none differ'}){also}")
         print_mismatches(report)
+    for engine, why in report.get("version_mismatches", {}).items():
+        print(f"  weight-version          {engine} {why}")
     if report.get("error"):
         print(f"error: {report['error']}")

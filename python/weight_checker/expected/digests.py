@@ -26,136 +26,130 @@ narrows a zero-copy view, so a rank touches only the pages of its shard
 
 from __future__ import annotations
 
-import json
+import contextlib
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from weight_checker.errors import ExpectedDigestsError
-from weight_checker.expected_weights import CheckpointWeights, Tracked, weights_source
+from weight_checker.expected.overlap import LoadingHasher
+from weight_checker.expected.rank_groups import rank_groups
+from weight_checker.expected.rank_model import (
+    CACHE,
+    DRAFT_ARENA,
+    TARGET_ARENA,
+    build_and_load,
+    cache_key,
+    engine_config,
+    refuse_quantized_config,
+    unwritten_of,
+)
+from weight_checker.expected.weights import weights_source
 from weight_checker.keys import rank_prefix
-from weight_checker.rank_groups import rank_groups
 
-__all__ = ["CheckpointWeights", "ExpectedDigests", "ExpectedDigestsError", "expected_digests", "release_buffers"]
+__all__ = ["ExpectedDigests", "expected_digests"]
 
 
 class ExpectedDigests(dict[str, str]):
     """``{key: hex}`` for every key the engine reports, plus what produced them."""
 
-    #: The vLLM version whose model class and loader ran.
-    vllm_version: str = ""
-    #: ``{"tp": T, "pp": P, "dp": D, "dtype": ..., "architecture": ...}``
-    layout: dict[str, Any]
-    #: Keys of parameters the weights never wrote (not in the mapping: their
-    #: bytes would be uninitialized memory, so they are never hashed).
-    unwritten: list[str]
-    #: Seconds spent building and loading the rank models, and hashing them.
-    seconds: dict[str, float]
+    #: The fields of a manifest: ``checksum``'s, and the provenance beside it.
+    FIELDS = frozenset({"checksums", "vllm_version", "layout", "unwritten", "warnings", "weight_version"})
+
+    def __init__(
+        self,
+        digests: Mapping[str, str] | None = None,
+        *,
+        vllm_version: str = "",
+        layout: dict[str, Any] | None = None,
+        unwritten: list[str] | None = None,
+        warnings: list[str] | None = None,
+        weight_version: str | None = None,
+    ):
+        super().__init__(digests or {})
+        #: The vLLM version whose model class and loader ran.
+        self.vllm_version = vllm_version
+        #: ``{"tp": T, "pp": P, "dp": D, "dtype": ..., "architecture": ...}``
+        self.layout: dict[str, Any] = layout or {}
+        #: Keys of parameters the weights never wrote (not in the mapping:
+        #: their bytes would be uninitialized memory, so they are never hashed).
+        self.unwritten: list[str] = unwritten or []
+        #: What could not be established (e.g. the model's ``load_weights``
+        #: does not say which parameters it wrote, so unwritten ones go unnoticed).
+        self.warnings: list[str] = warnings or []
+        #: The weight version the engine must report with these weights
+        #: (``None``: not checked).
+        self.weight_version = weight_version
+        #: Seconds spent building and loading the rank models, and hashing them.
+        self.seconds: dict[str, float] = {"load": 0.0, "hash": 0.0}
 
     def manifest(self) -> dict[str, Any]:
         """The ``checksum`` manifest format, with the provenance beside it."""
-        return {
+        out: dict[str, Any] = {
             "checksums": dict(sorted(self.items())),
             "vllm_version": self.vllm_version,
             "layout": self.layout,
             "unwritten": self.unwritten,
+            "warnings": self.warnings,
         }
+        if self.weight_version is not None:
+            out["weight_version"] = self.weight_version
+        return out
 
+    @classmethod
+    def from_manifest(cls, data: Mapping[str, Any], digests: Mapping[str, str]) -> ExpectedDigests:
+        """The expected digests of a manifest ``data`` whose ``checksums`` are
+        ``digests`` (validated by the caller); absent fields are empty."""
 
-def _engine_args(model: Any, tp: int, pp: int, dtype: str | None, engine_args: Mapping[str, Any]) -> Any:
-    from vllm.engine.arg_utils import EngineArgs
+        def strings(value: Any) -> list[str]:
+            return [v for v in value if isinstance(v, str)] if isinstance(value, list) else []
 
-    if isinstance(model, EngineArgs):
-        return model
-    if isinstance(model, Mapping):
-        engine_args = {**model, **engine_args}
-    else:
-        engine_args = {"model": str(model), **engine_args}
-    defaults = {"skip_tokenizer_init": True, "enforce_eager": True, "max_model_len": 256}
-    args = {**defaults, **engine_args, "tensor_parallel_size": tp, "pipeline_parallel_size": pp}
-    if dtype is not None:
-        args["dtype"] = dtype
-    return EngineArgs(**args)
-
-
-class _Arena:
-    """One rank's parameter memory, kept from call to call.
-
-    A freshly built model's parameters are untouched allocations, so the
-    loader's copy into them pays a page fault and the kernel's zeroing for
-    every 4 KiB (here 0.38 s for 1.7 GB, against 0.10 s for the same copy
-    into memory already touched). Each rank's parameters are rebound to views
-    of this one buffer instead, which is zeroed first: bytes that the weights
-    do not write read as zeros, never as what an earlier rank or step left
-    there. The buffer is the size of the largest rank seen;
-    :func:`release_buffers` frees it.
-    """
-
-    ALIGN = 64
-
-    def __init__(self) -> None:
-        self.buffer: Any = None
-
-    def bind(self, model: Any) -> None:
-        import torch
-
-        params = [p for _, p in model.named_parameters() if p.device.type == "cpu" and p.numel() > 0]
-        sizes = [-(-p.nbytes // self.ALIGN) * self.ALIGN for p in params]
-        total = sum(sizes)
-        if self.buffer is None or self.buffer.numel() < total:
-            self.buffer = None
-            self.buffer = torch.empty(total, dtype=torch.uint8)
-        self.buffer[:total].zero_()
-        offset = 0
-        for p, size in zip(params, sizes, strict=True):
-            view = self.buffer[offset : offset + p.nbytes].view(p.dtype).view(p.shape)
-            p.data = view
-            offset += size
-
-
-_ARENA = _Arena()
-
-
-def release_buffers() -> None:
-    """Frees the parameter memory :func:`expected_digests` keeps between calls."""
-    _ARENA.buffer = None
-
-
-def _refuse_quantized_config(checkpoint: Path) -> None:
-    """A model directory's config, checked before vLLM reads it."""
-    try:
-        config = json.loads((checkpoint / "config.json").read_text())
-    except FileNotFoundError:
-        raise ExpectedDigestsError(f"{checkpoint}: not a model directory (no config.json)") from None
-    except (OSError, ValueError) as e:
-        raise ExpectedDigestsError(f"{checkpoint / 'config.json'}: cannot read: {e}") from None
-    quant = config.get("quantization_config") if isinstance(config, dict) else None
-    if quant is not None:
-        method = quant.get("quant_method", "unknown method") if isinstance(quant, dict) else "unknown method"
-        raise ExpectedDigestsError(
-            f"{checkpoint}: quantized model ({method}): its post-load processing changes bytes; not supported"
+        version = data.get("weight_version")
+        return cls(
+            digests,
+            vllm_version=data["vllm_version"] if isinstance(data.get("vllm_version"), str) else "",
+            layout=data["layout"] if isinstance(data.get("layout"), dict) else {},
+            unwritten=strings(data.get("unwritten")),
+            warnings=strings(data.get("warnings")),
+            weight_version=str(version) if isinstance(version, (str, int)) and not isinstance(version, bool) else None,
         )
 
 
-_NO_OP_ON_GPU = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod", "UnquantizedFusedMoEMethod")
+class _Rank:
+    """What one (pp, tp) rank gives: keys under the rank's ``dp0`` prefix."""
+
+    def __init__(self, pp_rank: int, tp_rank: int):
+        self.name = f"pp{pp_rank}:tp{tp_rank}"
+        self.prefix = rank_prefix(0, pp_rank, 0, tp_rank)
+        self.digests: dict[str, str] = {}
+        self.unwritten: list[str] = []
+
+    def add(self, namespace: str, digests: dict[str, str], unwritten: list[str]) -> None:
+        skipped = {self.prefix + namespace + n for n in unwritten}
+        for key, digest in digests.items():
+            # A SharedWeightParameter or tensor subclass reports name.{part}.
+            if key not in skipped and key.rsplit(".", 1)[0] not in skipped:
+                self.digests[key] = digest
+        self.unwritten += sorted(skipped)
 
 
-def _refuse_byte_changing_post_load(model: Any) -> None:
-    """Post-load processing that changes parameter bytes on a GPU cannot be
-    reproduced here exactly: name the layers instead of approximating."""
-    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
-
-    changing = []
-    for name, module in model.named_modules():
-        method = getattr(module, "quant_method", None)
-        if isinstance(method, QuantizeMethodBase) and type(method).__name__ not in _NO_OP_ON_GPU:
-            changing.append(f"{name or '<root>'} ({type(method).__name__})")
-    if changing:
-        shown = ", ".join(changing[:5]) + (f" and {len(changing) - 5} more" if len(changing) > 5 else "")
-        raise ExpectedDigestsError(f"post-load processing changes the bytes of these layers: {shown}")
-    if callable(getattr(type(model), "process_weights_after_loading", None)):
-        raise ExpectedDigestsError(f"{type(model).__name__} post-processes its weights after loading")
+def _unwritten(
+    model: Any, loaded: set[str] | None, what: str, rank: _Rank, out: ExpectedDigests, allow: bool
+) -> list[str]:
+    """The parameters the weights never wrote: an error unless ``allow``."""
+    if loaded is None and not any("load_weights does not return" in w for w in out.warnings):
+        out.warnings.append(
+            f"{type(model).__name__}.load_weights does not return the names it loaded: parameters the weights "
+            "never wrote cannot be detected (they hash as zeros)"
+        )
+    unwritten = unwritten_of(model, loaded)
+    if unwritten and not allow:
+        shown = ", ".join(unwritten[:5]) + (" ..." if len(unwritten) > 5 else "")
+        raise ExpectedDigestsError(
+            f"the weights never wrote {len(unwritten)} {what} parameter(s) of {rank.name}: {shown}"
+        )
+    return unwritten
 
 
 def expected_digests(
@@ -168,108 +162,191 @@ def expected_digests(
     dtype: str | None = None,
     allow_unwritten: bool = False,
     progress: Callable[[str], None] | None = None,
+    enable_lora: bool = False,
+    loras: Mapping[str, Any] | None = None,
+    draft: str | Path | None = None,
+    draft_weights: Any = None,
+    num_speculative_tokens: int = 2,
+    weight_version: str | None = None,
     **engine_args: Any,
 ) -> ExpectedDigests:
-    """``{key: hex}`` for every ``dp{d}:pp{p}:pcp0:tp{t}:{name}`` an engine
-    started with this model and layout reports after loading ``weights``.
+    """``{key: hex}`` for every key an engine started with this model and
+    layout reports after loading ``weights``: ``dp{d}:pp{p}:pcp0:tp{t}:{name}``,
+    and, where asked, its LoRA adapters and draft model.
 
     ``model``: a checkpoint directory (its config and, unless ``weights`` is
     given, its weights), a ``vllm.EngineArgs``, or a mapping of the engine
     arguments the server was started with (``{"model": dir, "dtype": ...}``;
-    ``engine_args`` add to them). ``weights``: a checkpoint (path), or the
-    trainer's ``(hf_name, tensor)`` pairs as a mapping, a list, ``.items()``
-    or a callable returning a fresh iterable (every rank reads them all).
+    ``engine_args`` add to them, e.g. ``max_lora_rank=8, max_loras=2``).
+    ``weights``: a checkpoint (path), or the trainer's ``(hf_name, tensor)``
+    pairs as a mapping, a list, ``.items()`` or a callable returning a fresh
+    iterable (every rank reads them all).
 
-    Raises :class:`ExpectedDigestsError` naming the tensor or the reason, and,
-    unless ``allow_unwritten``, when the weights leave a parameter unwritten.
+    ``enable_lora`` (implied by ``loras``): the engine runs with LoRA, so its
+    target keys carry vLLM's ``.base_layer.`` names. ``loras``: adapter name
+    -> PEFT directory or the trainer's ``(tensors, adapter_config)``; each
+    adapter's slot contents on every rank, keys ``lora:{name}:{module}.lora_a``
+    / ``.lora_b``. ``draft``: the draft model's directory (draft-model
+    speculative decoding), its weights from ``draft_weights`` (as ``weights``)
+    or its checkpoint; keys ``draft:{name}``. ``weight_version``: the version
+    the engine must claim with these weights (checked by ``verify``).
+
+    Raises :class:`ExpectedDigestsError` naming the tensor, the adapter or the
+    reason, and, unless ``allow_unwritten``, when the weights leave a
+    parameter unwritten.
     """
     for label, n in (("tp", tp), ("pp", pp), ("dp", dp)):
         if not isinstance(n, int) or n < 1:
             raise ExpectedDigestsError(f"{label} must be a positive integer, got {n!r}")
     checkpoint = Path(model) if isinstance(model, (str, Path)) else None
     if checkpoint is not None:
-        _refuse_quantized_config(checkpoint)
+        refuse_quantized_config(checkpoint)
     source = weights_source(weights, checkpoint, tp * pp)
+    enable_lora = enable_lora or bool(loras)
+    if enable_lora:
+        engine_args = {**engine_args, "enable_lora": True}
+    if draft is not None:
+        from weight_checker.expected.draft import speculative_config
 
-    import torch
+        refuse_quantized_config(Path(draft))
+        engine_args = {**engine_args, "speculative_config": speculative_config(draft, num_speculative_tokens)}
+    draft_source = weights_source(draft_weights, Path(draft), tp * pp) if draft is not None else None
+
     import vllm
-    from vllm.config import set_current_vllm_config
-    from vllm.model_executor.model_loader.utils import initialize_model
-    from vllm.model_executor.model_loader.weight_tying import maybe_retie_word_embeddings
-    from vllm.utils.torch_utils import set_default_torch_dtype
 
-    import weight_checker
-
-    try:
-        config = _engine_args(model, tp, pp, dtype, engine_args).create_engine_config()
-    except Exception as e:
-        reason = " ".join(str(e).split()).split(" Supported architectures:")[0]
-        raise ExpectedDigestsError(f"vLLM cannot configure this model: {reason[:300]}") from None
+    key = cache_key(model, {"tp": tp, "pp": pp, "dtype": dtype, **engine_args})
+    config = CACHE.config_for(key, lambda: engine_config(model, tp, pp, dtype, engine_args))
     model_config = config.model_config
     if model_config.quantization is not None:
         raise ExpectedDigestsError(
             f"quantized model ({model_config.quantization}): its post-load processing changes bytes; not supported"
         )
-    out = ExpectedDigests()
-    out.vllm_version = vllm.__version__
+    from weight_checker.expected.lora import check_adapters
+
+    adapters = check_adapters(loras, config.lora_config.max_loras) if enable_lora else []
+    out = ExpectedDigests(vllm_version=vllm.__version__, weight_version=weight_version)
     out.layout = {
         "tp": tp, "pp": pp, "dp": dp, "dtype": str(model_config.dtype).removeprefix("torch."),
         "architecture": model_config.architecture,
     }  # fmt: skip
-    out.unwritten = []
-    out.seconds = {"load": 0.0, "hash": 0.0}
+    if enable_lora:
+        out.layout["lora"] = {
+            "max_lora_rank": config.lora_config.max_lora_rank,
+            "max_loras": config.lora_config.max_loras,
+        }
+    if draft is not None:
+        out.layout["draft"] = str(draft)
     for pp_rank in range(pp):
         for tp_rank in range(tp):
+            rank = _Rank(pp_rank, tp_rank)
             if progress is not None:
-                progress(f"pp{pp_rank}:tp{tp_rank}")
-            config.compilation_config.static_forward_context.clear()
-            started = time.perf_counter()
-            with (
-                rank_groups(tp_rank, tp, pp_rank, pp),
-                set_current_vllm_config(config),
-                set_default_torch_dtype(model_config.dtype),
-                torch.device("cpu"),
-            ):
-                try:
-                    rank_model = initialize_model(vllm_config=config)
-                except ExpectedDigestsError:
-                    raise
-                except Exception as e:
-                    raise ExpectedDigestsError(
-                        f"vLLM cannot build {model_config.architecture}: {' '.join(str(e).split())[:300]}"
-                    ) from None
-                _refuse_byte_changing_post_load(rank_model)
-                _ARENA.bind(rank_model)
-                tracked = Tracked(source())
-                try:
-                    loaded = rank_model.load_weights(iter(tracked))
-                except ExpectedDigestsError:
-                    raise
-                except Exception as e:
-                    where = f"tensor '{tracked.current}'" if tracked.current else "the weights"
-                    message = " ".join(str(e).split())[:300] or type(e).__name__
-                    raise ExpectedDigestsError(f"{where}: vLLM's loader failed: {message}") from None
-                maybe_retie_word_embeddings(rank_model, model_config)
-            names = [n for n, _ in rank_model.named_parameters()]
-            unwritten = sorted(set(names) - set(loaded)) if isinstance(loaded, set) else []
-            if unwritten and not allow_unwritten:
-                shown = ", ".join(unwritten[:5]) + (" ..." if len(unwritten) > 5 else "")
-                raise ExpectedDigestsError(
-                    f"the weights never wrote {len(unwritten)} parameter(s) of pp{pp_rank}:tp{tp_rank}: {shown}"
-                )
-            prefix = rank_prefix(0, pp_rank, 0, tp_rank)
-            loaded_at = time.perf_counter()
-            digests = weight_checker.checksum(rank_model, prefix=prefix)
-            out.seconds["load"] += loaded_at - started
-            out.seconds["hash"] += time.perf_counter() - loaded_at
-            skipped = {prefix + n for n in unwritten}
-            for key in list(digests):
-                # A SharedWeightParameter or tensor subclass reports name.{part}.
-                if key in skipped or key.rsplit(".", 1)[0] in skipped:
-                    del digests[key]
+                progress(rank.name)
+            _target_rank(config, source, rank, tp, pp, adapters, enable_lora, allow_unwritten, out)
+            if draft_source is not None:
+                _draft_rank(config, draft_source, rank, tp, pp, allow_unwritten, out)
             for d in range(dp):
                 replica = rank_prefix(d, pp_rank, 0, tp_rank)
-                out.update({replica + k[len(prefix) :]: v for k, v in digests.items()})
-                out.unwritten += [replica + k[len(prefix) :] for k in sorted(skipped)]
-            del rank_model, digests
+                out.update({replica + k[len(rank.prefix) :]: v for k, v in rank.digests.items()})
+                out.unwritten += [replica + k[len(rank.prefix) :] for k in rank.unwritten]
     return out
+
+
+def _digests(hasher: LoadingHasher, model: Any, prefix: str) -> dict[str, str]:
+    """``{prefix + name: hex}`` of ``model``, walked like
+    :func:`weight_checker.checksum`, from the digests made during the load
+    where they still hold."""
+    from weight_checker.hashing.walk import collect
+
+    names, tensors = collect(model)
+    return {prefix + n: d for n, d in zip(names, hasher.digests_of(names, tensors), strict=True)}
+
+
+def _target_rank(
+    config: Any,
+    source: Any,
+    rank: _Rank,
+    tp: int,
+    pp: int,
+    adapters: list[tuple[str, int, Any]],
+    enable_lora: bool,
+    allow_unwritten: bool,
+    out: ExpectedDigests,
+) -> None:
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    from weight_checker.expected.lora import add_adapters, cpu_punica, wrap
+
+    model_config = config.model_config
+    pp_rank, tp_rank = (int(part[2:]) for part in rank.name.split(":"))
+    # A LoRA-wrapped model is never reused: it is wrapped after loading.
+    cached = None if enable_lora else CACHE.models.get(rank.name)
+    if cached is None:
+        config.compilation_config.static_forward_context.clear()
+    started = time.perf_counter()
+    with (
+        rank_groups(tp_rank, tp, pp_rank, pp),
+        set_current_vllm_config(config),
+        set_default_torch_dtype(model_config.dtype),
+        torch.device("cpu"),
+        cpu_punica() if enable_lora else contextlib.nullcontext(),
+    ):
+        rank_model, loaded, hasher = build_and_load(config, model_config, source(), TARGET_ARENA, cached)
+        if not enable_lora:
+            CACHE.models[rank.name] = rank_model
+        unwritten = _unwritten(rank_model, loaded, "target", rank, out, allow_unwritten)
+        if enable_lora:
+            # Wrapped after loading, as the engine does: the same parameters under `.base_layer.` names.
+            kept = {id(p) for n, p in rank_model.named_parameters() if n not in unwritten}
+            rank_model, manager = wrap(rank_model, config)
+            unwritten = [n for n, p in rank_model.named_parameters() if id(p) not in kept]
+            add_adapters(manager, adapters)
+    loaded_at = time.perf_counter()
+    rank.add("", _digests(hasher, rank_model, rank.prefix), unwritten)
+    if enable_lora:
+        from weight_checker.hashing.digests import digest_tensors
+        from weight_checker.integrations.vllm.scope_walk import lora_pairs
+
+        pairs, _ = lora_pairs(manager, rank.prefix)
+        keys = [k for k, _ in pairs]
+        rank.add("", dict(zip(keys, digest_tensors(keys, [t for _, t in pairs])[0], strict=True)), [])
+    out.seconds["load"] += loaded_at - started
+    out.seconds["hash"] += time.perf_counter() - loaded_at
+
+
+def _draft_rank(
+    config: Any, source: Any, rank: _Rank, tp: int, pp: int, allow_unwritten: bool, out: ExpectedDigests
+) -> None:
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    from weight_checker.expected.draft import draft_configs
+
+    draft_config, draft_model_config = draft_configs(config)
+    pp_rank, tp_rank = (int(part[2:]) for part in rank.name.split(":"))
+    cached = CACHE.models.get("draft:" + rank.name)
+    if cached is None:
+        config.compilation_config.static_forward_context.clear()  # shared with the draft's config
+    started = time.perf_counter()
+    with (
+        rank_groups(tp_rank, tp, pp_rank, pp),
+        set_current_vllm_config(draft_config),
+        set_default_torch_dtype(draft_model_config.dtype),
+        torch.device("cpu"),
+    ):
+        model, loaded, hasher = build_and_load(
+            draft_config,
+            draft_model_config,
+            source(),
+            DRAFT_ARENA,
+            cached,
+            prefix="draft_model",
+        )
+        CACHE.models["draft:" + rank.name] = model
+        unwritten = _unwritten(model, loaded, "draft", rank, out, allow_unwritten)
+    loaded_at = time.perf_counter()
+    rank.add("draft:", _digests(hasher, model, rank.prefix + "draft:"), unwritten)
+    out.seconds["load"] += loaded_at - started
+    out.seconds["hash"] += time.perf_counter() - loaded_at

@@ -30,7 +30,8 @@ class CheckpointWeights:
 
     def __init__(self, paths: str | Path | Iterable[str | Path]):
         from weight_checker import _core
-        from weight_checker.checkpoint import CheckpointError, resolve
+        from weight_checker.errors import CheckpointError
+        from weight_checker.hashing.checkpoint import resolve
 
         paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
         try:
@@ -38,7 +39,7 @@ class CheckpointWeights:
             for f in self.files:
                 _core.safetensors_tensors(str(f))
         except (CheckpointError, ValueError) as e:
-            raise ExpectedDigestsError(str(e)) from None
+            raise ExpectedDigestsError(str(e)) from e
         self.nbytes = sum(f.stat().st_size for f in self.files)
 
     def __iter__(self) -> Iterator[tuple[str, Any]]:

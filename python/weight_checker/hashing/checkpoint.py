@@ -6,6 +6,9 @@ each file and hashes every tensor's byte range in parallel; a tensor's digest
 equals ``weight_checker.checksum`` of the same tensor loaded by torch. An
 engine fuses and shards tensors, so its keys are not a checkpoint's: the
 digests an engine must hold come from :mod:`weight_checker.expected`.
+
+The files must not be modified while they are read: the core maps them
+(read-only, shared with the page cache) and reads them in place.
 """
 
 from __future__ import annotations
@@ -15,20 +18,16 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from weight_checker import _core
-from weight_checker.errors import WeightCheckerError
+from weight_checker.errors import CheckpointError
 
 INDEX_SUFFIX = ".safetensors.index.json"
-
-
-class CheckpointError(WeightCheckerError, ValueError):
-    """A checkpoint that cannot be read: bad path, bad index, bad file."""
 
 
 def _index_shards(index: Path) -> tuple[list[Path], dict[str, Path]]:
     try:
         data = json.loads(index.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{index}: cannot read index: {e}") from None
+        raise CheckpointError(f"{index}: cannot read index: {e}") from e
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
@@ -88,10 +87,8 @@ def checksum_checkpoint(
     files, expected = resolve(paths)
     try:
         digests = _core.checksum_safetensors([str(f) for f in files], progress)
-    except _core.SafetensorsError as e:
-        raise CheckpointError(str(e)) from None
-    except OSError as e:
-        raise CheckpointError(str(e)) from None
+    except (_core.SafetensorsError, OSError) as e:
+        raise CheckpointError(str(e)) from e
     if expected:
         found = {name for name, _, _ in digests}
         for name, shard in expected.items():

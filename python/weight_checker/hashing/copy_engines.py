@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar, Protocol
 
 from weight_checker import _core
-from weight_checker.tensor_bytes import gather_bytes
+from weight_checker.hashing.tensor_bytes import gather_bytes
 
 logger = logging.getLogger("weight_checker.staging")
 

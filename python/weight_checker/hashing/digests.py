@@ -6,7 +6,8 @@ from collections.abc import Iterable, Mapping
 from typing import Any, TypedDict
 
 from weight_checker import _core
-from weight_checker.walk import collect, expand
+from weight_checker.errors import InputTypeError
+from weight_checker.hashing.walk import collect, expand
 
 
 class CompareResult(TypedDict):
@@ -33,7 +34,7 @@ def digest_tensors(names: list[str], tensors: list[Any]) -> tuple[list[str], lis
         return _core.digest_many(tensors, names)
     except _core.DeviceTensorError:
         pass
-    from weight_checker import staging
+    from weight_checker.hashing import staging
 
     return staging.digest_mixed(names, tensors)
 
@@ -41,7 +42,7 @@ def digest_tensors(names: list[str], tensors: list[Any]) -> tuple[list[str], lis
 def checksum_sized(source: Any, prefix: str = "") -> tuple[dict[str, str], int]:
     """:func:`checksum` and the bytes it hashed."""
     if not isinstance(prefix, str):
-        raise TypeError(f"prefix must be a str, got {type(prefix).__name__}")
+        raise InputTypeError(f"prefix must be a str, got {type(prefix).__name__}")
     if hasattr(source, "named_parameters"):
         # A torch module walked by torch's own code: walked and hashed in
         # one pass in the core. Device tensors go through staging below.
@@ -75,7 +76,7 @@ def reset(source: Any) -> None:
     _, tensors = collect(source)
     for t in tensors:
         if not hasattr(t, "zero_"):
-            raise TypeError(f"cannot zero a {type(t).__name__}")
+            raise InputTypeError(f"cannot zero a {type(t).__name__}")
     import torch
 
     with torch.no_grad():
@@ -85,10 +86,10 @@ def reset(source: Any) -> None:
 
 def _check_digest_map(label: str, m: Any) -> Mapping[str, str]:
     if not isinstance(m, Mapping):
-        raise TypeError(f"{label} must be a mapping key -> sha256 hex, got {type(m).__name__}")
+        raise InputTypeError(f"{label} must be a mapping key -> sha256 hex, got {type(m).__name__}")
     for k, v in m.items():
         if not isinstance(k, str) or not isinstance(v, str):
-            raise TypeError(f"{label}: entry {k!r} -> {v!r:.80} is not str -> str")
+            raise InputTypeError(f"{label}: entry {k!r} -> {v!r:.80} is not str -> str")
     return m
 
 

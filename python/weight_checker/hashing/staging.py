@@ -24,33 +24,17 @@ and the pipeline; :mod:`weight_checker.tensor_bytes` the byte views.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from weight_checker import _core
-from weight_checker.copy_engines import COPIER_NICE, CopyEngine, CudaCopyEngine, HostCopyEngine, alloc_host
-from weight_checker.errors import WeightCheckerError
-from weight_checker.tensor_bytes import byte_pieces, gather_bytes, nbytes_of
+from weight_checker import _core, settings
+from weight_checker.errors import InputError, StagingError
+from weight_checker.hashing.copy_engines import CopyEngine, CudaCopyEngine
+from weight_checker.hashing.tensor_bytes import byte_pieces
 
-__all__ = [
-    "COPIER_NICE",
-    "CopyEngine",
-    "CudaCopyEngine",
-    "HostCopyEngine",
-    "StagingError",
-    "StagingStats",
-    "alloc_host",
-    "budget_bytes",
-    "byte_pieces",
-    "digest_mixed",
-    "digest_staged",
-    "gather_bytes",
-    "nbytes_of",
-    "plan_slots",
-]
+__all__ = ["StagingStats", "budget_bytes", "digest_mixed", "digest_staged", "plan_slots"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,26 +45,15 @@ DEFAULT_BUDGET_BYTES = 512 * MiB
 DEFAULT_SLOTS = 4
 
 
-class StagingError(WeightCheckerError, RuntimeError):
-    """A device-to-host copy failed: names the tensor(s); the copy engine's own
-    exception is its ``__cause__`` (re-raising that type with a new message
-    would fail for exceptions whose constructor takes other arguments)."""
-
-
 BUDGET_ENV = "WEIGHT_CHECKER_STAGING_MB"
 
 
 def budget_bytes() -> int:
-    """The staging budget: ``WEIGHT_CHECKER_STAGING_MB`` if set, else 512 MiB."""
-    raw = os.environ.get(BUDGET_ENV)
-    if raw is None:
+    """The staging budget: ``WEIGHT_CHECKER_STAGING_MB`` if set, else 512 MiB
+    (:class:`~weight_checker.errors.SettingsError` for a value it does not take)."""
+    mb = settings.get(BUDGET_ENV)
+    if mb is None:
         return DEFAULT_BUDGET_BYTES
-    try:
-        mb = float(raw)
-    except ValueError:
-        raise ValueError(f"{BUDGET_ENV} must be a number of MiB, got {raw!r}") from None
-    if mb <= 0:
-        raise ValueError(f"{BUDGET_ENV} must be positive, got {raw!r}")
     return max(int(mb * MiB), 4096)
 
 
@@ -128,7 +101,7 @@ def plan_slots(sizes: list[int], slot_bytes: int, streams: int, kinds: list[Any]
     op and moved with one copy.
     """
     if slot_bytes <= 0 or streams <= 0:
-        raise ValueError("slot_bytes and streams must be positive")
+        raise InputError("slot_bytes and streams must be positive")
     chunk = max(slot_bytes // streams, 1)
     large = sorted((i for i, n in enumerate(sizes) if n > chunk), key=lambda i: -sizes[i])
     small = [i for i, n in enumerate(sizes) if n <= chunk]
@@ -205,7 +178,7 @@ def digest_staged(
 
     budget = budget_bytes() if budget is None else budget
     if budget <= 0 or slots <= 0:
-        raise ValueError("staging budget and slot count must be positive")
+        raise InputError("staging budget and slot count must be positive")
     names = names if names is not None else [f"#{i}" for i in range(len(tensors))]
     streams = streams or _core.streams()
     dtypes = [t.dtype for t in tensors]

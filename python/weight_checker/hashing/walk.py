@@ -14,6 +14,7 @@ import functools
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
+from weight_checker.errors import InputError, InputTypeError
 from weight_checker.keys import first_repeated
 
 
@@ -59,7 +60,7 @@ def _pairs(source: Any) -> Iterable[Any]:
     elif isinstance(source, Iterable) and not isinstance(source, (str, bytes)):
         pairs = source
     else:
-        raise TypeError(
+        raise InputTypeError(
             "expected an nn.Module, a mapping name -> tensor, or an iterable of "
             f"(name, tensor) pairs, got {type(source).__name__}"
         )
@@ -75,7 +76,7 @@ def collect(source: Any) -> tuple[list[str], list[Any]]:
     plain = _plain_types() if _torch_loaded() else ()
     for item in _pairs(source):
         if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
-            raise TypeError(f"expected (name, tensor) pairs, got {item!r:.80}")
+            raise InputTypeError(f"expected (name, tensor) pairs, got {item!r:.80}")
         if type(item[1]) in plain:
             # The common case, without the generator of `expand`.
             names.append(item[0])
@@ -86,7 +87,7 @@ def collect(source: Any) -> tuple[list[str], list[Any]]:
             tensors.append(tensor)
     if len(set(names)) != len(names):
         dup = first_repeated(names)
-        raise ValueError(f"tensor {dup!r} appears more than once")
+        raise InputError(f"tensor {dup!r} appears more than once")
     return names, tensors
 
 

@@ -1,40 +1,22 @@
-"""``POST /weight_checker``: vLLM's weight-checker route, contract for contract.
-
-The route is a FastAPI ``APIRouter`` over an engine adapter: an async
-callable returning one ``{key: hex}`` dict per worker, and an async callable
-that zeroes the weights. Nothing here is specific to one inference engine.
-It merges the workers' digests (a key produced twice is an HTTP 500 naming
-the duplicates), compares with vLLM's union-and-sorted
-semantics, and answers every malformed request with HTTP 400 in vLLM's error
-shape ``{"error": {"message", "type", "param", "code"}}``.
-
-    app = FastAPI()
-    adapter = EngineAdapter(checksums=..., reset=...)  # one adapter, one lock:
-    mount(app, lambda request: adapter)                # resets wait for running checksums
-
-``get_adapter`` must return the same adapter for every request: the adapter
-holds the lock that orders a reset after the checksums already running, and
-a new adapter per request would have a new lock.
-
-Whether to mount it is the caller's decision (vLLM's glue mounts it only
-when ``VLLM_SERVER_DEV_MODE=1``, as vLLM does).
-"""
+"""The ``POST /weight_checker`` router over an engine adapter (see the
+package docstring for the contract)."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
+from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from weight_checker.digests import compare
-from weight_checker.keys import DuplicateKeysError, merge_digests
-
-ACTIONS = ("checksum", "reset", "compare")
+from weight_checker.errors import DuplicateKeysError
+from weight_checker.hashing.digests import compare
+from weight_checker.keys import merge_digests
+from weight_checker.server.openapi import OPENAPI
+from weight_checker.server.requests import BadRequest, error_response, parse_request
 
 
 class _SharedExclusiveLock:
@@ -88,173 +70,18 @@ class EngineAdapter:
 
     ``checksums`` returns one ``{key: hex}`` dict per worker, over every
     engine behind this API server; ``reset`` zeroes every worker's weights.
+    An adapter that can cover more than the target model (a request's
+    ``include``) also gives ``scoped_checksums(include)``, one
+    ``{"checksums": {...}, "rank": ..., "lora_slots": {...}}`` per worker,
+    and ``scoped_reset(include)``; without them a request with ``include``
+    is refused (400), never answered with less than it asked for.
     """
 
     checksums: Callable[[], Awaitable[list[dict[str, str]]]]
     reset: Callable[[], Awaitable[None]]
+    scoped_checksums: Callable[[list[str]], Awaitable[list[dict[str, Any]]]] | None = None
+    scoped_reset: Callable[[list[str]], Awaitable[None]] | None = None
     lock: _SharedExclusiveLock = field(default_factory=_SharedExclusiveLock, repr=False)
-
-
-class BadRequest(Exception):
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.message = message
-        self.param = param
-
-
-def error_response(status: HTTPStatus, message: str, param: str | None = None) -> JSONResponse:
-    """vLLM's error body: ``{"error": {"message", "type", "param", "code"}}``."""
-    body = {"error": {"message": message, "type": status.phrase, "param": param, "code": status.value}}
-    return JSONResponse(body, status_code=status.value)
-
-
-class _DuplicateKey(Exception):
-    pass
-
-
-def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
-    """``json.loads`` hook: an object that names a key twice is ambiguous
-    (which ``action``?), so it is refused rather than last-one-wins."""
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        from weight_checker.keys import first_repeated
-
-        raise _DuplicateKey(first_repeated(k for k, _ in pairs))
-    return out
-
-
-def parse_request(content_type: str | None, raw: bytes) -> tuple[str, dict[str, str] | None]:
-    """Validates a request body exactly as strictly as vLLM's route does
-    (plus a JSON content type); returns ``(action, baseline)``."""
-    if not raw.strip():
-        raise BadRequest("Field required: the body must be a JSON object with 'action'", "body.action")
-    media = (content_type or "").split(";")[0].strip().lower()
-    if media != "application/json" and not media.endswith("+json"):
-        raise BadRequest(f"Content-Type must be application/json, got {content_type!r}", "body")
-    try:
-        body = json.loads(raw, object_pairs_hook=_no_duplicate_keys)
-    except _DuplicateKey as e:
-        raise BadRequest(f"Invalid JSON: duplicate key {e.args[0]!r:.80}", "body") from None
-    except RecursionError:
-        raise BadRequest("Invalid JSON: nested too deeply", "body") from None
-    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, a number too long to convert
-        raise BadRequest(f"Invalid JSON: {str(e)[:200]}", "body") from None
-    if not isinstance(body, dict):
-        raise BadRequest(f"The body must be a JSON object, got {type(body).__name__}", "body")
-    if "action" not in body:
-        raise BadRequest("Field required: 'action'", "body.action")
-    action = body["action"]
-    if not isinstance(action, str) or action not in ACTIONS:
-        raise BadRequest(f"'action' must be one of {list(ACTIONS)}, got {action!r:.80}", "body.action")
-    baseline = body.get("baseline")
-    if baseline is not None:
-        if not isinstance(baseline, dict):
-            raise BadRequest(
-                f"'baseline' must be an object key -> sha256 hex, got {type(baseline).__name__}",
-                "body.baseline",
-            )
-        for key, digest in baseline.items():
-            if not isinstance(digest, str):
-                raise BadRequest(
-                    f"baseline[{key!r}] must be a string, got {digest!r:.80}",
-                    f"body.baseline.{key}",
-                )
-    if action == "compare" and baseline is None:
-        raise BadRequest("action='compare' requires a 'baseline' object", "body.baseline")
-    return action, baseline
-
-
-# vLLM compares digest strings as they are (a wrong one is a mismatch, not a
-# bad request), so the schema asks for strings and nothing more.
-_DIGEST_MAP = {
-    "type": "object",
-    "additionalProperties": {"type": "string"},
-}
-_ERROR = {
-    "type": "object",
-    "properties": {
-        "error": {
-            "type": "object",
-            "properties": {
-                "message": {"type": "string"},
-                "type": {"type": "string"},
-                "param": {"type": ["string", "null"]},
-                "code": {"type": "integer"},
-            },
-            "required": ["message", "type", "code"],
-        }
-    },
-}
-OPENAPI = {
-    "requestBody": {
-        "required": True,
-        "content": {
-            "application/json": {
-                "schema": {
-                    "oneOf": [
-                        {
-                            "title": "checksum",
-                            "type": "object",
-                            "properties": {"action": {"const": "checksum"}},
-                            "required": ["action"],
-                        },
-                        {
-                            "title": "reset",
-                            "type": "object",
-                            "properties": {"action": {"const": "reset"}},
-                            "required": ["action"],
-                        },
-                        {
-                            "title": "compare",
-                            "type": "object",
-                            "properties": {"action": {"const": "compare"}, "baseline": _DIGEST_MAP},
-                            "required": ["action", "baseline"],
-                        },
-                    ]
-                }
-            }
-        },
-    },
-    "responses": {
-        "200": {
-            "description": "checksum: {checksums}; reset: {status}; compare: {match, mismatches}",
-            "content": {
-                "application/json": {
-                    "schema": {
-                        "oneOf": [
-                            {
-                                "type": "object",
-                                "properties": {"checksums": _DIGEST_MAP},
-                                "required": ["checksums"],
-                            },
-                            {
-                                "type": "object",
-                                "properties": {"status": {"const": "reset"}},
-                                "required": ["status"],
-                            },
-                            {
-                                "type": "object",
-                                "properties": {
-                                    "match": {"type": "boolean"},
-                                    "mismatches": {"type": "array", "items": {"type": "string"}},
-                                },
-                                "required": ["match", "mismatches"],
-                            },
-                        ]
-                    }
-                }
-            },
-        },
-        "400": {
-            "description": "Invalid request",
-            "content": {"application/json": {"schema": _ERROR}},
-        },
-        "500": {
-            "description": "Two workers produced the same key",
-            "content": {"application/json": {"schema": _ERROR}},
-        },
-    },
-}
 
 
 def create_router(get_adapter: Callable[[Request], EngineAdapter]) -> APIRouter:
@@ -271,26 +98,43 @@ def create_router(get_adapter: Callable[[Request], EngineAdapter]) -> APIRouter:
         """Per-tensor SHA-256 of every worker's weights (keys
         ``dp{dp}:pp{pp}:pcp{pcp}:tp{tp}:{name}``); ``reset`` zeroes them;
         ``compare`` recomputes and lists every key whose digest differs from
-        ``baseline`` (missing and extra keys included), sorted."""
+        ``baseline`` (missing and extra keys included), sorted. ``include``
+        (``target``, ``draft``, ``lora``) widens the scope of all three."""
         try:
-            action, baseline = parse_request(request.headers.get("content-type"), await request.body())
+            req = parse_request(request.headers.get("content-type"), await request.body())
         except BadRequest as e:
             return error_response(HTTPStatus.BAD_REQUEST, e.message, e.param)
         adapter = get_adapter(request)
-        if action == "reset":
+        if req.include is not None and (adapter.scoped_checksums is None or adapter.scoped_reset is None):
+            message = "this engine cannot checksum a scope ('include')"
+            return error_response(HTTPStatus.BAD_REQUEST, message, "body.include")
+        if req.action == "reset":
             async with adapter.lock.exclusive():
-                await adapter.reset()
-            return JSONResponse({"status": "reset"})
+                if req.include is None:
+                    await adapter.reset()
+                else:
+                    assert adapter.scoped_reset is not None
+                    await adapter.scoped_reset(list(req.include))
+            return JSONResponse({"status": "reset"} | ({"include": list(req.include)} if req.include else {}))
+        extra: dict[str, Any] = {}
         async with adapter.lock.shared():
-            per_worker = await adapter.checksums()
+            if req.include is None:
+                per_worker = await adapter.checksums()
+            else:
+                assert adapter.scoped_checksums is not None
+                answers = await adapter.scoped_checksums(list(req.include))
+                per_worker = [a["checksums"] for a in answers]
+                extra["include"] = list(req.include)
+                if "lora" in req.include:
+                    extra["lora_slots"] = {a.get("rank", str(i)): a.get("lora_slots") for i, a in enumerate(answers)}
         try:
             checksums = merge_digests(per_worker)
         except DuplicateKeysError as e:
             return error_response(HTTPStatus.INTERNAL_SERVER_ERROR, f"Duplicate weight checksum keys: {e.keys}")
-        if action == "checksum":
-            return JSONResponse({"checksums": checksums})
-        assert baseline is not None
-        return JSONResponse(dict(compare(baseline, checksums)))
+        if req.action == "checksum":
+            return JSONResponse({"checksums": checksums} | extra)
+        assert req.baseline is not None
+        return JSONResponse(dict(compare(req.baseline, checksums)) | extra)
 
     return router
 

@@ -1,21 +1,27 @@
-"""Running one step of the workflow on many engines at once: a bounded pool,
-a per-engine timing, a progress line, and the combination of their digest
-maps. :class:`weight_checker.http_target.HttpTarget` and
-:class:`weight_checker.engine_targets.Fleet` are built on :class:`FannedOut`.
+"""One step of the workflow on many engines at once: the one fan-out pool
+every target uses (bounded, each engine timed, a progress line), and
+:class:`EngineSet`, the workflow's operations written once over it.
+
+A target subclasses :class:`EngineSet` and gives ``_call(name, op, step)``
+for one engine; everything else (all or none pausing, resuming whatever
+was paused, failures named by engine, how the engines' digests relate) is
+here. Async engines are reached from the pool's threads through their event
+loop (:mod:`weight_checker.verify.targets.async_engines`), so there is one
+pool, one bound and one progress line for every kind of engine.
 """
 
 from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from weight_checker.errors import VerifyError
-from weight_checker.httpclient import HttpError
-from weight_checker.keys import DuplicateKeysError, merge_digests
+from weight_checker.errors import HttpError, InputError, VerifyError
+from weight_checker.scope import DEFAULT, parse_include
+from weight_checker.verify.engine_digests import EngineDigests, Layout, decide_layout
 
 DEFAULT_CONCURRENCY = 32
 #: What an engine that serves nothing during the call (an offline ``LLM``)
@@ -32,23 +38,6 @@ class StepTiming:
     @property
     def slowest(self) -> tuple[str, float] | None:
         return max(self.seconds.items(), key=lambda kv: kv[1]) if self.seconds else None
-
-
-def combine(per_engine: Sequence[tuple[str, Mapping[str, str]]]) -> tuple[dict[str, str], bool]:
-    """``(digests, kept_apart)``: merged when the engines serve disjoint keys;
-    ``"{engine} {key}"`` when any key is served by more than one engine."""
-    if len(per_engine) == 1:
-        return dict(per_engine[0][1]), False
-    seen: set[str] = set()
-    shared = False
-    for _, sums in per_engine:
-        if not seen.isdisjoint(sums):
-            shared = True
-            break
-        seen.update(sums)
-    if not shared:
-        return merge_digests([s for _, s in per_engine], [n for n, _ in per_engine]), False
-    return {f"{name} {k}": v for name, sums in per_engine for k, v in sums.items()}, True
 
 
 class Progress:
@@ -72,6 +61,12 @@ class Progress:
         return update
 
 
+def _failure_message(e: BaseException) -> str:
+    if isinstance(e, (VerifyError, HttpError)):
+        return e.message
+    return f"{type(e).__name__}: {e}"
+
+
 def fan_out(
     step: str,
     names: list[str],
@@ -80,24 +75,20 @@ def fan_out(
     concurrency: int,
     timing: StepTiming | None = None,
     progress: Progress | None = None,
-) -> tuple[dict[str, Any], dict[str, str]]:
+) -> tuple[dict[str, Any], dict[str, BaseException]]:
     """``call(name)`` for every name at once (at most ``concurrency`` in
     flight); ``(results, failures)``, both by name. Every call ends (each
     has its own timeout) before this returns."""
     results: dict[str, Any] = {}
-    failures: dict[str, str] = {}
+    failures: dict[str, BaseException] = {}
     update = (progress or Progress(False)).start(step, len(names))
 
     def one(name: str) -> None:
         started = time.perf_counter()
         try:
             results[name] = call(name)
-        except VerifyError as e:
-            failures[name] = e.message
-        except HttpError as e:
-            failures[name] = e.message
         except Exception as e:  # an engine's own failure, named by the caller
-            failures[name] = f"{type(e).__name__}: {e}"
+            failures[name] = e
         finally:
             if timing is not None:
                 timing.seconds[name] = time.perf_counter() - started
@@ -111,33 +102,57 @@ def fan_out(
     return results, failures
 
 
-def first_failure(step: str, names: list[str], failures: dict[str, str]) -> VerifyError:
+def first_failure(step: str, names: list[str], failures: dict[str, BaseException]) -> VerifyError:
+    """One error for a step that failed on some engines: the first one named,
+    the others listed; the first one's exception is its cause."""
     first = next(n for n in names if n in failures)
-    more = f" (and {len(failures) - 1} more: {', '.join(n for n in names if n in failures and n != first)})"
-    return VerifyError(step, first, failures[first] + (more if len(failures) > 1 else ""))
+    others = [n for n in names if n in failures and n != first]
+    more = f" (and {len(others)} more: {', '.join(others)})" if others else ""
+    error = VerifyError(step, first, _failure_message(failures[first]) + more)
+    error.__cause__ = failures[first]
+    return error
 
 
-class FannedOut:
-    """The workflow's operations over named engines, fanned out; subclasses
-    give ``_call(name, op, step)``."""
+class EngineSet:
+    """The workflow's operations over named engines, fanned out by one pool.
+    Subclasses give ``_call(name, op, step)`` for ``op`` in ``pause``,
+    ``resume``, ``checksum`` (returns ``{key: hex}`` of the scope
+    ``include``), ``reset`` (of that scope), ``version`` (vLLM's version)
+    and ``weight_version`` (the weight version the engine claims), the last
+    two a string or ``None`` where unknown."""
 
-    is_async = False
-
-    def __init__(self, names: list[str], concurrency: int, progress: Progress | None):
+    def __init__(
+        self,
+        names: list[str],
+        concurrency: int,
+        progress: Progress | None,
+        layout: Layout | None = None,
+        include: tuple[str, ...] = DEFAULT,
+    ):
         if concurrency < 1:
-            raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+            raise InputError(f"concurrency must be >= 1, got {concurrency}")
         self.names = names
+        #: What a checksum covers (:mod:`weight_checker.scope`).
+        self.include = parse_include(list(include))
+        #: engine -> rank -> slot -> adapter name, from the latest scoped checksum.
+        self.lora_slots: dict[str, Any] = {}
         self.concurrency = concurrency
         self.progress = progress or Progress()
         self.paused: list[str] = []
-        self.kept_apart = False
+        #: How the engines' digests relate, as the caller asked (``"merge"``,
+        #: ``"fleet"``) or ``None``: the first checksum's key sets decide.
+        self.requested_layout = layout
+        #: The layout decided by the first checksum, then held to.
+        self.layout: Layout | None = None
         #: step -> per-engine seconds, for the report.
         self.timings: dict[str, StepTiming] = {}
 
     def _call(self, name: str, op: str, step: str) -> Any:
         raise NotImplementedError
 
-    def _all(self, op: str, step: str, names: list[str] | None = None) -> tuple[dict[str, Any], dict[str, str]]:
+    def _all(
+        self, op: str, step: str, names: list[str] | None = None
+    ) -> tuple[dict[str, Any], dict[str, BaseException]]:
         names = list(self.names if names is None else names)
         timing = self.timings.setdefault(step, StepTiming())
         return fan_out(
@@ -159,27 +174,44 @@ class FannedOut:
         names = list(self.paused)
         done, failures = self._all("resume", "resume", names)
         self.paused = [n for n in self.paused if n not in done]
-        return [str(VerifyError("resume", n, failures[n])) for n in names if n in failures]
+        return [str(VerifyError("resume", n, _failure_message(failures[n]))) for n in names if n in failures]
 
-    def per_engine(self, step: str) -> list[tuple[str, dict[str, str]]]:
-        done, failures = self._all("checksum", step)
-        if failures:
-            raise first_failure(step, self.names, failures)
-        return [(n, done[n]) for n in self.names]
+    def per_engine(self, step: str) -> dict[str, dict[str, str]]:
+        """Every engine's ``{key: hex}``, as they are (no layout decided)."""
+        done = self.each("checksum", step)
+        return {n: done[n] for n in self.names}
 
-    def checksum(self, step: str) -> dict[str, str]:
+    def checksums(self, step: str) -> EngineDigests:
+        """Every engine's ``{key: hex}``, and how they relate: decided at the
+        first checksum, then held to (a merge must stay disjoint; a fleet's
+        engines may then differ: that is what the comparison reports)."""
         per_engine = self.per_engine(step)
         try:
-            digests, self.kept_apart = combine(per_engine)
-        except DuplicateKeysError as e:
-            raise VerifyError(step, str(e.source), f"keys also served by another engine: {e.keys[:5]}") from None
-        return digests
+            if self.layout is None:
+                self.layout = decide_layout(per_engine, self.requested_layout)
+            elif self.layout == "merge":
+                decide_layout(per_engine, "merge")
+        except InputError as e:
+            raise VerifyError(step, None, str(e)) from e
+        return EngineDigests(per_engine, self.layout)
 
     def reset(self, step: str) -> None:
-        _, failures = self._all("reset", step)
+        self.each("reset", step)
+
+    def each(self, op: str, step: str) -> dict[str, Any]:
+        """``op`` on every engine, as step ``step``; raises naming the first
+        engine that failed, once every call has ended."""
+        done, failures = self._all(op, step)
         if failures:
             raise first_failure(step, self.names, failures)
+        return done
 
     def versions(self) -> dict[str, str | None]:
         done, _ = self._all("version", "version")
+        return {n: done.get(n) for n in self.names}
+
+    def weight_versions(self, step: str) -> dict[str, str | None]:
+        """The weight version each engine claims, ``None`` where it reports
+        none (no ``/weight_info``): reported, never a failure."""
+        done, _ = self._all("weight_version", step)
         return {n: done.get(n) for n in self.names}

@@ -15,46 +15,32 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
-from weight_checker.errors import WeightCheckerError
+from weight_checker.errors import HttpError, InputError
 
 API_KEY_ENV = "VLLM_API_KEY"
 
 
-class HttpError(WeightCheckerError):
-    """A request that failed: connection, HTTP status or a non-JSON answer."""
-
-    def __init__(self, url: str, message: str, status: int | None = None):
-        super().__init__(f"{url}: {message}")
-        self.url = url
-        self.status = status
-        self.message = message
-
-    @property
-    def unauthorized(self) -> bool:
-        return self.status in (401, 403)
-
-
 def validate_url(url: object) -> str:
     """``url`` without a trailing slash, if it is an ``http(s)://host[:port]``
-    URL; else ``ValueError`` saying what is wrong."""
+    URL; else :class:`InputError` (a ``ValueError``) saying what is wrong."""
     if not isinstance(url, str) or not url.strip():
-        raise ValueError(f"invalid URL {url!r}: empty")
+        raise InputError(f"invalid URL {url!r}: empty")
     try:
         parts = urllib.parse.urlsplit(url.strip())
         port = parts.port  # raises on a bad port
         host = parts.hostname
     except ValueError as e:
-        raise ValueError(f"invalid URL {url!r}: {e}") from None
+        raise InputError(f"invalid URL {url!r}: {e}") from e
     if parts.scheme not in ("http", "https"):
-        raise ValueError(f"invalid URL {url!r}: the scheme must be http or https")
+        raise InputError(f"invalid URL {url!r}: the scheme must be http or https")
     if not host:
-        raise ValueError(f"invalid URL {url!r}: no host")
+        raise InputError(f"invalid URL {url!r}: no host")
     if port == 0:
-        raise ValueError(f"invalid URL {url!r}: port 0")
+        raise InputError(f"invalid URL {url!r}: port 0")
     if parts.query or parts.fragment:
-        raise ValueError(f"invalid URL {url!r}: no query or fragment expected")
+        raise InputError(f"invalid URL {url!r}: no query or fragment expected")
     if any(c.isspace() or ord(c) < 32 for c in url.strip()):
-        raise ValueError(f"invalid URL {url!r}: control or space characters")
+        raise InputError(f"invalid URL {url!r}: control or space characters")
     return url.strip().rstrip("/")
 
 
@@ -89,11 +75,16 @@ def request(
         status, raw = e.code, e.read()
     except (urllib.error.URLError, OSError, ValueError) as e:
         reason = getattr(e, "reason", e)
-        raise HttpError(url, f"cannot connect: {reason}") from None
+        raise HttpError(url, f"cannot connect: {reason}") from e
     try:
         return status, (json.loads(raw) if raw else None)
     except ValueError:
         return status, raw.decode(errors="replace")
+
+
+def _clip(text: str, limit: int = 2000) -> str:
+    """A non-JSON body (an HTML error page) shortened for a message, saying so."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
 
 
 def post_json(url: str, path: str, body: Any = None, *, timeout: float = 600.0, api_key: str | None = None) -> Any:
@@ -104,8 +95,8 @@ def post_json(url: str, path: str, body: Any = None, *, timeout: float = 600.0, 
             url, f"unauthorized (HTTP {status}): pass the server's API key (--api-key or VLLM_API_KEY)", status
         )
     if not 200 <= status < 300:
-        detail = answer if isinstance(answer, str) else json.dumps(answer)
-        raise HttpError(url, f"HTTP {status}: {detail[:300]}", status)
+        detail = _clip(answer) if isinstance(answer, str) else json.dumps(answer)
+        raise HttpError(url, f"HTTP {status}: {detail}", status)
     if isinstance(answer, str):
-        raise HttpError(url, f"answer is not JSON: {answer[:200]!r}", status)
+        raise HttpError(url, f"answer is not JSON: {_clip(answer)!r}", status)
     return answer

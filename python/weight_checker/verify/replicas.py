@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from weight_checker.keys import split_key
-from weight_checker.targets import DEFAULT_CONCURRENCY, target_for
+from weight_checker.verify.fanout import DEFAULT_CONCURRENCY
+from weight_checker.verify.targets import target_for
 
 
 @dataclass
@@ -32,15 +33,20 @@ class ReplicaResult:
 
 
 def replicas(
-    target: Any, *, timeout: float | None = None, api_key: str | None = None, concurrency: int = DEFAULT_CONCURRENCY
+    target: Any,
+    *,
+    timeout: float | None = None,
+    api_key: str | None = None,
+    concurrency: int = DEFAULT_CONCURRENCY,
+    include: Any = None,
 ) -> ReplicaResult:
     """One checksum of every replica (no pause, no reset), keys grouped by
     everything but the replica: the ``dp`` rank inside one engine, and the
-    engine itself when several are given."""
-    t = target_for(target, api_key=api_key, timeout=timeout, concurrency=concurrency)
-    if t.is_async:
-        raise TypeError("replicas() of an AsyncLLM: run it in process with an LLM or over HTTP")
-    per_source = t.per_engine("checksum")
+    engine itself when several are given. ``target``: URL(s), ``vllm.LLM``
+    engines or Ray actor handles (an ``AsyncLLM``'s replicas: over HTTP, or
+    ``verify_async``). ``include``: the checksum's scope, as for :func:`verify`."""
+    t = target_for(target, api_key=api_key, timeout=timeout, concurrency=concurrency, include=include)
+    per_source = t.per_engine("checksum").items()
     several = len(per_source) > 1
     groups: dict[str, dict[str, str]] = {}
     names: list[str] = []

@@ -2,23 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from weight_checker.classes import class_counts
-from weight_checker.errors import WeightCheckerError
+from weight_checker.errors import WeightMismatchError
+from weight_checker.verify.engine_digests import Layout
 
 
-class WeightMismatchError(WeightCheckerError):
-    """The weights after the transfer differ from the baseline."""
-
-    def __init__(self, mismatches: Mapping[str, str]):
-        summary = class_counts(mismatches)
-        first = ", ".join(sorted(mismatches)[:5])
-        more = " ..." if len(mismatches) > 5 else ""
-        super().__init__(f"{len(mismatches)} keys differ from the baseline ({summary}): {first}{more}")
-        self.mismatches = dict(mismatches)
+def any_version(versions: dict[str, dict[str, str | None]]) -> bool:
+    return any(v is not None for seen in versions.values() for v in seen.values())
 
 
 @dataclass
@@ -36,7 +28,8 @@ class VerifyResult:
     """What one run of the workflow found."""
 
     match: bool = False
-    #: key -> class, for every mismatching key (vLLM's union semantics).
+    #: key -> class, for every mismatching key (vLLM's union semantics); in a
+    #: fleet the key is shown as ``"{engine} {key}"`` (see ``by_engine``).
     mismatches: dict[str, str] = field(default_factory=dict)
     steps: list[Step] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
@@ -47,10 +40,27 @@ class VerifyResult:
     #: key -> what a ``wrong-shard`` key holds instead (the key whose expected
     #: digest it has), with ``expected``.
     details: dict[str, str] = field(default_factory=dict)
+    #: How the engines' digests related (``single``, ``merge``, ``fleet``).
+    layout: Layout | None = None
+    #: engine -> key -> class: the same mismatches, kept by engine.
+    by_engine: dict[str, dict[str, str]] = field(default_factory=dict)
+    #: What the digests were compared with: ``"the baseline"`` or
+    #: ``"the expected digests"``.
+    reference: str = "the baseline"
+    #: engine -> {"before": version, "after": version}: the weight version
+    #: each engine claimed (``None`` where it reports none).
+    weight_versions: dict[str, dict[str, str | None]] = field(default_factory=dict)
+    #: engine -> why its claimed weight version does not match the weights
+    #: it holds (with expected digests that carry a ``weight_version``).
+    version_mismatches: dict[str, str] = field(default_factory=dict)
+    #: engine -> rank -> slot -> adapter name, where adapters were in scope.
+    lora_slots: dict[str, Any] = field(default_factory=dict)
 
     def raise_for_mismatch(self) -> None:
-        if self.mismatches:
-            raise WeightMismatchError(self.mismatches)
+        """:class:`WeightMismatchError` (counts per class, first keys) if any
+        key differs, or an engine's weight version does not match its weights."""
+        if self.mismatches or self.version_mismatches:
+            raise WeightMismatchError(self.mismatches, self.reference, self.version_mismatches)
 
     def classes(self) -> dict[str, list[str]]:
         """class -> sorted keys."""
@@ -71,7 +81,13 @@ class VerifyResult:
             "mismatches": sorted(self.mismatches),
             "classes": self.classes(),
             "key_count": self.key_count,
+            "reference": self.reference,
+            "layout": self.layout,
             "warnings": self.warnings,
             **({"details": self.details} if self.details else {}),
+            **({"by_engine": self.by_engine} if self.layout == "fleet" else {}),
+            **({"weight_versions": self.weight_versions} if any_version(self.weight_versions) else {}),
+            **({"version_mismatches": self.version_mismatches} if self.version_mismatches else {}),
+            **({"lora_slots": self.lora_slots} if self.lora_slots else {}),
             **({"error": self.error} if self.error else {}),
         }

@@ -3,35 +3,24 @@
     result = weight_checker.verify(llm, transfer=lambda: llm.collective_rpc("reload_weights"))
     result.raise_for_mismatch()
 
-The workflow is vLLM's seed flow: pause, checksum (the baseline), reset (zero
-every weight), checksum (post-reset), transfer (the trainer pushes the
-weights), checksum (current), compare, resume. Every mismatching key is
-classed ``missing`` (baseline only), ``unexpected`` (current only),
-``untouched-since-reset`` (still its post-reset digest: the update never
-reached it) or ``changed``.
+Three modes, one workflow:
 
-With ``expected`` (the digests every rank must hold, from
-:func:`weight_checker.expected_digests`), there is no reset: pause, checksum
-(before), transfer, checksum (after), compare with ``expected``, resume. Each
-mismatching key is then classed ``stale`` (after equals before: the update
-never reached it), ``wrong-shard`` (it holds the expected digest of another tp
-rank or another key; ``details`` says which), ``changed``, ``missing`` or
-``unexpected``.
+- **reset** (vLLM's seed flow): pause, checksum (the baseline), reset (zero
+  every weight), checksum (post-reset), transfer, checksum (current),
+  compare, resume. Each mismatching key is ``missing``, ``unexpected``,
+  ``untouched-since-reset`` or ``changed``.
+- **expected** (``expected=``, the digests every rank must hold, from
+  :func:`weight_checker.expected_digests`): no reset. Pause, checksum
+  (before), transfer, checksum (after), compare with ``expected``, resume.
+  Each mismatching key is ``stale``, ``wrong-shard``, ``changed``,
+  ``missing`` or ``unexpected`` (:mod:`weight_checker.verify.classes`).
+- **baseline** (``baseline=``, no transfer): the current checksum compared
+  with a manifest.
 
-Targets, each an adapter with the same four operations:
-
-- HTTP: one URL or several (external load balancing: keys merged, a key
-  served twice is an error), optional API key (``Authorization: Bearer``);
-- an in-process ``vllm.LLM``: ``collective_rpc`` to the plugin's worker
-  methods; an offline engine serves no requests during the call, so there
-  is nothing to pause;
-- an in-process ``vllm.AsyncLLM`` (:func:`verify_async`): pause and resume
-  through ``pause_generation`` / ``resume_generation``.
-
-Whatever fails, every server that was paused is resumed, and each failure
-to resume is reported. :func:`replicas` compares the replicas of a model
-(the ``dp`` ranks of one server, or several independent servers) with no
-pause and no reset.
+Several engines are compared as one model split by rank (``merge``) or as a
+fleet of replicas, each against the same reference (``fleet``): see
+:mod:`weight_checker.verify.engine_digests`. Whatever fails, every engine
+that was paused is resumed, and each failure to resume is reported.
 """
 
 from __future__ import annotations
@@ -39,121 +28,88 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
-from collections.abc import Awaitable, Callable, Generator, Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
 
-from weight_checker.classes import (
+from weight_checker.errors import InputError, InputTypeError, VerifyError
+from weight_checker.scope import DEFAULT, parse_include, scope_of
+from weight_checker.verify.classes import (
     EMPTY_DIGEST,
     already_zeroed_warning,
+    class_counts,
     classify,
     classify_expected,
 )
-from weight_checker.errors import VerifyError, WeightCheckerError
-from weight_checker.replicas import ReplicaResult, replicas
-from weight_checker.results import Step, VerifyResult, WeightMismatchError
-from weight_checker.targets import (
-    DEFAULT_CONCURRENCY,
-    AsyncLLMTarget,
-    Fleet,
-    HttpTarget,
-    LLMTarget,
-    Target,
-    target_for,
-)
+from weight_checker.verify.engine_digests import EngineDigests, Layout, display_key
+from weight_checker.verify.fanout import DEFAULT_CONCURRENCY
+from weight_checker.verify.results import Step, VerifyResult
+from weight_checker.verify.targets import Target, target_for
 
-__all__ = [
-    "AsyncLLMTarget",
-    "Fleet",
-    "HttpTarget",
-    "LLMTarget",
-    "ReplicaResult",
-    "Target",
-    "VerifyError",
-    "VerifyResult",
-    "WeightCheckerError",
-    "WeightMismatchError",
-    "classify",
-    "classify_expected",
-    "replicas",
-    "target_for",
-    "verify",
-    "verify_async",
-]
+#: A step: its name, what runs it, and under which name its value is kept.
+_StepPlan = tuple[str, Callable[[], Any], str | None]
 
 
-# --- the workflow --------------------------------------------------------------------
-#
-# One workflow for sync and async targets: a generator that yields each
-# operation's return value (a value, or an awaitable for async targets and
-# async transfers) and is sent back the result. `verify` resolves them in
-# place, `verify_async` awaits them.
+class Checked(NamedTuple):
+    """What a checksum step found: the digests and the weight versions claimed."""
+
+    digests: EngineDigests
+    weight_versions: dict[str, str | None]
 
 
 class _Run:
     """Bookkeeping of one run: the steps, their timings, the result."""
 
-    def __init__(self, target: Any):
+    def __init__(self, target: Target):
         self.target = target
         self.result = VerifyResult(servers=list(target.names))
 
     def step(self, name: str, seconds: float, *, ok: bool, detail: str = "") -> None:
-        timing = getattr(self.target, "timings", {}).get(name)
+        timing = self.target.timings.get(name)
         slowest = timing.slowest if timing is not None and len(timing.seconds) > 1 else None
         self.result.steps.append(Step(name, seconds, ok, detail, slowest))
 
-    def finish(self, values: dict[str, Any]) -> None:
-        start = time.perf_counter()
-        expected = values.get("expected")
-        if expected is not None:
-            unwritten = set(getattr(expected, "unwritten", ()))
-            if getattr(self.target, "kept_apart", False):  # one copy of the expectation per engine
-                unwritten = {f"{n} {k}" for n in self.target.names for k in unwritten}
-                expected = {f"{n} {k}": v for n in self.target.names for k, v in expected.items()}
-            after = {k: v for k, v in values["current"].items() if k not in unwritten}
-            self.result.mismatches, self.result.details = classify_expected(expected, values.get("before"), after)
-            self.result.key_count = len(expected)
-            if unwritten:
-                self.result.warnings.append(
-                    f"{len(unwritten)} key(s) not checked: the expected weights never wrote them"
-                )
-            emptied = [k for k in self.result.mismatches if after.get(k) == EMPTY_DIGEST != expected.get(k)]
-            if emptied:
-                self.result.warnings.append(
-                    f"{len(emptied)} key(s) hold no bytes on the engine but are expected to (a CPU backend repacks "
-                    f"linear weights into empty parameters): they cannot match, e.g. {emptied[0]}"
-                )
-        else:
-            baseline, post_reset = values["baseline"], values.get("post_reset")
-            self.result.mismatches = classify(baseline, values["current"], post_reset)
-            self.result.key_count = len(baseline)
-            if post_reset is not None and (w := already_zeroed_warning(baseline, post_reset)):
-                self.result.warnings.append(w)
-        self.result.match = not self.result.mismatches
-        self.step("compare", time.perf_counter() - start, ok=True)
 
-
-def _load_digests(digests: Mapping[str, str] | None, what: str) -> Mapping[str, str] | None:
+def _check_digest_map(digests: Mapping[str, str] | None, what: str) -> Mapping[str, str] | None:
     if digests is None:
         return None
     if not isinstance(digests, Mapping) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in digests.items()
     ):
-        raise TypeError(f"{what} must be a mapping key -> sha256 hex")
+        raise InputTypeError(f"{what} must be a mapping key -> sha256 hex")
     return digests
 
 
 def _mode(transfer: Any, baseline: Any, expected: Any, name: str) -> str:
     if baseline is not None and expected is not None:
-        raise TypeError(f"{name} takes a baseline or expected digests, not both")
+        raise InputTypeError(f"{name} takes a baseline or expected digests, not both")
     if expected is not None:
         if transfer is None:
-            raise TypeError(f"{name} with expected digests needs a transfer callable")
+            raise InputTypeError(f"{name} with expected digests needs a transfer callable")
         return "expected"
     if baseline is not None:
+        if transfer is not None:
+            raise InputTypeError(f"{name} with a baseline compares the current digests only: it takes no transfer")
         return "baseline"
     if transfer is None:
-        raise TypeError(f"{name} needs a transfer callable (or a baseline to compare with)")
+        raise InputTypeError(f"{name} needs a transfer callable (or a baseline to compare with)")
     return "reset"
+
+
+def requested_layout(fleet: bool, merge: bool) -> Layout | None:
+    """``fleet=`` / ``merge=`` as a layout (``None``: the key sets decide)."""
+    if fleet and merge:
+        raise InputError("fleet and merge exclude each other")
+    return "fleet" if fleet else "merge" if merge else None
+
+
+def scope_for(include: Any, expected: Mapping[str, str] | None) -> tuple[str, ...]:
+    """The checksum's scope: ``include``, else every scope the expected
+    digests hold keys of, else the target model."""
+    if include is not None:
+        return parse_include(include)
+    if expected:
+        return parse_include(sorted({scope_of(k) for k in expected}))
+    return DEFAULT
 
 
 def version_warnings(expected: Mapping[str, str] | None, versions: Mapping[str, str | None]) -> list[str]:
@@ -168,187 +124,185 @@ def version_warnings(expected: Mapping[str, str] | None, versions: Mapping[str, 
     ]
 
 
-def _steps(t: Target, transfer: Callable[[], Any] | None, mode: str) -> list[tuple[str, Callable[[], Any], str | None]]:
-    """``(step, call, result key)`` in order. ``mode``: ``reset`` (the seed's
-    flow), ``expected`` (no reset: before, transfer, after) or ``baseline``
-    (the current checksum only)."""
-    call_transfer = lambda: _call_transfer(transfer)  # noqa: E731
+def _steps(t: Target, transfer: Callable[[], Any], mode: str) -> list[_StepPlan]:
+    """The steps of ``mode``, in order (resume is the runner's). A checksum
+    step also reads the weight version each engine claims."""
+
+    def checksum(step: str, key: str | None) -> _StepPlan:
+        return step, lambda: Checked(t.checksums(step), t.weight_versions(f"{step}: weight version")), key
+
+    if mode == "baseline":
+        return [checksum("checksum (current)", "current")]
     if mode == "expected":
         return [
             ("pause", t.pause, None),
-            ("checksum (before)", lambda: t.checksum("checksum (before)"), "before"),
-            ("transfer", call_transfer, None),
-            ("checksum (after)", lambda: t.checksum("checksum (after)"), "current"),
+            checksum("checksum (before)", "before"),
+            ("transfer", transfer, None),
+            checksum("checksum (after)", "current"),
         ]
-    steps: list[tuple[str, Callable[[], Any], str | None]] = []
-    if mode == "reset":
-        steps += [
-            ("pause", t.pause, None),
-            ("checksum (baseline)", lambda: t.checksum("checksum (baseline)"), "baseline"),
-            ("reset", lambda: t.reset("reset"), None),
-            ("checksum (post-reset)", lambda: t.checksum("checksum (post-reset)"), "post_reset"),
-            ("transfer", call_transfer, None),
-        ]
-    steps.append(("checksum (current)", lambda: t.checksum("checksum (current)"), "current"))
-    return steps
+    return [
+        ("pause", t.pause, None),
+        checksum("checksum (baseline)", "baseline"),
+        ("reset", lambda: t.reset("reset"), None),
+        checksum("checksum (post-reset)", "post_reset"),
+        ("transfer", transfer, None),
+        checksum("checksum (current)", "current"),
+    ]
 
 
-def _call_transfer(transfer: Callable[[], Any] | None) -> Any:
-    """Calls the transfer; its awaitable (if any) is resolved by the driver."""
-    try:
-        return transfer()  # type: ignore[misc]
-    except VerifyError:
-        raise
-    except Exception as e:
-        raise _as_step_error("transfer", e) from e
+def _call_transfer(transfer: Callable[[], Any], loop: asyncio.AbstractEventLoop | None) -> Callable[[], None]:
+    """The transfer as a step: a coroutine it returns runs to completion (on
+    ``loop``, the caller's, under :func:`verify_async`); its own failure is
+    the transfer step's, with the failure as the cause."""
+
+    def run() -> None:
+        try:
+            value = transfer()
+            if inspect.isawaitable(value):
+                if loop is not None:
+                    asyncio.run_coroutine_threadsafe(_await(value), loop).result()
+                else:
+                    asyncio.run(_await(value))
+        except VerifyError:
+            raise
+        except Exception as e:
+            raise VerifyError("transfer", None, f"the transfer failed: {type(e).__name__}: {e}") from e
+
+    return run
 
 
-#: What the workflow yields (step, a value or awaitable), is sent, and returns.
-_Workflow = Generator[tuple[str, Any], Any, VerifyResult]
-
-
-def _workflow(t: Target, transfer: Callable[[], Any] | None, mode: str, values: dict[str, Any], run: _Run) -> _Workflow:
-    """The check as a generator (see the section comment); returns the result."""
-    error: BaseException | None = None
-    try:
-        if values.get("expected") is not None:
-            run.result.warnings += version_warnings(values["expected"], t.versions())
-        for name, fn, key in _steps(t, transfer, mode):
-            start = time.perf_counter()
-            try:
-                value = yield (name, fn())
-            except BaseException:
-                run.step(name, time.perf_counter() - start, ok=False)
-                raise
-            run.step(name, time.perf_counter() - start, ok=True)
-            if key:
-                values[key] = value
-        run.finish(values)
-    except BaseException as e:
-        error = e
-    finally:
-        if t.paused:
-            start = time.perf_counter()
-            failures = yield ("resume", t.resume())
-            run.step("resume", time.perf_counter() - start, ok=not failures, detail="; ".join(failures))
-            run.result.warnings.extend(f"could not resume: {f}" for f in failures)
-    return _conclude(run, error)
-
-
-def _as_step_error(step: str, e: BaseException) -> BaseException:
-    """An awaited transfer's own failure, named as the transfer step's."""
-    if step == "transfer" and isinstance(e, Exception) and not isinstance(e, VerifyError):
-        return VerifyError("transfer", None, f"the transfer failed: {type(e).__name__}: {e}")
-    return e
-
-
-#: ``(value, None)`` or ``(None, exception)``: how a yielded item settled.
-_Outcome = tuple[Any, BaseException | None]
-
-
-def _resume(gen: _Workflow, step: str, outcome: _Outcome) -> tuple[str, Any]:
-    value, error = outcome
-    return gen.throw(_as_step_error(step, error)) if error is not None else gen.send(value)
-
-
-def _settle_sync(item: Any) -> _Outcome:
-    try:
-        return (asyncio.run(_await(item)) if inspect.isawaitable(item) else item), None
-    except BaseException as e:
-        return None, e
-
-
-async def _settle_async(item: Any) -> _Outcome:
-    try:
-        return ((await item) if inspect.isawaitable(item) else item), None
-    except BaseException as e:
-        return None, e
-
-
-def _drive_sync(gen: _Workflow) -> VerifyResult:
-    try:
-        step, item = next(gen)
-        while True:
-            step, item = _resume(gen, step, _settle_sync(item))
-    except StopIteration as done:
-        result: VerifyResult = done.value
-        return result
-
-
-async def _drive_async(gen: _Workflow) -> VerifyResult:
-    try:
-        step, item = next(gen)
-        while True:
-            step, item = _resume(gen, step, await _settle_async(item))
-    except StopIteration as done:
-        result: VerifyResult = done.value
-        return result
-
-
-async def _await(value: Awaitable[Any]) -> Any:
+async def _await(value: Any) -> Any:
     return await value
 
 
-def _start(
+def _of(values: dict[str, Any], name: str, engine: str | None) -> dict[str, str] | None:
+    """The digests a step kept as ``name``: one engine's, or all of them merged."""
+    checked: Checked | None = values.get(name)
+    if checked is None:
+        return None
+    digests = checked.digests
+    return dict(digests.per_engine[engine]) if engine is not None else digests.merged()
+
+
+def _compare(run: _Run, values: dict[str, Any]) -> None:
+    """Classifies every key, engine by engine in a fleet, and records the result."""
+    result = run.result
+    current: EngineDigests = values["current"].digests
+    result.layout = current.layout
+    engines: list[str | None] = list(current.per_engine) if current.layout == "fleet" else [None]
+    expected = values.get("expected")
+    for engine in engines:
+        after = _of(values, "current", engine) or {}
+        if expected is not None:
+            classes, details, warnings, count = _against_expected(expected, _of(values, "before", engine), after)
+        else:
+            reference = values.get("baseline_manifest") or _of(values, "baseline", engine) or {}
+            post_reset = _of(values, "post_reset", engine)
+            classes, details, count = classify(reference, after, post_reset), {}, len(reference)
+            warnings = [w] if post_reset is not None and (w := already_zeroed_warning(reference, post_reset)) else []
+        if engine is not None:
+            result.by_engine[engine] = classes
+            classes = {display_key(engine, k): c for k, c in classes.items()}
+            details = {display_key(engine, k): d for k, d in details.items()}
+            warnings = [f"{engine}: {w}" for w in warnings]
+        result.mismatches.update(classes)
+        result.details.update(details)
+        result.warnings += warnings
+        result.key_count += count
+    result.reference = "the expected digests" if expected is not None else "the baseline"
+    _weight_versions(result, values, current)
+    result.match = not result.mismatches and not result.version_mismatches
+
+
+def _weight_versions(result: VerifyResult, values: dict[str, Any], current: EngineDigests) -> None:
+    """Each engine's weight version before and after, and whether the one it
+    claims after the transfer is the expected one, held with its weights."""
+    first = values.get("before") or values.get("baseline")
+    before = first.weight_versions if first is not None else {}
+    after = values["current"].weight_versions
+    want = getattr(values.get("expected"), "weight_version", None)
+    for engine in current.per_engine:
+        result.weight_versions[engine] = {"before": before.get(engine), "after": after.get(engine)}
+        if want is None:
+            continue
+        got = after.get(engine)
+        if got is None:
+            result.warnings.append(f"{engine} reports no weight version (no /weight_info): the version is not checked")
+            continue
+        if current.layout == "fleet":
+            wrong = result.by_engine.get(engine, {})
+        else:
+            wrong = {k: c for k, c in result.mismatches.items() if k in current.per_engine[engine]}
+        if got != want:
+            result.version_mismatches[engine] = f"reports weight version {got!r}, expected {want!r}"
+        elif wrong:
+            held = f"{len(wrong)} key(s) do not hold its weights ({class_counts(wrong)})"
+            result.version_mismatches[engine] = f"claims weight version {want!r} but {held}"
+
+
+def _against_expected(
+    expected: Mapping[str, str], before: dict[str, str] | None, after: dict[str, str]
+) -> tuple[dict[str, str], dict[str, str], list[str], int]:
+    """``(classes, details, warnings, keys compared)`` of one model against
+    the digests it must hold; keys the weights never wrote are not compared."""
+    unwritten = set(getattr(expected, "unwritten", ()))
+    after = {k: v for k, v in after.items() if k not in unwritten}
+    classes, details = classify_expected(expected, before, after)
+    warnings = []
+    if unwritten:
+        warnings.append(f"{len(unwritten)} key(s) not checked: the expected weights never wrote them")
+    emptied = [k for k in classes if after.get(k) == EMPTY_DIGEST != expected.get(k)]
+    if emptied:
+        warnings.append(
+            f"{len(emptied)} key(s) hold no bytes on the engine but are expected to (a CPU backend repacks "
+            f"linear weights into empty parameters): they cannot match, e.g. {emptied[0]}"
+        )
+    return classes, details, warnings, len(expected)
+
+
+def _run(
     t: Target,
     transfer: Callable[[], Any] | None,
     baseline: Mapping[str, str] | None,
     expected: Mapping[str, str] | None,
     name: str,
-) -> _Workflow:
-    """The workflow for ``t``, its inputs checked (``name``: the caller, for
-    the messages)."""
-    baseline = _load_digests(baseline, "baseline")
-    expected = _load_digests(expected, "expected")
+    loop: asyncio.AbstractEventLoop | None = None,
+) -> VerifyResult:
+    """The workflow on ``t``, its inputs checked (``name``: the caller, for messages)."""
+    baseline = _check_digest_map(baseline, "baseline")
+    expected = _check_digest_map(expected, "expected")
     mode = _mode(transfer, baseline, expected, name)
-    return _workflow(t, transfer, mode, {"baseline": baseline, "expected": expected}, _Run(t))
-
-
-def verify(
-    target: Any,
-    transfer: Callable[[], Any] | None = None,
-    *,
-    baseline: Mapping[str, str] | None = None,
-    expected: Mapping[str, str] | None = None,
-    timeout: float | None = None,
-    api_key: str | None = None,
-    concurrency: int = DEFAULT_CONCURRENCY,
-) -> VerifyResult:
-    """Runs the weight-update check against ``target``: URL(s), an in-process
-    ``vllm.LLM``, a Ray actor handle hosting an engine, or a list of engines of
-    one kind (use :func:`verify_async` for ``AsyncLLM``).
-
-    ``transfer`` pushes the weights (a callable; a coroutine function is run
-    to completion). With ``baseline``, only the current checksum and the
-    comparison run; with ``expected`` (:func:`weight_checker.expected_digests`)
-    there is no reset. Every step runs on all engines at once (at most
-    ``concurrency``), each request with its own ``timeout``. A mismatch is in
-    the result (``.match``, ``.raise_for_mismatch()``); a failed step raises
-    :class:`VerifyError` (with ``.result`` holding the steps so far), after
-    every paused engine was resumed.
-    """
-    t = target_for(target, api_key=api_key, timeout=timeout, concurrency=concurrency)
-    if t.is_async:
-        raise TypeError("an AsyncLLM is verified with `await weight_checker.verify_async(...)`")
-    return _drive_sync(_start(t, transfer, baseline, expected, "verify"))
-
-
-async def verify_async(
-    target: Any,
-    transfer: Callable[[], Any] | None = None,
-    *,
-    baseline: Mapping[str, str] | None = None,
-    expected: Mapping[str, str] | None = None,
-    timeout: float | None = None,
-    api_key: str | None = None,
-    concurrency: int = DEFAULT_CONCURRENCY,
-) -> VerifyResult:
-    """:func:`verify` for in-process ``vllm.AsyncLLM`` engines (paused with
-    ``pause_generation``); other targets are run in a thread."""
-    t = target_for(target, api_key=api_key, timeout=timeout, concurrency=concurrency)
-    if not t.is_async:
-        return await asyncio.to_thread(verify, t, transfer, baseline=baseline, expected=expected, timeout=timeout)
-    return await _drive_async(_start(t, transfer, baseline, expected, "verify_async"))
+    values: dict[str, Any] = {"expected": expected, "baseline_manifest": baseline}
+    run = _Run(t)
+    error: BaseException | None = None
+    try:
+        if expected is not None:
+            run.result.warnings += list(getattr(expected, "warnings", ()))
+            run.result.warnings += version_warnings(expected, t.versions())
+        call_transfer = _call_transfer(transfer, loop) if transfer is not None else (lambda: None)
+        for step, fn, key in _steps(t, call_transfer, mode):
+            start = time.perf_counter()
+            try:
+                value = fn()
+            except BaseException:
+                run.step(step, time.perf_counter() - start, ok=False)
+                raise
+            run.step(step, time.perf_counter() - start, ok=True)
+            if key:
+                values[key] = value
+        start = time.perf_counter()
+        _compare(run, values)
+        run.result.lora_slots = dict(t.lora_slots)
+        run.step("compare", time.perf_counter() - start, ok=True)
+    except BaseException as e:
+        error = e
+    finally:
+        if t.paused:
+            start = time.perf_counter()
+            failures = t.resume()
+            run.step("resume", time.perf_counter() - start, ok=not failures, detail="; ".join(failures))
+            run.result.warnings.extend(f"could not resume: {f}" for f in failures)
+    return _conclude(run, error)
 
 
 def _conclude(run: _Run, error: BaseException | None) -> VerifyResult:
@@ -363,3 +317,70 @@ def _conclude(run: _Run, error: BaseException | None) -> VerifyResult:
     # Any error (Ctrl-C too) carries the steps so far, for the report.
     setattr(error, "weight_checker_result", run.result)  # noqa: B010
     raise error
+
+
+def verify(
+    target: Any,
+    transfer: Callable[[], Any] | None = None,
+    *,
+    baseline: Mapping[str, str] | None = None,
+    expected: Mapping[str, str] | None = None,
+    timeout: float | None = None,
+    api_key: str | None = None,
+    concurrency: int = DEFAULT_CONCURRENCY,
+    fleet: bool = False,
+    merge: bool = False,
+    include: Any = None,
+) -> VerifyResult:
+    """Runs the weight-update check against ``target``: URL(s), an in-process
+    ``vllm.LLM``, a Ray actor handle hosting an engine, or a list of engines of
+    one kind (use :func:`verify_async` for ``AsyncLLM``).
+
+    ``transfer`` pushes the weights (a callable; a coroutine it returns is run
+    to completion). With ``baseline`` (and no transfer) only the current
+    checksum and the comparison run; with ``expected``
+    (:func:`weight_checker.expected_digests`) there is no reset. Several
+    engines are one model split by rank or a fleet of replicas, as their key
+    sets show; ``merge=True`` / ``fleet=True`` say which is meant (a
+    contradiction is an error). Every step runs on all engines at once (at
+    most ``concurrency``), each request with its own ``timeout``. A mismatch
+    is in the result (``.match``, ``.raise_for_mismatch()``); a failed step
+    raises :class:`VerifyError` (``.result`` holds the steps so far), after
+    every paused engine was resumed.
+
+    ``include`` widens what a checksum covers (``["target", "draft",
+    "lora"]``, :mod:`weight_checker.scope`); by default it is what the
+    expected digests hold, else the target model. With ``expected`` carrying
+    a ``weight_version``, each engine must claim that version and hold its
+    weights (``result.version_mismatches`` names the engines that do not).
+    """
+    layout = requested_layout(fleet, merge)
+    scope = scope_for(include, expected)
+    t = target_for(target, api_key=api_key, timeout=timeout, concurrency=concurrency, layout=layout, include=scope)
+    return _run(t, transfer, baseline, expected, "verify")
+
+
+async def verify_async(
+    target: Any,
+    transfer: Callable[[], Any] | None = None,
+    *,
+    baseline: Mapping[str, str] | None = None,
+    expected: Mapping[str, str] | None = None,
+    timeout: float | None = None,
+    api_key: str | None = None,
+    concurrency: int = DEFAULT_CONCURRENCY,
+    fleet: bool = False,
+    merge: bool = False,
+    include: Any = None,
+) -> VerifyResult:
+    """:func:`verify` from a coroutine, for in-process ``vllm.AsyncLLM``
+    engines (paused with ``pause_generation``) and every other target. The
+    checks run in a worker thread; the engines' calls and a coroutine
+    ``transfer`` run on this event loop, which stays free meanwhile."""
+    loop = asyncio.get_running_loop()
+    layout = requested_layout(fleet, merge)
+    scope = scope_for(include, expected)
+    t = target_for(
+        target, api_key=api_key, timeout=timeout, concurrency=concurrency, layout=layout, loop=loop, include=scope
+    )
+    return await asyncio.to_thread(_run, t, transfer, baseline, expected, "verify_async", loop)

@@ -20,13 +20,12 @@ With this package installed, the general plugin extends vLLM's own
 
 from __future__ import annotations
 
-import logging
-import os
 import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-logger = logging.getLogger("vllm.plugins.weight_checker")
+from weight_checker import settings
+from weight_checker.integrations.vllm import logger
 
 GUARD_ENV = "WEIGHT_CHECKER_GUARD"
 #: The module that defines vLLM's ``AuthenticationMiddleware`` (0.31 and 0.32).
@@ -37,7 +36,7 @@ GUARDED_MODULES = ("vllm.entrypoints.serve.dev.", "vllm.entrypoints.rl.", "weigh
 
 
 def guard_enabled() -> bool:
-    return os.environ.get(GUARD_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    return settings.enabled(GUARD_ENV)
 
 
 def guarded_paths(app: Any) -> list[str]:

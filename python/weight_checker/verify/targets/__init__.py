@@ -1,73 +1,74 @@
-"""What the verify workflow checks: one engine or a fleet of them.
+"""What the verify workflow checks: one engine or several, of one kind.
 
-Every target implements :class:`Target`: ``pause``, ``resume``, ``checksum``,
-``reset``, ``versions`` and ``per_engine`` (one digest map per engine, for
-replica checks), plus ``names`` and ``paused``. The runner in
-:mod:`weight_checker.verify` is written once against it; :func:`target_for`
-picks the implementation for what the caller passed:
+Every target is an :class:`~weight_checker.verify.fanout.EngineSet` and so
+implements :class:`Target`, the whole contract the workflow
+(:mod:`weight_checker.verify.workflow`) relies on. :func:`target_for` picks
+the implementation for what the caller passed:
 
-- :class:`HttpTarget` (:mod:`weight_checker.http_target`): API servers, every
-  step on all of them at once (a bounded pool, ``concurrency``), each request
-  with its own timeout, so one hung server costs the timeout, never the sum.
-- :class:`Fleet` (= :class:`LLMTarget`) and :class:`AsyncLLMTarget`
-  (:mod:`weight_checker.engine_targets`): in-process ``vllm.LLM`` /
-  ``vllm.AsyncLLM`` engines and Ray actors that host one (see
-  :mod:`weight_checker.ray`), through the plugin's worker methods over
-  ``collective_rpc``, fanned out like servers.
+- :class:`~weight_checker.verify.targets.http.HttpTarget`: API servers;
+- :class:`~weight_checker.verify.targets.engines.RpcTarget`: in-process
+  ``vllm.LLM`` engines and Ray actors hosting one, through the plugin's
+  worker methods over ``collective_rpc``;
+- :class:`~weight_checker.verify.targets.async_engines.AsyncLLMTarget`:
+  in-process ``AsyncLLM`` engines, reached on their event loop.
 
-The fan-out itself (pool, timings, progress, combining maps) is
-:mod:`weight_checker.fanout`. Keys of several engines: servers behind an
-external load balancer serve disjoint ranks (``dp0``, ``dp1``, ...), and their
-maps are merged. Independent engines (a fleet of replicas) serve the same
-keys; those are kept apart as ``"{engine} {key}"``, so each engine is compared
-with its own baseline and a mismatch names its engine.
+All of them run each step on every engine at once through the one fan-out
+pool (:mod:`weight_checker.verify.fanout`). An SGLang engine would be one
+more module here with one ``_call``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
-from weight_checker.engine_targets import AsyncLLMTarget, Fleet, LLMTarget, is_ray_actor
-from weight_checker.fanout import DEFAULT_CONCURRENCY, NOTHING_TO_PAUSE, Progress, StepTiming, combine
-from weight_checker.http_target import HttpTarget
-
-__all__ = [
-    "DEFAULT_CONCURRENCY",
-    "NOTHING_TO_PAUSE",
-    "AsyncLLMTarget",
-    "Fleet",
-    "HttpTarget",
-    "LLMTarget",
-    "Progress",
-    "StepTiming",
-    "Target",
-    "combine",
-    "target_for",
-]
+from weight_checker.errors import InputTypeError
+from weight_checker.scope import parse_include
+from weight_checker.verify.engine_digests import EngineDigests, Layout
+from weight_checker.verify.fanout import DEFAULT_CONCURRENCY, StepTiming
+from weight_checker.verify.targets.async_engines import AsyncLLMTarget
+from weight_checker.verify.targets.engines import RpcTarget, is_ray_actor
+from weight_checker.verify.targets.http import HttpTarget
 
 
-@runtime_checkable
 class Target(Protocol):
-    """What the workflow needs of an engine or a fleet. Sync targets return
-    values; async ones (``is_async``) return awaitables."""
+    """What the workflow needs of an engine or a set of them (checked by mypy:
+    :func:`target_for` returns every implementation as a ``Target``)."""
 
+    #: The engines, by the names every message uses.
     names: list[str]
+    #: The engines paused so far (to be resumed, whatever happens).
     paused: list[str]
-    is_async: bool
+    #: How the engines' digests relate, once the first checksum decided it.
+    layout: Layout | None
+    #: step -> seconds each engine took, for the report's slowest engine.
+    timings: dict[str, StepTiming]
+    #: What a checksum covers (:mod:`weight_checker.scope`).
+    include: tuple[str, ...]
+    #: engine -> rank -> slot -> adapter name, from the latest scoped checksum.
+    lora_slots: dict[str, Any]
 
-    def pause(self) -> Any: ...
-    def resume(self) -> Any:
-        """Resumes every engine paused so far; gives one message per failure."""
+    def pause(self) -> None:
+        """Pauses every engine, or none: raises after the failure is recorded."""
 
-    def checksum(self, step: str) -> Any:
-        """One map of every key the target serves (see the module docstring)."""
+    def resume(self) -> list[str]:
+        """Resumes every engine paused so far; one message per failure."""
 
-    def per_engine(self, step: str) -> Any:
-        """``[(engine name, {key: hex})]``, for replica checks."""
+    def per_engine(self, step: str) -> dict[str, dict[str, str]]:
+        """Every engine's ``{key: hex}``, as they are (for replica checks)."""
 
-    def reset(self, step: str) -> Any: ...
-    def versions(self) -> dict[str, str | None]: ...
+    def checksums(self, step: str) -> EngineDigests:
+        """Every engine's ``{key: hex}`` and their layout."""
+
+    def reset(self, step: str) -> None:
+        """Zeroes every engine's weights."""
+
+    def versions(self) -> dict[str, str | None]:
+        """Each engine's vLLM version, ``None`` where it cannot be read."""
+
+    def weight_versions(self, step: str) -> dict[str, str | None]:
+        """The weight version each engine claims, ``None`` where it reports none."""
 
 
 def target_for(
@@ -76,24 +77,36 @@ def target_for(
     api_key: str | None = None,
     timeout: float | None = None,
     concurrency: int = DEFAULT_CONCURRENCY,
-) -> Any:
-    """The :class:`Target` for ``target``: URL(s), an ``LLM``, an ``AsyncLLM``,
-    a Ray actor handle, a list of any one of these kinds, or a target already."""
-    if isinstance(target, Target):
+    layout: Layout | None = None,
+    loop: asyncio.AbstractEventLoop | None = None,
+    include: Any = None,
+) -> Target:
+    """The :class:`Target` for ``target``: URL(s), an ``LLM``, an ``AsyncLLM``
+    (``loop``: the event loop it runs on), a Ray actor handle, a list of any
+    one of these kinds, or a target already. ``include``: the checksum's
+    scope (:func:`weight_checker.scope.parse_include`)."""
+    scope = parse_include(include)
+    if isinstance(target, (HttpTarget, RpcTarget, AsyncLLMTarget)):
+        if include is not None and target.include != scope:
+            raise InputTypeError(f"the target checks {target.include}; include={list(scope)} asks otherwise")
         return target
     items = list(target) if isinstance(target, (list, tuple)) else [target]
     if not items:
-        raise TypeError("nothing to verify: an empty list")
+        raise InputTypeError("nothing to verify: an empty list")
     if all(isinstance(t, str) for t in items):
-        return HttpTarget(items, api_key=api_key, timeout=timeout, concurrency=concurrency)
+        return HttpTarget(
+            items, api_key=api_key, timeout=timeout, concurrency=concurrency, layout=layout, include=scope
+        )
     rpcs = [getattr(t, "collective_rpc", None) for t in items]
     if all(r is not None and inspect.iscoroutinefunction(r) for r in rpcs):
-        return AsyncLLMTarget(items, timeout=timeout)
+        if loop is None:
+            raise InputTypeError("an AsyncLLM is verified with `await weight_checker.verify_async(...)`")
+        return AsyncLLMTarget(items, loop, timeout=timeout, concurrency=concurrency, layout=layout, include=scope)
     sync_rpc = [r is not None and not inspect.iscoroutinefunction(r) for r in rpcs]
     if all(is_ray_actor(t) or ok for t, ok in zip(items, sync_rpc, strict=True)):
-        return Fleet(items, timeout=timeout, concurrency=concurrency)
+        return RpcTarget(items, timeout=timeout, concurrency=concurrency, layout=layout, include=scope)
     kinds = sorted({type(t).__name__ for t in items})
-    raise TypeError(
+    raise InputTypeError(
         f"cannot verify {', '.join(kinds)}: expected URL(s), vllm.LLM(s), vllm.AsyncLLM(s) or Ray actor handle(s),"
         " one kind per call"
     )

@@ -1,89 +1,52 @@
-"""In-process and Ray-hosted vLLM engines as targets, through the plugin's
-worker methods over ``collective_rpc``."""
+"""In-process ``vllm.LLM`` engines and Ray actors hosting one, as a target:
+the plugin's worker methods reached over ``collective_rpc``."""
 
 from __future__ import annotations
 
-import asyncio
 import sys
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
-from weight_checker.errors import VerifyError
-from weight_checker.fanout import (
-    DEFAULT_CONCURRENCY,
-    NOTHING_TO_PAUSE,
-    FannedOut,
-    Progress,
-    StepTiming,
-    combine,
-    first_failure,
-)
-from weight_checker.keys import DuplicateKeysError, merge_digests
-
-WORKER_METHODS = {"checksum": "weight_checker_checksums", "reset": "weight_checker_reset"}
+from weight_checker.errors import DuplicateKeysError, InputError, VerifyError
+from weight_checker.keys import merge_digests
+from weight_checker.scope import DEFAULT
+from weight_checker.verify.engine_digests import Layout
+from weight_checker.verify.fanout import DEFAULT_CONCURRENCY, NOTHING_TO_PAUSE, EngineSet, Progress
 
 
-def _merge_workers(results: Any, step: str, name: str) -> dict[str, str]:
+def worker_method(op: str, include: tuple[str, ...]) -> tuple[str, tuple[Any, ...]]:
+    """The plugin's worker method (``weight_checker.integrations.vllm.worker``)
+    and its arguments for ``checksum`` or ``reset`` of the scope ``include``."""
+    scoped = include != DEFAULT
+    if op == "checksum":
+        return ("weight_checker_scope_checksums", (list(include),)) if scoped else ("weight_checker_checksums", ())
+    return "weight_checker_reset", ((list(include),) if scoped else ())
+
+
+def merge_workers(results: Any, step: str, name: str, slots: dict[str, Any] | None = None) -> dict[str, str]:
+    """One engine's map from its workers' answers to ``collective_rpc``: plain
+    ``{key: hex}`` maps, or scoped answers whose ``lora_slots`` go to ``slots``."""
     if not isinstance(results, list) or not all(isinstance(r, dict) for r in results):
         raise VerifyError(step, name, f"unexpected answer {str(results)[:200]}")
+    if all("checksums" in r and "include" in r for r in results):
+        if slots is not None:
+            slots[name] = {r.get("rank", str(i)): r.get("lora_slots") for i, r in enumerate(results)}
+        results = [r["checksums"] for r in results]
     try:
         return merge_digests(results)
     except DuplicateKeysError as e:
-        raise VerifyError(step, name, f"two workers produced the same keys: {e.keys[:5]}") from None
+        raise VerifyError(step, name, f"two workers produced the same keys: {e.keys[:5]}") from e
 
 
-def _in_process_vllm_version() -> str | None:
+def in_process_vllm_version() -> str | None:
     return getattr(sys.modules.get("vllm"), "__version__", None)
 
 
-class _RpcEngine:
-    """One engine reached by ``collective_rpc(method, timeout=...)``; subclasses
-    say how the call is made."""
-
-    def __init__(self, engine: Any, name: str, timeout: float | None):
-        self.engine = engine
-        self.name = name
-        self.timeout = timeout
-
-    def rpc(self, method: str, step: str) -> Any:
-        try:
-            return self._collective_rpc(method)
-        except Exception as e:
-            raise VerifyError(step, self.name, f"collective_rpc({method!r}) failed: {e}") from None
-
-    def _collective_rpc(self, method: str) -> Any:
-        return self.engine.collective_rpc(method, timeout=self.timeout)
-
-    def version(self) -> str | None:
-        return _in_process_vllm_version()
-
-    def call(self, op: str, step: str) -> Any:
-        if op in ("pause", "resume"):
-            return NOTHING_TO_PAUSE  # an offline engine serves nothing during the call
-        if op == "version":
-            return self.version()
-        result = self.rpc(WORKER_METHODS[op], step)
-        return _merge_workers(result, step, self.name) if op == "checksum" else None
-
-
-class _RayEngine(_RpcEngine):
-    """A Ray actor handle whose actor passes ``collective_rpc`` through to the
-    engine it hosts (:class:`weight_checker.ray.EngineActorMixin`)."""
-
-    def _collective_rpc(self, method: str) -> Any:
-        import ray  # only where a Ray handle was passed
-
-        return ray.get(self.engine.collective_rpc.remote(method), timeout=self.timeout)
-
-    def version(self) -> str | None:
-        import ray
-
-        try:
-            version = ray.get(self.engine.vllm_version.remote(), timeout=self.timeout)
-        except Exception:
-            return None
-        return version if isinstance(version, str) else None
+def engine_names(engines: list[Any], label: Any) -> list[str]:
+    """``"in-process LLM"``, or ``"engine 0 (in-process LLM)"``, ... for several."""
+    if len(engines) == 1:
+        return [label(engines[0])]
+    return [f"engine {i} ({label(e)})" for i, e in enumerate(engines)]
 
 
 def is_ray_actor(obj: Any) -> bool:
@@ -91,9 +54,75 @@ def is_ray_actor(obj: Any) -> bool:
     return type(obj).__module__.startswith("ray.") and type(obj).__name__ == "ActorHandle"
 
 
-class Fleet(FannedOut):
-    """In-process ``vllm.LLM`` engines or Ray actor handles (one or several),
-    every step on all of them at once."""
+class _LocalEngine:
+    """One engine reached by ``collective_rpc(method, timeout=..., args=...)`` in this process."""
+
+    def __init__(self, engine: Any, name: str, timeout: float | None):
+        self.engine = engine
+        self.name = name
+        self.timeout = timeout
+
+    def rpc(self, method: str, args: tuple[Any, ...], step: str) -> Any:
+        try:
+            return self._collective_rpc(method, args)
+        except Exception as e:
+            raise VerifyError(step, self.name, f"collective_rpc({method!r}) failed: {e}") from e
+
+    def _collective_rpc(self, method: str, args: tuple[Any, ...]) -> Any:
+        return self.engine.collective_rpc(method, timeout=self.timeout, args=args)
+
+    def version(self) -> str | None:
+        return in_process_vllm_version()
+
+    def weight_version(self) -> str | None:
+        get = getattr(self.engine, "get_weight_version", None)
+        return _version_string(get()) if callable(get) else None
+
+    def call(self, op: str, step: str, include: tuple[str, ...], slots: dict[str, Any]) -> Any:
+        if op in ("pause", "resume"):
+            return NOTHING_TO_PAUSE  # an offline engine serves nothing during the call
+        if op == "version":
+            return self.version()
+        if op == "weight_version":
+            return self.weight_version()
+        method, args = worker_method(op, include)
+        result = self.rpc(method, args, step)
+        return merge_workers(result, step, self.name, slots) if op == "checksum" else None
+
+
+def _version_string(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+class _RayEngine(_LocalEngine):
+    """A Ray actor handle whose actor passes ``collective_rpc`` through to the
+    engine it hosts (:class:`weight_checker.integrations.ray.EngineActorMixin`)."""
+
+    def _collective_rpc(self, method: str, args: tuple[Any, ...]) -> Any:
+        import ray  # only where a Ray handle was passed
+
+        return ray.get(self.engine.collective_rpc.remote(method, args=args), timeout=self.timeout)
+
+    def weight_version(self) -> str | None:
+        import ray
+
+        try:
+            return _version_string(ray.get(self.engine.weight_version.remote(), timeout=self.timeout))
+        except Exception:  # an actor without weight_version(): reported as unknown, not an error
+            return None
+
+    def version(self) -> str | None:
+        import ray
+
+        try:
+            version = ray.get(self.engine.vllm_version.remote(), timeout=self.timeout)
+        except Exception:  # an actor without vllm_version(): the version is unknown, not an error
+            return None
+        return version if isinstance(version, str) else None
+
+
+class RpcTarget(EngineSet):
+    """In-process ``vllm.LLM`` engines or Ray actor handles (one or several)."""
 
     def __init__(
         self,
@@ -102,107 +131,18 @@ class Fleet(FannedOut):
         timeout: float | None = None,
         concurrency: int = DEFAULT_CONCURRENCY,
         progress: Progress | None = None,
+        layout: Layout | None = None,
+        include: tuple[str, ...] = DEFAULT,
     ):
         engines = list(engines)
         if not engines:
-            raise ValueError("no engine given")
-        self.engines: dict[str, _RpcEngine] = {}
-        for i, e in enumerate(engines):
-            ray = is_ray_actor(e)
-            label = "ray actor" if ray else f"in-process {type(e).__name__}"
-            name = f"engine {i} ({label})" if len(engines) > 1 else label
-            self.engines[name] = (_RayEngine if ray else _RpcEngine)(e, name, timeout)
-        super().__init__(list(self.engines), concurrency, progress)
+            raise InputError("no engine given")
+        names = engine_names(engines, lambda e: "ray actor" if is_ray_actor(e) else f"in-process {type(e).__name__}")
+        self.engines: dict[str, _LocalEngine] = {
+            name: (_RayEngine if is_ray_actor(e) else _LocalEngine)(e, name, timeout)
+            for name, e in zip(names, engines, strict=True)
+        }
+        super().__init__(names, concurrency, progress, layout, include)
 
     def _call(self, name: str, op: str, step: str) -> Any:
-        return self.engines[name].call(op, step)
-
-
-LLMTarget = Fleet  # one in-process LLM is a fleet of one
-
-
-class AsyncLLMTarget:
-    """In-process ``vllm.AsyncLLM`` engines (one or several, or any engine
-    client with an async ``collective_rpc``); paused with ``pause_generation``."""
-
-    is_async = True
-
-    def __init__(self, engines: Any, *, timeout: float | None = None):
-        engines = list(engines) if isinstance(engines, (list, tuple)) else [engines]
-        self.engines = {
-            (f"engine {i} (in-process {type(e).__name__})" if len(engines) > 1 else f"in-process {type(e).__name__}"): e
-            for i, e in enumerate(engines)
-        }
-        self.names = list(self.engines)
-        self.timeout = timeout
-        self.paused: list[str] = []
-        self.kept_apart = False
-        self.timings: dict[str, StepTiming] = {}
-
-    async def _each(
-        self, step: str, fn: Callable[[str, Any], Any], names: list[str] | None = None
-    ) -> tuple[dict[str, Any], dict[str, str]]:
-        names = list(self.names if names is None else names)
-        timing = self.timings.setdefault(step, StepTiming())
-
-        async def one(name: str) -> tuple[str, Any, str | None]:
-            started = time.perf_counter()
-            try:
-                return name, await fn(name, self.engines[name]), None
-            except VerifyError as e:
-                return name, None, e.message
-            except Exception as e:
-                return name, None, f"{type(e).__name__}: {e}"
-            finally:
-                timing.seconds[name] = time.perf_counter() - started
-
-        out = await asyncio.gather(*(one(n) for n in names))
-        return {n: r for n, r, err in out if err is None}, {n: err for n, _, err in out if err is not None}
-
-    async def _rpc(self, name: str, engine: Any, method: str, step: str) -> Any:
-        try:
-            return await engine.collective_rpc(method, timeout=self.timeout)
-        except Exception as e:
-            raise VerifyError(step, name, f"collective_rpc({method!r}) failed: {e}") from None
-
-    async def pause(self) -> None:
-        async def one(name: str, engine: Any) -> None:
-            if hasattr(engine, "pause_generation"):
-                await engine.pause_generation(mode="abort")
-                self.paused.append(name)
-
-        _, failures = await self._each("pause", one)
-        if failures:
-            raise first_failure("pause", self.names, failures)
-
-    async def resume(self) -> list[str]:
-        async def one(name: str, engine: Any) -> None:
-            await engine.resume_generation()
-            self.paused.remove(name)
-
-        _, failures = await self._each("resume", one, list(self.paused))
-        return [str(VerifyError("resume", n, m)) for n, m in failures.items()]
-
-    async def per_engine(self, step: str) -> list[tuple[str, dict[str, str]]]:
-        async def one(name: str, engine: Any) -> dict[str, str]:
-            return _merge_workers(await self._rpc(name, engine, WORKER_METHODS["checksum"], step), step, name)
-
-        done, failures = await self._each(step, one)
-        if failures:
-            raise first_failure(step, self.names, failures)
-        return [(n, done[n]) for n in self.names]
-
-    async def checksum(self, step: str) -> dict[str, str]:
-        digests, self.kept_apart = combine(await self.per_engine(step))
-        return digests
-
-    async def reset(self, step: str) -> None:
-        async def one(name: str, engine: Any) -> None:
-            await self._rpc(name, engine, WORKER_METHODS["reset"], step)
-
-        _, failures = await self._each(step, one)
-        if failures:
-            raise first_failure(step, self.names, failures)
-
-    def versions(self) -> dict[str, str | None]:
-        return dict.fromkeys(self.names, _in_process_vllm_version())
+        return self.engines[name].call(op, step, self.include, self.lora_slots)

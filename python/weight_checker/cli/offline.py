@@ -1,0 +1,94 @@
+"""The commands that read files only: ``checksum`` (a checkpoint), ``expect``
+(the digests each rank must hold) and ``compare`` (two manifests)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from weight_checker.cli.files import UsageError, load_manifest, write_output
+from weight_checker.cli.report import Progress, compare_report, print_mismatches, summary_line
+from weight_checker.errors import CheckpointError, ExpectedDigestsError
+from weight_checker.keys import rank_prefix
+
+EXIT_OK, EXIT_MISMATCH = 0, 1
+DEFAULT_PREFIX = rank_prefix(0, 0, 0, 0)
+
+
+def cmd_checksum(args: argparse.Namespace) -> int:
+    from weight_checker.hashing.checkpoint import checksum_checkpoint
+
+    prefix = "" if args.no_prefix else (args.prefix if args.prefix is not None else DEFAULT_PREFIX)
+    progress = Progress("checksum", enabled=False if args.no_progress else None)
+    try:
+        digests = checksum_checkpoint(args.paths, prefix=prefix, progress=progress)
+    except CheckpointError as e:
+        raise UsageError(str(e)) from e
+    finally:
+        progress.close()
+    write_output(json.dumps({"checksums": digests}, indent=2, sort_keys=True) + "\n", args.output)
+    return EXIT_OK
+
+
+def cmd_expect(args: argparse.Namespace) -> int:
+    # vLLM's INFO and WARNING lines are not this command's output (its errors become ours).
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    import logging
+
+    logging.getLogger("vllm").setLevel(logging.ERROR)
+    from weight_checker.expected.digests import expected_digests
+
+    ranks = args.tp * args.pp
+    show = sys.stderr.isatty() and not args.no_progress
+    done = [0]
+
+    def progress(rank: str) -> None:
+        done[0] += 1
+        if show:
+            sys.stderr.write(f"\rexpect: loading and hashing {rank} ({done[0]}/{ranks})   ")
+            sys.stderr.flush()
+
+    lora_limits = {k: v for k, v in (("max_lora_rank", args.max_lora_rank), ("max_loras", args.max_loras)) if v}
+    names = [name for name, _ in args.lora]
+    if len(set(names)) != len(names):
+        raise UsageError(f"--lora: adapter {next(n for n in names if names.count(n) > 1)!r} given twice")
+    if lora_limits and not (args.enable_lora or args.lora):
+        raise UsageError("--max-lora-rank / --max-loras need --enable-lora (or --lora)")
+    try:
+        expected = expected_digests(
+            args.checkpoint,
+            tp=args.tp,
+            pp=args.pp,
+            dp=args.dp,
+            dtype=args.dtype,
+            allow_unwritten=args.allow_unwritten,
+            progress=progress,
+            enable_lora=args.enable_lora,
+            loras=dict(args.lora),
+            draft=args.draft,
+            num_speculative_tokens=args.num_speculative_tokens,
+            weight_version=args.weight_version,
+            **lora_limits,
+        )
+    except ExpectedDigestsError as e:
+        raise UsageError(str(e)) from e
+    finally:
+        if show and done[0]:
+            sys.stderr.write("\n")
+    write_output(json.dumps(expected.manifest(), indent=2, sort_keys=True) + "\n", args.output)
+    return EXIT_OK
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    used = [False]
+    baseline = load_manifest(args.baseline, used)
+    current = load_manifest(args.current, used)
+    result = compare_report(baseline, current)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(summary_line(result, len(baseline), len(current)))
+        print_mismatches(result)
+    return EXIT_OK if result["match"] else EXIT_MISMATCH

@@ -1,0 +1,117 @@
+"""The commands against live API servers: ``verify`` (the RL weight-update
+check) and ``replicas`` (do the replicas hold the same weights)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable
+
+from weight_checker.cli.files import UsageError, load_expected, load_manifest
+from weight_checker.cli.report import print_verify_report
+from weight_checker.errors import InputError, VerifyError
+from weight_checker.scope import DEFAULT
+from weight_checker.verify.engine_digests import Layout
+from weight_checker.verify.results import VerifyResult
+from weight_checker.verify.targets.http import HttpTarget
+
+EXIT_OK, EXIT_MISMATCH, EXIT_BAD, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+def http_target(
+    args: argparse.Namespace, layout: Layout | None = None, include: tuple[str, ...] = DEFAULT
+) -> HttpTarget:
+    """The HTTP target of ``--url``s, validated before anything is sent."""
+    try:
+        return HttpTarget(
+            args.url,
+            api_key=args.api_key,
+            timeout=args.timeout,
+            concurrency=args.concurrency,
+            layout=layout,
+            include=include,
+        )
+    except InputError as e:
+        raise UsageError(str(e)) from e
+
+
+def transfer_for(args: argparse.Namespace, target: HttpTarget) -> Callable[[], None]:
+    """The transfer step ``--transfer``, ``--transfer-cmd`` or ``--wait`` asks for."""
+    if args.transfer == "reload":
+
+        def reload() -> None:  # POST /collective_rpc reload_weights, every server at once
+            target.each("reload", "transfer")
+
+        return reload
+    if args.transfer_cmd is not None:
+
+        def run_cmd() -> None:
+            import subprocess
+
+            env = dict(os.environ, WEIGHT_CHECKER_URLS=" ".join(target.urls))
+            rc = subprocess.run(args.transfer_cmd, shell=True, env=env).returncode
+            if rc != 0:
+                raise VerifyError("transfer", None, f"--transfer-cmd exited with {rc}")
+
+        return run_cmd
+
+    def wait() -> None:
+        sys.stderr.write("weight-checker: transfer the weights now, then press Enter... ")
+        sys.stderr.flush()
+        if not sys.stdin.readline():
+            raise VerifyError("transfer", None, "--wait: standard input closed before Enter")
+
+    return wait
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from weight_checker.verify.workflow import scope_for, verify
+
+    baseline = load_manifest(args.baseline, [False]) if args.baseline is not None else None
+    expected = load_expected(args.expected) if args.expected is not None else None
+    layout: Layout | None = "fleet" if args.fleet else "merge" if args.merge else None
+    target = http_target(args, layout, scope_for(args.include, expected))
+    interrupted = False
+    try:
+        transfer = transfer_for(args, target) if baseline is None else None
+        result = verify(target, transfer, baseline=baseline, expected=expected)
+    except VerifyError as e:
+        result = e.result or VerifyResult(servers=target.urls, error=str(e))
+    except KeyboardInterrupt as e:
+        interrupted = True
+        result = getattr(e, "weight_checker_result", None) or VerifyResult(servers=target.urls)
+        result.error = "interrupted"
+    report = result.to_json()
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_verify_report(report)
+    if interrupted:
+        return EXIT_INTERRUPTED
+    if result.error is not None:
+        print(f"weight-checker verify: {result.error}", file=sys.stderr)
+        return EXIT_BAD
+    return EXIT_OK if result.match else EXIT_MISMATCH
+
+
+def cmd_replicas(args: argparse.Namespace) -> int:
+    from weight_checker.verify.replicas import replicas
+
+    target = http_target(args, include=args.include or DEFAULT)
+    try:
+        result = replicas(target)
+    except VerifyError as e:
+        raise UsageError(str(e)) from e
+    if args.json:
+        print(json.dumps(result.to_json(), indent=2))
+    elif result.consistent:
+        print(f"consistent: {len(result.replicas)} replicas ({', '.join(result.replicas)}), {result.groups} keys each")
+    else:
+        print(f"INCONSISTENT: {len(result.inconsistent)} of {result.groups} keys differ between replicas")
+        for key, held in result.inconsistent.items():
+            print(f"  {key}")
+            for replica, digest in held.items():
+                print(f"    {replica:<40} {digest}")
+    return EXIT_OK if result.consistent else EXIT_MISMATCH

@@ -1,0 +1,208 @@
+"""Every weight sync of TRL's GRPO trainer verified, in one line:
+
+    from weight_checker.integrations.trl import verify_every_sync
+
+    trainer = GRPOTrainer(...)
+    verify_every_sync(trainer, every=1, on_mismatch="raise")
+    trainer.train()
+
+TRL (colocate mode) pushes the policy's weights into its in-process vLLM
+engine in ``trainer.vllm_generation.sync_weights()``, before each generation
+whose optimizer step moved. This wraps that method (on this trainer only):
+
+1. the expected digests of the engine are computed from the trainer's own
+   tensors, exactly as TRL sends them (``_iter_named_params``: the same names,
+   dtypes, merged adapters and gathering), through vLLM's own loader
+   (:func:`weight_checker.expected_digests`);
+2. the sync runs as the transfer of :func:`weight_checker.verify`: the
+   engine is checksummed before and after it, and compared with the
+   expected digests (no reset: the engine never serves zeros);
+3. the verdict is logged (``verified step 3: 15/15 keys``, or the classes
+   and the first keys) and added to the trainer's metrics
+   (``weight_check/mismatches``, ``weight_check/seconds``);
+   ``on_mismatch="raise"`` stops training with
+   :class:`~weight_checker.WeightMismatchError`, ``"warn"`` logs it.
+
+A sync that is not due (``every``) costs one counter; the TRL version and
+mode are checked once, at setup: anything this module does not know is one
+clear :class:`TrlIntegrationError` there, never a traceback at step 1.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from weight_checker.errors import WeightCheckerError
+
+logger = logging.getLogger("weight_checker.trl")
+
+#: TRL versions (major.minor) whose weight sync this module was written and tested against.
+SUPPORTED = ("1.16",)
+#: What the integration uses of TRL: ``(object path, attribute)``.
+REQUIRED = (
+    ("trainer", "vllm_generation"),
+    ("trainer", "state"),
+    ("trainer", "_metrics"),
+    ("trainer.vllm_generation", "sync_weights"),
+    ("trainer.vllm_generation", "_iter_named_params"),
+    ("trainer.vllm_generation", "llm"),
+    ("trainer.vllm_generation", "mode"),
+)
+
+
+class TrlIntegrationError(WeightCheckerError):
+    """The trainer is not one this integration can check: another TRL version,
+    another mode, or internals it does not find. Raised at setup."""
+
+
+@dataclass
+class StepCheck:
+    """What one verified sync found."""
+
+    step: int
+    match: bool
+    keys: int
+    mismatches: dict[str, str]
+    seconds: float
+    #: Of ``seconds``: computing the expected digests; the rest is the two
+    #: checksums, the comparison and the sync itself.
+    expected_seconds: float
+    #: The sync's own time (TRL's ``sync_weights``), measured inside the check.
+    sync_seconds: float
+
+
+@dataclass
+class SyncVerifier:
+    """The hook :func:`verify_every_sync` installed: its results, and ``remove()``."""
+
+    trainer: Any
+    every: int
+    on_mismatch: str
+    original: Callable[..., Any]
+    results: list[StepCheck] = field(default_factory=list)
+    syncs: int = 0
+
+    def remove(self) -> None:
+        """Restores TRL's own ``sync_weights`` on this trainer."""
+        vg = self.trainer.vllm_generation
+        if vg.__dict__.get("sync_weights") is not None:
+            del vg.__dict__["sync_weights"]
+
+
+def _check_trainer(trainer: Any) -> None:
+    try:
+        import trl
+    except ImportError as e:
+        raise TrlIntegrationError("TRL is not installed (pip install trl)") from e
+    version = str(getattr(trl, "__version__", "unknown"))
+    if not version.startswith(tuple(f"{v}." for v in SUPPORTED)) and version not in SUPPORTED:
+        raise TrlIntegrationError(
+            f"TRL {version} is not one this integration knows (tested: {', '.join(SUPPORTED)}): its weight sync "
+            "may differ, so nothing was hooked; verify with weight_checker.verify(...) around your own sync"
+        )
+    args = getattr(trainer, "args", None)
+    if not getattr(args, "use_vllm", False):
+        raise TrlIntegrationError(
+            "the trainer does not generate with vLLM (use_vllm=False): there is no sync to verify"
+        )
+    mode = getattr(args, "vllm_mode", None)
+    if mode != "colocate":
+        raise TrlIntegrationError(
+            f"vllm_mode={mode!r}: only 'colocate' (an in-process engine) is checked here; in 'server' mode TRL "
+            "pushes weights to a vLLM server over NCCL: verify that server with `weight-checker verify --url ...` "
+            "or weight_checker.verify(url, ...) around the push"
+        )
+    for owner, attr in REQUIRED:
+        obj: Any = trainer
+        for part in owner.split(".")[1:]:
+            obj = getattr(obj, part, None)
+        if obj is None or not hasattr(obj, attr):
+            raise TrlIntegrationError(f"TRL {version}: {owner}.{attr} not found; nothing was hooked")
+    tp = getattr(trainer.vllm_generation, "tensor_parallel_size", 1)
+    if tp != 1:
+        raise TrlIntegrationError(
+            f"vllm_tensor_parallel_size={tp}: each process holds one shard of a colocated engine; only 1 is checked"
+        )
+
+
+def _engine_model(llm: Any) -> dict[str, Any]:
+    """The engine arguments ``expected_digests`` needs to build the engine's model."""
+    model_config = llm.llm_engine.vllm_config.model_config
+    return {
+        "model": model_config.model,
+        "dtype": str(model_config.dtype).removeprefix("torch."),
+        "max_model_len": model_config.max_model_len,
+        "trust_remote_code": model_config.trust_remote_code,
+    }
+
+
+def verify_every_sync(
+    trainer: Any, every: int = 1, on_mismatch: str = "raise", *, log: logging.Logger | None = None
+) -> SyncVerifier:
+    """Verifies the engine after every ``every``-th weight sync of ``trainer``
+    (TRL's ``GRPOTrainer``, vLLM in colocate mode). ``on_mismatch``:
+    ``"raise"`` (:class:`~weight_checker.WeightMismatchError` stops training)
+    or ``"warn"``. Returns the hook (``.results``, ``.remove()``). Raises
+    :class:`TrlIntegrationError` at once for a trainer it cannot check."""
+    if on_mismatch not in ("raise", "warn"):
+        raise TrlIntegrationError(f"on_mismatch must be 'raise' or 'warn', got {on_mismatch!r}")
+    if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+        raise TrlIntegrationError(f"every must be a positive integer, got {every!r}")
+    _check_trainer(trainer)
+    vg = trainer.vllm_generation
+    hook = SyncVerifier(trainer, every, on_mismatch, vg.sync_weights)
+    out = log or logger
+
+    def sync_weights(*args: Any, **kwargs: Any) -> Any:
+        hook.syncs += 1
+        if (hook.syncs - 1) % every:
+            return hook.original(*args, **kwargs)
+        return _verified_sync(hook, out, args, kwargs)
+
+    vg.sync_weights = sync_weights
+    return hook
+
+
+def _verified_sync(hook: SyncVerifier, log: logging.Logger, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    import weight_checker
+
+    trainer = hook.trainer
+    vg = trainer.vllm_generation
+    step = int(trainer.state.global_step)
+    started = time.perf_counter()
+    expected = weight_checker.expected_digests(_engine_model(vg.llm), lambda: vg._iter_named_params())
+    expected_seconds = time.perf_counter() - started
+    synced: list[Any] = []
+
+    def sync() -> None:
+        begun = time.perf_counter()
+        synced.append(hook.original(*args, **kwargs))
+        synced.append(time.perf_counter() - begun)
+
+    try:
+        result = weight_checker.verify(vg.llm, transfer=sync, expected=expected)
+    except weight_checker.VerifyError as e:
+        if e.step == "transfer" and e.__cause__ is not None:
+            # TRL's own failure, raised as TRL raised it (its own cause kept).
+            raise e.__cause__  # noqa: B904
+        raise
+    seconds = time.perf_counter() - started
+    check = StepCheck(
+        step, result.match, result.key_count, dict(result.mismatches), seconds, expected_seconds, synced[1]
+    )
+    hook.results.append(check)
+    metrics = trainer._metrics["train" if getattr(trainer.model, "training", True) else "eval"]
+    metrics["weight_check/mismatches"].append(float(len(result.mismatches)))
+    metrics["weight_check/seconds"].append(seconds - check.sync_seconds)
+    if result.match:
+        log.info("verified step %d: %d/%d keys (%.3f s)", step, result.key_count, result.key_count, seconds)
+    else:
+        error = weight_checker.WeightMismatchError(result.mismatches, result.reference, result.version_mismatches)
+        log.warning("step %d: %s", step, error)
+        if hook.on_mismatch == "raise":
+            raise error
+    return synced[0]

@@ -1,0 +1,78 @@
+"""The ``vllm.endpoint_plugins`` entry point: :class:`WeightCheckerEndpoint`
+mounts this package's route (:mod:`weight_checker.server`) in vLLM's API
+server, replacing a built-in route of the same path, over every worker of
+every engine behind it. vLLM loads it only when ``VLLM_PLUGINS`` names it
+(``VLLM_PLUGINS=weight_checker,weight_checker_route``); it is the route for
+vLLM ≤ 0.31, which has none, and for data parallelism (vLLM's
+``collective_rpc`` answers for one engine only there)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from weight_checker.integrations.vllm import logger
+from weight_checker.integrations.vllm.plugin import dev_mode_enabled
+from weight_checker.server import EngineAdapter, mount
+
+
+async def _all_engines(engine_client: Any, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
+    """``collective_rpc(method, args=args)`` on every worker of every engine
+    behind this API server, flattened. ``engine_client.collective_rpc`` alone
+    answers for one engine only under data parallelism."""
+    core = getattr(engine_client, "engine_core", None)
+    if core is not None and hasattr(core, "call_utility_all_async"):
+        per_engine = await core.call_utility_all_async("collective_rpc", method, None, args, None)
+    elif core is not None and hasattr(core, "_call_utility_async") and hasattr(core, "core_engines"):
+        per_engine = await asyncio.gather(
+            *(core._call_utility_async("collective_rpc", method, None, args, None, engine=e) for e in core.core_engines)
+        )
+    else:
+        logger.warning("weight_checker: cannot reach engines one by one; asking collective_rpc")
+        per_engine = [await engine_client.collective_rpc(method, args=args)]
+    return [worker for workers in per_engine for worker in workers]
+
+
+def adapter_for(engine_client: Any) -> EngineAdapter:
+    """The route's engine adapter over vLLM's engine client: every worker of
+    every engine core."""
+
+    async def checksums() -> list[dict[str, str]]:
+        return await _all_engines(engine_client, "weight_checker_checksums")
+
+    async def reset() -> None:
+        await _all_engines(engine_client, "weight_checker_reset")
+
+    async def scoped_checksums(include: list[str]) -> list[dict[str, Any]]:
+        return await _all_engines(engine_client, "weight_checker_scope_checksums", (include,))
+
+    async def scoped_reset(include: list[str]) -> None:
+        await _all_engines(engine_client, "weight_checker_reset", (include,))
+
+    return EngineAdapter(checksums=checksums, reset=reset, scoped_checksums=scoped_checksums, scoped_reset=scoped_reset)
+
+
+class WeightCheckerEndpoint:
+    """``vllm.endpoint_plugins`` entry point: mounts ``POST /weight_checker``
+    (replacing vLLM's built-in route of the same path) when
+    ``VLLM_SERVER_DEV_MODE=1``."""
+
+    name = "weight_checker_route"
+    required_tasks = None
+
+    def attach_router(self, app: Any) -> None:
+        def get_adapter(request: Any):
+            state = request.app.state
+            adapter = getattr(state, "weight_checker_adapter", None)
+            if adapter is None:
+                adapter = state.weight_checker_adapter = adapter_for(state.engine_client)
+            return adapter
+
+        if mount(app, get_adapter, enabled=dev_mode_enabled()):
+            logger.info("weight_checker: POST /weight_checker served by weight_checker.server")
+        else:
+            logger.info("weight_checker: VLLM_SERVER_DEV_MODE is not 1; /weight_checker not mounted")
+
+    async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
+        if engine_client is not None:
+            state.weight_checker_adapter = adapter_for(engine_client)

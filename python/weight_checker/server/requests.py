@@ -1,0 +1,107 @@
+"""Requests to ``POST /weight_checker``, validated as strictly as vLLM's
+route does, and vLLM's error shape ``{"error": {"message", "type", "param",
+"code"}}``."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from http import HTTPStatus
+
+from fastapi.responses import JSONResponse
+
+from weight_checker.errors import InputError
+from weight_checker.keys import first_repeated
+from weight_checker.scope import SCOPES, parse_include
+
+ACTIONS = ("checksum", "reset", "compare")
+
+
+class BadRequest(Exception):
+    """A request the route answers with HTTP 400 (never leaves the route)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+def error_response(status: HTTPStatus, message: str, param: str | None = None) -> JSONResponse:
+    """vLLM's error body: ``{"error": {"message", "type", "param", "code"}}``."""
+    body = {"error": {"message": message, "type": status.phrase, "param": param, "code": status.value}}
+    return JSONResponse(body, status_code=status.value)
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    """``json.loads`` hook: an object that names a key twice is ambiguous
+    (which ``action``?), so it is refused rather than last-one-wins."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise _DuplicateKey(first_repeated(k for k, _ in pairs))
+    return out
+
+
+@dataclass(frozen=True)
+class WeightCheckerRequest:
+    """A valid request: the action, the baseline of ``compare``, and the
+    scope (``None``: the target model only, exactly as vLLM's route)."""
+
+    action: str
+    baseline: dict[str, str] | None = None
+    include: tuple[str, ...] | None = None
+
+
+def parse_request(content_type: str | None, raw: bytes) -> WeightCheckerRequest:
+    """Validates a request body exactly as strictly as vLLM's route does
+    (plus a JSON content type, and the optional ``include`` scope)."""
+    if not raw.strip():
+        raise BadRequest("Field required: the body must be a JSON object with 'action'", "body.action")
+    media = (content_type or "").split(";")[0].strip().lower()
+    if media != "application/json" and not media.endswith("+json"):
+        raise BadRequest(f"Content-Type must be application/json, got {content_type!r}", "body")
+    try:
+        body = json.loads(raw, object_pairs_hook=_no_duplicate_keys)
+    except _DuplicateKey as e:
+        raise BadRequest(f"Invalid JSON: duplicate key {e.args[0]!r:.80}", "body") from e
+    except RecursionError as e:
+        raise BadRequest("Invalid JSON: nested too deeply", "body") from e
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, a number too long to convert
+        raise BadRequest(f"Invalid JSON: {e}", "body") from e
+    if not isinstance(body, dict):
+        raise BadRequest(f"The body must be a JSON object, got {type(body).__name__}", "body")
+    if "action" not in body:
+        raise BadRequest("Field required: 'action'", "body.action")
+    action = body["action"]
+    if not isinstance(action, str) or action not in ACTIONS:
+        raise BadRequest(f"'action' must be one of {list(ACTIONS)}, got {action!r:.80}", "body.action")
+    baseline = body.get("baseline")
+    if baseline is not None:
+        if not isinstance(baseline, dict):
+            raise BadRequest(
+                f"'baseline' must be an object key -> sha256 hex, got {type(baseline).__name__}",
+                "body.baseline",
+            )
+        for key, digest in baseline.items():
+            if not isinstance(digest, str):
+                raise BadRequest(
+                    f"baseline[{key!r}] must be a string, got {digest!r:.80}",
+                    f"body.baseline.{key}",
+                )
+    if action == "compare" and baseline is None:
+        raise BadRequest("action='compare' requires a 'baseline' object", "body.baseline")
+    include = None
+    if "include" in body:
+        scope = body["include"]
+        try:
+            if not isinstance(scope, list) or not all(isinstance(s, str) for s in scope):
+                raise InputError("not a list of strings")
+            include = parse_include(scope)
+        except InputError as e:
+            raise BadRequest(
+                f"'include' must be a non-empty list of {', '.join(SCOPES)}; got {scope!r:.80}", "body.include"
+            ) from e
+    return WeightCheckerRequest(action, baseline, include)

@@ -1,0 +1,9 @@
+"""The RL weight-update check: the workflow (:mod:`.workflow`), what it
+found (:mod:`.results`), how each mismatch is classed (:mod:`.classes`),
+replica consistency (:mod:`.replicas`), several engines' digests
+(:mod:`.engine_digests`), the one fan-out pool (:mod:`.fanout`), the HTTP
+client (:mod:`.httpclient`) and the engines it checks (:mod:`.targets`).
+
+The public entry points are re-exported by the package root:
+``weight_checker.verify``, ``verify_async``, ``replicas``.
+"""

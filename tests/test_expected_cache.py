@@ -1,0 +1,68 @@
+"""expected_digests keeps the engine configuration and the rank models of
+its latest call for the next one (a trainer's next step), and hashes the
+parameters the loader completed while it loads the others: neither may change
+a digest. Every result here is compared with a fresh computation (the cache
+and the arenas released first)"""
+
+from __future__ import annotations
+
+import pytest
+import weight_checker
+from weight_checker.expected.rank_model import CACHE, release_buffers
+from weight_checker.testing.launch import vllm_available
+from weight_checker.testing.models import write_tiny_llama
+
+pytestmark = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed")
+
+
+def step(state: dict, seed: int) -> dict:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return {k: (v.float() + 0.01 * torch.randn(v.shape, generator=g)).to(v.dtype) for k, v in state.items()}
+
+
+def fresh(*args, **kwargs):
+    release_buffers()
+    return weight_checker.expected_digests(*args, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from safetensors.torch import load_file
+
+    path = write_tiny_llama(tmp_path_factory.mktemp("cache") / "tiny")
+    return path, load_file(str(path / "model.safetensors"))
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_cached_model_loaded_again_gives_the_fresh_digests(model, tp):
+    path, state = model
+    a, b = step(state, 1), step(state, 2)
+    want_a, want_b = fresh(path, a.items(), tp=tp), fresh(path, b.items(), tp=tp)
+    assert want_a != want_b
+    release_buffers()
+    got_a = weight_checker.expected_digests(path, a.items(), tp=tp)
+    assert CACHE.models, "the rank models are kept for the next call"
+    kept = dict(CACHE.models)
+    got_b = weight_checker.expected_digests(path, b.items(), tp=tp)
+    assert all(CACHE.models[k] is kept[k] for k in kept), "the next step reuses them"
+    assert (got_a, got_b) == (want_a, want_b)
+
+
+def test_a_parameter_the_next_step_does_not_write_is_not_the_last_steps(model):
+    path, state = model
+    name = "model.layers.1.post_attention_layernorm.weight"
+    weight_checker.expected_digests(path, step(state, 3).items())  # leaves its bytes in the cached model
+    partial = {k: v for k, v in step(state, 4).items() if k != name}
+    got = weight_checker.expected_digests(path, partial.items(), allow_unwritten=True)
+    key = f"dp0:pp0:pcp0:tp0:{name}"
+    assert key not in got and key in got.unwritten
+    assert got == fresh(path, partial.items(), allow_unwritten=True)
+
+
+def test_another_configuration_is_not_served_from_the_cache(model):
+    path, state = model
+    bf16 = weight_checker.expected_digests(path, state.items(), dtype="bfloat16")
+    fp32 = weight_checker.expected_digests(path, state.items(), dtype="float32")
+    assert bf16 != fp32 and fp32 == fresh(path, state.items(), dtype="float32")
