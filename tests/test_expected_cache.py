@@ -46,7 +46,7 @@ def test_a_cached_model_loaded_again_gives_the_fresh_digests(model, tp):
     assert CACHE.models, "the rank models are kept for the next call"
     kept = dict(CACHE.models)
     got_b = weight_checker.expected_digests(path, b.items(), tp=tp)
-    assert all(CACHE.models[k] is kept[k] for k in kept), "the next step reuses them"
+    assert all(CACHE.models[k][0] is kept[k][0] for k in kept), "the next step reuses them"
     assert (got_a, got_b) == (want_a, want_b)
 
 
@@ -66,3 +66,19 @@ def test_another_configuration_is_not_served_from_the_cache(model):
     bf16 = weight_checker.expected_digests(path, state.items(), dtype="bfloat16")
     fp32 = weight_checker.expected_digests(path, state.items(), dtype="float32")
     assert bf16 != fp32 and fp32 == fresh(path, state.items(), dtype="float32")
+
+
+def test_a_cached_lora_model_reloaded_with_other_adapters_gives_the_fresh_digests(model):
+    from weight_checker.testing.models import lora_config, lora_tensors
+
+    path, state = model
+    a = step(state, 5)
+    v1, v2 = (lora_tensors(seed, r=8, embeddings=False) for seed in (1, 2))
+    config = lora_config(r=8, alpha=16, embeddings=False)
+    kw = {"max_lora_rank": 8, "max_loras": 2}
+    want = [fresh(path, a.items(), loras={"x": (v, config)}, **kw) for v in (v1, v2)]
+    want.append(fresh(path, state.items(), loras={"y": (v2, config)}, **kw))
+    release_buffers()
+    got = [weight_checker.expected_digests(path, a.items(), loras={"x": (v, config)}, **kw) for v in (v1, v2)]
+    got.append(weight_checker.expected_digests(path, state.items(), loras={"y": (v2, config)}, **kw))
+    assert got == want and any(":lora:y:" in k for k in got[2]) and not any(":lora:x:" in k for k in got[2])

@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any
 
 from weight_checker.errors import ExpectedDigestsError
-from weight_checker.expected.overlap import LoadingHasher
 from weight_checker.expected.rank_groups import rank_groups
 from weight_checker.expected.rank_model import (
     CACHE,
@@ -46,6 +45,7 @@ from weight_checker.expected.rank_model import (
     unwritten_of,
 )
 from weight_checker.expected.weights import weights_source
+from weight_checker.hashing.digests import checksum
 from weight_checker.keys import rank_prefix
 
 __all__ = ["ExpectedDigests", "expected_digests"]
@@ -251,16 +251,6 @@ def expected_digests(
     return out
 
 
-def _digests(hasher: LoadingHasher, model: Any, prefix: str) -> dict[str, str]:
-    """``{prefix + name: hex}`` of ``model``, walked like
-    :func:`weight_checker.checksum`, from the digests made during the load
-    where they still hold."""
-    from weight_checker.hashing.walk import collect
-
-    names, tensors = collect(model)
-    return {prefix + n: d for n, d in zip(names, hasher.digests_of(names, tensors), strict=True)}
-
-
 def _target_rank(
     config: Any,
     source: Any,
@@ -280,8 +270,7 @@ def _target_rank(
 
     model_config = config.model_config
     pp_rank, tp_rank = (int(part[2:]) for part in rank.name.split(":"))
-    # A LoRA-wrapped model is never reused: it is wrapped after loading.
-    cached = None if enable_lora else CACHE.models.get(rank.name)
+    cached, manager = CACHE.models.get(rank.name, (None, None))
     if cached is None:
         config.compilation_config.static_forward_context.clear()
     started = time.perf_counter()
@@ -292,18 +281,20 @@ def _target_rank(
         torch.device("cpu"),
         cpu_punica() if enable_lora else contextlib.nullcontext(),
     ):
-        rank_model, loaded, hasher = build_and_load(config, model_config, source(), TARGET_ARENA, cached)
-        if not enable_lora:
-            CACHE.models[rank.name] = rank_model
+        rank_model, loaded = build_and_load(config, model_config, source, TARGET_ARENA, cached)
         unwritten = _unwritten(rank_model, loaded, "target", rank, out, allow_unwritten)
-        if enable_lora:
+        if enable_lora and manager is None:
             # Wrapped after loading, as the engine does: the same parameters under `.base_layer.` names.
             kept = {id(p) for n, p in rank_model.named_parameters() if n not in unwritten}
             rank_model, manager = wrap(rank_model, config)
             unwritten = [n for n, p in rank_model.named_parameters() if id(p) not in kept]
+        elif enable_lora:  # a cached wrapped model, its base layers loaded again (as the engine reloads)
+            manager.remove_all_adapters()
+        if enable_lora:
             add_adapters(manager, adapters)
+        CACHE.models[rank.name] = (rank_model, manager)
     loaded_at = time.perf_counter()
-    rank.add("", _digests(hasher, rank_model, rank.prefix), unwritten)
+    rank.add("", checksum(rank_model, prefix=rank.prefix), unwritten)
     if enable_lora:
         from weight_checker.hashing.digests import digest_tensors
         from weight_checker.integrations.vllm.scope_walk import lora_pairs
@@ -326,7 +317,7 @@ def _draft_rank(
 
     draft_config, draft_model_config = draft_configs(config)
     pp_rank, tp_rank = (int(part[2:]) for part in rank.name.split(":"))
-    cached = CACHE.models.get("draft:" + rank.name)
+    cached, _ = CACHE.models.get("draft:" + rank.name, (None, None))
     if cached is None:
         config.compilation_config.static_forward_context.clear()  # shared with the draft's config
     started = time.perf_counter()
@@ -336,17 +327,17 @@ def _draft_rank(
         set_default_torch_dtype(draft_model_config.dtype),
         torch.device("cpu"),
     ):
-        model, loaded, hasher = build_and_load(
+        model, loaded = build_and_load(
             draft_config,
             draft_model_config,
-            source(),
+            source,
             DRAFT_ARENA,
             cached,
             prefix="draft_model",
         )
-        CACHE.models["draft:" + rank.name] = model
+        CACHE.models["draft:" + rank.name] = (model, None)
         unwritten = _unwritten(model, loaded, "draft", rank, out, allow_unwritten)
     loaded_at = time.perf_counter()
-    rank.add("draft:", _digests(hasher, model, rank.prefix + "draft:"), unwritten)
+    rank.add("draft:", checksum(model, prefix=rank.prefix + "draft:"), unwritten)
     out.seconds["load"] += loaded_at - started
     out.seconds["hash"] += time.perf_counter() - loaded_at

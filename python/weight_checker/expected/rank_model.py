@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from weight_checker.errors import ExpectedDigestsError
-from weight_checker.expected.overlap import LoadingHasher
+from weight_checker.expected.load_tracker import LoadTracker
 from weight_checker.expected.weights import Tracked
 
 
@@ -48,7 +48,10 @@ class _Arena:
     def __init__(self) -> None:
         self.buffer: Any = None
 
-    def bind(self, model: Any) -> None:
+    def bind(self, model: Any, zero: bool = True) -> list[Any]:
+        """Rebinds ``model``'s parameters to views of the buffer, zeroed
+        first unless ``zero`` is false (then the caller zeroes what the load
+        will not write); returns the parameters bound."""
         import torch
 
         params = [p for _, p in model.named_parameters() if p.device.type == "cpu" and p.numel() > 0]
@@ -57,12 +60,14 @@ class _Arena:
         if self.buffer is None or self.buffer.numel() < total:
             self.buffer = None
             self.buffer = torch.empty(total, dtype=torch.uint8)
-        self.buffer[:total].zero_()
+        if zero:
+            self.buffer[:total].zero_()
         offset = 0
         for p, size in zip(params, sizes, strict=True):
             view = self.buffer[offset : offset + p.nbytes].view(p.dtype).view(p.shape)
             p.data = view
             offset += size
+        return params
 
 
 #: The target's ranks, and the draft's (hashed while the target's are kept).
@@ -81,7 +86,8 @@ class ModelCache:
     def __init__(self) -> None:
         self.key: str | None = None
         self.config: Any = None
-        self.models: dict[str, Any] = {}
+        #: rank -> (model, its worker LoRA manager or None).
+        self.models: dict[str, tuple[Any, Any]] = {}
 
     def config_for(self, key: str | None, make: Callable[[], Any]) -> Any:
         """The configuration for ``key`` (``None``: not cached), made if new."""
@@ -173,20 +179,23 @@ def engine_config(model: Any, tp: int, pp: int, dtype: str | None, engine_args: 
 def build_and_load(
     vllm_config: Any,
     model_config: Any,
-    weights: Iterable[tuple[str, Any]],
+    source: WeightsSource,
     arena: _Arena,
     model: Any = None,
     **build: Any,
-) -> tuple[Any, set[str] | None, LoadingHasher]:
+) -> tuple[Any, set[str] | None]:
     """One rank's model (the caller set vLLM's current config, dtype, device
-    and rank groups), its parameters bound to ``arena`` and loaded with
-    ``weights``; with the names ``load_weights`` says it loaded (``None``
-    where it does not say), and the digests of the parameters the load
-    completed, hashed while it went on (:mod:`.overlap`). ``build``: more
-    arguments of ``initialize_model``. ``model``: one built before for the
-    same configuration and rank (:class:`ModelCache`), loaded again."""
+    and rank groups), its parameters bound to ``arena`` and loaded with the
+    weights ``source()`` gives; with the names ``load_weights`` says it
+    loaded (``None`` where it does not say). ``model``: one built before for
+    the same configuration and rank (:class:`ModelCache`), loaded again.
+    ``build``: more arguments of ``initialize_model``.
+
+    Only the parameters the load does not write in full are zeroed first
+    (:mod:`.load_tracker`); should a tracked one be left incomplete, the rank
+    is loaded again into a fully zeroed arena, so no byte of an earlier load
+    is ever hashed."""
     from vllm.model_executor.model_loader.utils import initialize_model
-    from vllm.model_executor.model_loader.weight_tying import maybe_retie_word_embeddings
 
     if model is None:
         try:
@@ -196,10 +205,24 @@ def build_and_load(
         except Exception as e:
             raise ExpectedDigestsError(f"vLLM cannot build {model_config.architecture}: {one_line(e)}") from e
         _refuse_byte_changing_post_load(model)
-    arena.bind(model)
-    tracked = Tracked(weights)
+    params = arena.bind(model, zero=False)
+    tracker = LoadTracker(model)
+    for p in params:
+        if not tracker.tracked(p):
+            p.data.zero_()
+    loaded = _load(model, model_config, source, tracker)
+    if tracker.incomplete([p for _, p in model.named_parameters()]):
+        arena.bind(model, zero=True)
+        loaded = _load(model, model_config, source, LoadTracker(model))
+    return model, loaded
+
+
+def _load(model: Any, model_config: Any, source: WeightsSource, tracker: LoadTracker) -> set[str] | None:
+    from vllm.model_executor.model_loader.weight_tying import maybe_retie_word_embeddings
+
+    tracked = Tracked(source())
     try:
-        with LoadingHasher(model) as hasher:
+        with tracker:
             loaded = model.load_weights(iter(tracked))
     except ExpectedDigestsError:
         raise
@@ -207,14 +230,17 @@ def build_and_load(
         where = f"tensor '{tracked.current}'" if tracked.current else "the weights"
         raise ExpectedDigestsError(f"{where}: vLLM's loader failed: {one_line(e)}") from e
     maybe_retie_word_embeddings(model, model_config)
-    return model, (loaded if isinstance(loaded, set) else None), hasher
+    return loaded if isinstance(loaded, set) else None
 
 
 def unwritten_of(model: Any, loaded: set[str] | None) -> list[str]:
-    """Parameter names ``load_weights`` did not write (none known: ``[]``)."""
+    """Parameter names ``load_weights`` did not write (none known: ``[]``).
+    A LoRA-wrapped model reports its base layers' names without ``.base_layer``."""
     if loaded is None:
         return []
-    return sorted({n for n, _ in model.named_parameters()} - loaded)
+    return sorted(
+        n for n, _ in model.named_parameters() if n not in loaded and n.replace(".base_layer", "") not in loaded
+    )
 
 
 WeightsSource = Callable[[], Iterable[tuple[str, Any]]]

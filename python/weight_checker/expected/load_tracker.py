@@ -1,0 +1,109 @@
+"""Which parameters vLLM's loader wrote in full, so that the arena is zeroed
+only where it did not.
+
+Every byte a rank's parameters hold must be what the weights wrote, or zero:
+never what an earlier step or rank left in the arena. Zeroing the whole
+arena before each load costs as much memory traffic as a third of the load
+itself, and the loader overwrites nearly all of it. :class:`LoadTracker`
+wraps each parameter's ``weight_loader`` and records the shards written: a
+``QKVParallelLinear`` parameter is complete once its ``q``, ``k`` and ``v``
+shards are, a ``MergedColumnParallelLinear`` one once each of its outputs
+is, the parameters of the layers whose loader writes them whole in one call
+(column, row and replicated linears, vocabulary embeddings, which zero their
+padding rows, RMS norms) after that call. Only the other parameters are
+zeroed before the load; if any tracked parameter the model still holds was
+not completed (a shard the weights never wrote), the caller loads the rank
+again into a fully zeroed arena.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: Layers whose loader writes a parameter whole in one call with no shard id.
+_ONE_CALL = frozenset(
+    {
+        "ColumnParallelLinear",
+        "RowParallelLinear",
+        "ReplicatedLinear",
+        "VocabParallelEmbedding",
+        "ParallelLMHead",
+        "RMSNorm",
+    }
+)
+#: Parameter classes whose loaders write the parameter and nothing else: torch's
+#: own, and vLLM's unquantized linear weight (its loader is the layer's).
+_PARAMETER_KINDS = frozenset({"Parameter", "ModelWeightParameter"})
+_SHARD_KWARGS = ("loaded_shard_id", "shard_id")
+
+
+def _required_shards(module: Any) -> set[Any] | None:
+    """The shard ids a parameter of ``module`` must receive, or ``None``
+    where the layer is not one whose loader this knows."""
+    kind = type(module).__name__
+    if kind == "QKVParallelLinear":
+        return {"q", "k", "v"}
+    if kind == "MergedColumnParallelLinear":
+        return set(range(len(module.output_sizes)))
+    if kind in _ONE_CALL:
+        return {None}
+    return None
+
+
+class LoadTracker:
+    """Wraps the loaders of ``model``'s parameters while a ``with`` block
+    loads it; then :meth:`incomplete` names the tracked parameters it did not
+    write in full, and :meth:`untracked` the ones it does not follow."""
+
+    def __init__(self, model: Any):
+        from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+        self._remaining: dict[int, set[Any]] = {}
+        #: (parameter, its own weight_loader attribute or None), restored on exit.
+        self._loaders: list[tuple[Any, Any]] = []
+        for module in model.modules():
+            shards = _required_shards(module)
+            if shards is None:
+                continue
+            for _, param in module.named_parameters(recurse=False):
+                kind = type(param).__name__
+                if kind not in _PARAMETER_KINDS or param.device.type != "cpu":
+                    continue
+                self._remaining[id(param)] = set(shards)
+                loader = getattr(param, "weight_loader", default_weight_loader)
+                # Restored on exit: a plain parameter's own attribute (or none),
+                # a vLLM parameter's loader through its property.
+                own = loader if kind != "Parameter" else param.__dict__.get("weight_loader")
+                self._loaders.append((param, own))
+                setattr(param, "weight_loader", self._wrapped(loader))  # noqa: B010 (vLLM reads the attribute)
+
+    def __enter__(self) -> LoadTracker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for param, loader in self._loaders:  # the model may be loaded again (a cached one)
+            if loader is None:
+                del param.weight_loader
+            else:
+                param.weight_loader = loader
+
+    def _wrapped(self, loader: Any) -> Any:
+        def weight_loader(param: Any, loaded_weight: Any, *args: Any, **kwargs: Any) -> Any:
+            out = loader(param, loaded_weight, *args, **kwargs)
+            remaining = self._remaining.get(id(param))
+            if remaining is not None:
+                named = [kwargs[k] for k in _SHARD_KWARGS if k in kwargs]
+                if args or named:
+                    remaining.discard(args[0] if args else named[0])
+                else:
+                    remaining.clear()  # no shard id: the whole parameter (a fused checkpoint tensor)
+            return out
+
+        return weight_loader
+
+    def tracked(self, param: Any) -> bool:
+        return id(param) in self._remaining
+
+    def incomplete(self, params: list[Any]) -> list[Any]:
+        """Of ``params``, the tracked ones the load did not write in full."""
+        return [p for p in params if self._remaining.get(id(p))]
