@@ -93,30 +93,27 @@ def test_an_async_transfers_failure_is_the_cause_of_the_transfer_step():
     assert engine.calls[-1] == "resume"
 
 
-def test_a_broken_vllm_is_an_error_not_a_skip(monkeypatch):
+def importing_vllm_raises(monkeypatch, error: Exception) -> None:
+    """``import vllm`` raises ``error`` for the rest of the test."""
     real_import = builtins.__import__
 
-    def broken(name, *args, **kwargs):
+    def fake(name, *args, **kwargs):
         if name == "vllm":
-            raise RuntimeError("vLLM's C extension failed to load")
+            raise error
         return real_import(name, *args, **kwargs)
 
     monkeypatch.delitem(sys.modules, "vllm", raising=False)
-    monkeypatch.setattr(builtins, "__import__", broken)
+    monkeypatch.setattr(builtins, "__import__", fake)
+
+
+def test_a_broken_vllm_is_an_error_not_a_skip(monkeypatch):
+    importing_vllm_raises(monkeypatch, RuntimeError("vLLM's C extension failed to load"))
     with pytest.raises(RuntimeError, match="C extension"):
         launch.vllm_available()
 
 
 def test_a_missing_vllm_is_a_skip_locally_and_an_error_under_ci(monkeypatch):
-    real_import = builtins.__import__
-
-    def missing(name, *args, **kwargs):
-        if name == "vllm":
-            raise ModuleNotFoundError("No module named 'vllm'")
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.delitem(sys.modules, "vllm", raising=False)
-    monkeypatch.setattr(builtins, "__import__", missing)
+    importing_vllm_raises(monkeypatch, ModuleNotFoundError("No module named 'vllm'"))
     monkeypatch.setenv("CI", "false")
     assert launch.vllm_available() is False
     monkeypatch.setenv("CI", "true")

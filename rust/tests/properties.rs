@@ -30,18 +30,7 @@ fn buffers() -> impl Strategy<Value = (Vec<u8>, Vec<(usize, usize)>)> {
             let total: usize = specs.iter().map(|(l, o)| l + o).sum();
             (prop::collection::vec(any::<u8>(), total..=total), Just(specs))
         })
-        .prop_map(|(pool, specs)| {
-            let mut at = 0;
-            let ranges = specs
-                .into_iter()
-                .map(|(len, off)| {
-                    let start = at + off;
-                    at = start + len;
-                    (start, len)
-                })
-                .collect();
-            (pool, ranges)
-        })
+        .prop_map(|(pool, specs)| (pool, lay_out(specs)))
 }
 
 fn schedulers() -> Vec<Scheduler> {
@@ -65,16 +54,21 @@ fn sixteen_lanes_case() -> (Vec<u8>, Vec<(usize, usize)>) {
     let specs: Vec<(usize, usize)> = (0..20).map(|i| (10_000 + 3001 * i, i % 16)).collect();
     let total: usize = specs.iter().map(|(l, o)| l + o).sum();
     let pool: Vec<u8> = (0..total).map(|i| (i as u32).wrapping_mul(2654435761) as u8).collect();
+    (pool, lay_out(specs))
+}
+
+/// `(start, len)` of each `(len, misalignment)` laid out back to back in one
+/// pool, each after its own misalignment.
+fn lay_out(specs: Vec<(usize, usize)>) -> Vec<(usize, usize)> {
     let mut at = 0;
-    let ranges = specs
+    specs
         .into_iter()
         .map(|(len, off)| {
             let start = at + off;
             at = start + len;
             (start, len)
         })
-        .collect();
-    (pool, ranges)
+        .collect()
 }
 
 fn check_hash_many(mut pool: Vec<u8>, ranges: &[(usize, usize)], zero_some: bool) -> Result<(), TestCaseError> {

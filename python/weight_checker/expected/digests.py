@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +120,7 @@ class _Rank:
     """What one (pp, tp) rank gives: keys under the rank's ``dp0`` prefix."""
 
     def __init__(self, pp_rank: int, tp_rank: int):
+        self.pp_rank, self.tp_rank = pp_rank, tp_rank
         self.name = f"pp{pp_rank}:tp{tp_rank}"
         self.prefix = rank_prefix(0, pp_rank, 0, tp_rank)
         self.digests: dict[str, str] = {}
@@ -251,6 +252,32 @@ def expected_digests(
     return out
 
 
+@contextlib.contextmanager
+def _on_rank(
+    config: Any, vllm_config: Any, model_config: Any, rank: _Rank, tp: int, pp: int, cached: Any, lora: bool = False
+) -> Iterator[None]:
+    """vLLM set up to build and load ``rank``'s model of ``vllm_config`` on
+    the CPU: its parallel state, current config and dtype (and the CPU
+    punica wrapper for LoRA). A model built anew must not meet the layer
+    names registered by an earlier one (the target and draft configs share them)."""
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    from weight_checker.expected.lora import cpu_punica
+
+    if cached is None:
+        config.compilation_config.static_forward_context.clear()
+    with (
+        rank_groups(rank.tp_rank, tp, rank.pp_rank, pp),
+        set_current_vllm_config(vllm_config),
+        set_default_torch_dtype(model_config.dtype),
+        torch.device("cpu"),
+        cpu_punica() if lora else contextlib.nullcontext(),
+    ):
+        yield
+
+
 def _target_rank(
     config: Any,
     source: Any,
@@ -262,25 +289,12 @@ def _target_rank(
     allow_unwritten: bool,
     out: ExpectedDigests,
 ) -> None:
-    import torch
-    from vllm.config import set_current_vllm_config
-    from vllm.utils.torch_utils import set_default_torch_dtype
-
-    from weight_checker.expected.lora import add_adapters, cpu_punica, wrap
+    from weight_checker.expected.lora import add_adapters, wrap
 
     model_config = config.model_config
-    pp_rank, tp_rank = (int(part[2:]) for part in rank.name.split(":"))
     cached, manager = CACHE.models.get(rank.name, (None, None))
-    if cached is None:
-        config.compilation_config.static_forward_context.clear()
     started = time.perf_counter()
-    with (
-        rank_groups(tp_rank, tp, pp_rank, pp),
-        set_current_vllm_config(config),
-        set_default_torch_dtype(model_config.dtype),
-        torch.device("cpu"),
-        cpu_punica() if enable_lora else contextlib.nullcontext(),
-    ):
+    with _on_rank(config, config, model_config, rank, tp, pp, cached, lora=enable_lora):
         rank_model, loaded = build_and_load(config, model_config, source, TARGET_ARENA, cached)
         unwritten = _unwritten(rank_model, loaded, "target", rank, out, allow_unwritten)
         if enable_lora and manager is None:
@@ -309,24 +323,13 @@ def _target_rank(
 def _draft_rank(
     config: Any, source: Any, rank: _Rank, tp: int, pp: int, allow_unwritten: bool, out: ExpectedDigests
 ) -> None:
-    import torch
-    from vllm.config import set_current_vllm_config
-    from vllm.utils.torch_utils import set_default_torch_dtype
 
     from weight_checker.expected.draft import draft_configs
 
     draft_config, draft_model_config = draft_configs(config)
-    pp_rank, tp_rank = (int(part[2:]) for part in rank.name.split(":"))
     cached, _ = CACHE.models.get("draft:" + rank.name, (None, None))
-    if cached is None:
-        config.compilation_config.static_forward_context.clear()  # shared with the draft's config
     started = time.perf_counter()
-    with (
-        rank_groups(tp_rank, tp, pp_rank, pp),
-        set_current_vllm_config(draft_config),
-        set_default_torch_dtype(draft_model_config.dtype),
-        torch.device("cpu"),
-    ):
+    with _on_rank(config, draft_config, draft_model_config, rank, tp, pp, cached):
         model, loaded = build_and_load(
             draft_config,
             draft_model_config,

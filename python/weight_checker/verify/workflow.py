@@ -29,7 +29,7 @@ import asyncio
 import inspect
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypedDict, Unpack
 
 from weight_checker.errors import InputError, InputTypeError, VerifyError
 from weight_checker.scope import DEFAULT, parse_include, scope_of
@@ -319,68 +319,79 @@ def _conclude(run: _Run, error: BaseException | None) -> VerifyResult:
     raise error
 
 
-def verify(
-    target: Any,
-    transfer: Callable[[], Any] | None = None,
-    *,
-    baseline: Mapping[str, str] | None = None,
-    expected: Mapping[str, str] | None = None,
-    timeout: float | None = None,
-    api_key: str | None = None,
-    concurrency: int = DEFAULT_CONCURRENCY,
-    fleet: bool = False,
-    merge: bool = False,
-    include: Any = None,
-) -> VerifyResult:
+class VerifyOptions(TypedDict, total=False):
+    """The options of :func:`verify` and :func:`verify_async`.
+
+    - ``baseline``: compare the current digests with these (no transfer);
+    - ``expected``: the digests every rank must hold
+      (:func:`weight_checker.expected_digests`): no reset;
+    - ``timeout``: seconds per request to each engine (HTTP: 600);
+    - ``api_key``: the servers' API key (default ``VLLM_API_KEY``);
+    - ``concurrency``: engines asked at once (32);
+    - ``fleet`` / ``merge``: the engines are replicas / disjoint ranks of one
+      model (default: their key sets decide; a contradiction is an error);
+    - ``include``: what a checksum covers (``["target", "draft", "lora"]``;
+      default: the expected digests' scopes, else the target model).
+    """
+
+    baseline: Mapping[str, str] | None
+    expected: Mapping[str, str] | None
+    timeout: float | None
+    api_key: str | None
+    concurrency: int
+    fleet: bool
+    merge: bool
+    include: Any
+
+
+def _prepare(target: Any, options: VerifyOptions, loop: asyncio.AbstractEventLoop | None = None) -> Target:
+    unknown = sorted(set(options) - set(VerifyOptions.__annotations__))
+    if unknown:
+        raise InputTypeError(
+            f"unexpected option {unknown[0]!r}; the options are {', '.join(VerifyOptions.__annotations__)}"
+        )
+    layout = requested_layout(options.get("fleet", False), options.get("merge", False))
+    scope = scope_for(options.get("include"), options.get("expected"))
+    return target_for(
+        target,
+        api_key=options.get("api_key"),
+        timeout=options.get("timeout"),
+        concurrency=options.get("concurrency", DEFAULT_CONCURRENCY),
+        layout=layout,
+        loop=loop,
+        include=scope,
+    )
+
+
+def verify(target: Any, transfer: Callable[[], Any] | None = None, **options: Unpack[VerifyOptions]) -> VerifyResult:
     """Runs the weight-update check against ``target``: URL(s), an in-process
     ``vllm.LLM``, a Ray actor handle hosting an engine, or a list of engines of
     one kind (use :func:`verify_async` for ``AsyncLLM``).
 
     ``transfer`` pushes the weights (a callable; a coroutine it returns is run
-    to completion). With ``baseline`` (and no transfer) only the current
-    checksum and the comparison run; with ``expected``
-    (:func:`weight_checker.expected_digests`) there is no reset. Several
-    engines are one model split by rank or a fleet of replicas, as their key
-    sets show; ``merge=True`` / ``fleet=True`` say which is meant (a
-    contradiction is an error). Every step runs on all engines at once (at
-    most ``concurrency``), each request with its own ``timeout``. A mismatch
-    is in the result (``.match``, ``.raise_for_mismatch()``); a failed step
-    raises :class:`VerifyError` (``.result`` holds the steps so far), after
-    every paused engine was resumed.
-
-    ``include`` widens what a checksum covers (``["target", "draft",
-    "lora"]``, :mod:`weight_checker.scope`); by default it is what the
-    expected digests hold, else the target model. With ``expected`` carrying
-    a ``weight_version``, each engine must claim that version and hold its
-    weights (``result.version_mismatches`` names the engines that do not).
+    to completion). ``options`` (:class:`VerifyOptions`): with ``baseline``
+    (and no transfer) only the current checksum and the comparison run; with
+    ``expected`` there is no reset, and an ``expected.weight_version`` must
+    be the one each engine claims while holding its weights
+    (``result.version_mismatches``). Every step runs on all engines at once,
+    each request with its own timeout. A mismatch is in the result
+    (``.match``, ``.raise_for_mismatch()``); a failed step raises
+    :class:`VerifyError` (``.result`` holds the steps so far), after every
+    paused engine was resumed.
     """
-    layout = requested_layout(fleet, merge)
-    scope = scope_for(include, expected)
-    t = target_for(target, api_key=api_key, timeout=timeout, concurrency=concurrency, layout=layout, include=scope)
-    return _run(t, transfer, baseline, expected, "verify")
+    t = _prepare(target, options)
+    return _run(t, transfer, options.get("baseline"), options.get("expected"), "verify")
 
 
 async def verify_async(
-    target: Any,
-    transfer: Callable[[], Any] | None = None,
-    *,
-    baseline: Mapping[str, str] | None = None,
-    expected: Mapping[str, str] | None = None,
-    timeout: float | None = None,
-    api_key: str | None = None,
-    concurrency: int = DEFAULT_CONCURRENCY,
-    fleet: bool = False,
-    merge: bool = False,
-    include: Any = None,
+    target: Any, transfer: Callable[[], Any] | None = None, **options: Unpack[VerifyOptions]
 ) -> VerifyResult:
     """:func:`verify` from a coroutine, for in-process ``vllm.AsyncLLM``
     engines (paused with ``pause_generation``) and every other target. The
     checks run in a worker thread; the engines' calls and a coroutine
     ``transfer`` run on this event loop, which stays free meanwhile."""
     loop = asyncio.get_running_loop()
-    layout = requested_layout(fleet, merge)
-    scope = scope_for(include, expected)
-    t = target_for(
-        target, api_key=api_key, timeout=timeout, concurrency=concurrency, layout=layout, loop=loop, include=scope
+    t = _prepare(target, options, loop)
+    return await asyncio.to_thread(
+        _run, t, transfer, options.get("baseline"), options.get("expected"), "verify_async", loop
     )
-    return await asyncio.to_thread(_run, t, transfer, baseline, expected, "verify_async", loop)

@@ -15,11 +15,8 @@ import concurrent.futures
 from collections.abc import Coroutine, Iterable
 from typing import Any
 
-from weight_checker.errors import InputError, VerifyError
-from weight_checker.scope import DEFAULT
-from weight_checker.verify.engine_digests import Layout
-from weight_checker.verify.fanout import DEFAULT_CONCURRENCY, EngineSet, Progress
-from weight_checker.verify.targets.engines import engine_names, in_process_vllm_version, merge_workers, worker_method
+from weight_checker.errors import VerifyError
+from weight_checker.verify.targets.engines import InProcessTarget, in_process_vllm_version, merge_workers, worker_method
 
 
 def run_on_loop(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any], timeout: float | None) -> Any:
@@ -32,28 +29,13 @@ def run_on_loop(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any],
         raise TimeoutError(f"no answer within {timeout} s") from e
 
 
-class AsyncLLMTarget(EngineSet):
-    """In-process ``AsyncLLM`` engines, paused with ``pause_generation``."""
+class AsyncLLMTarget(InProcessTarget):
+    """In-process ``AsyncLLM`` engines, paused with ``pause_generation``;
+    ``loop`` is the event loop they run on."""
 
-    def __init__(
-        self,
-        engines: Iterable[Any],
-        loop: asyncio.AbstractEventLoop,
-        *,
-        timeout: float | None = None,
-        concurrency: int = DEFAULT_CONCURRENCY,
-        progress: Progress | None = None,
-        layout: Layout | None = None,
-        include: tuple[str, ...] = DEFAULT,
-    ):
-        engines = list(engines)
-        if not engines:
-            raise InputError("no engine given")
-        names = engine_names(engines, lambda e: f"in-process {type(e).__name__}")
-        self.engines = dict(zip(names, engines, strict=True))
+    def __init__(self, engines: Iterable[Any], loop: asyncio.AbstractEventLoop, **options: Any):
         self.loop = loop
-        self.timeout = timeout
-        super().__init__(names, concurrency, progress, layout, include)
+        super().__init__(engines, **options)
 
     def _call(self, name: str, op: str, step: str) -> Any:
         engine = self.engines[name]

@@ -121,8 +121,9 @@ class _RayEngine(_LocalEngine):
         return version if isinstance(version, str) else None
 
 
-class RpcTarget(EngineSet):
-    """In-process ``vllm.LLM`` engines or Ray actor handles (one or several)."""
+class InProcessTarget(EngineSet):
+    """Engines of this process (or Ray handles to them), named by kind and
+    position; subclasses say how each is labelled, held and called."""
 
     def __init__(
         self,
@@ -137,12 +138,26 @@ class RpcTarget(EngineSet):
         engines = list(engines)
         if not engines:
             raise InputError("no engine given")
-        names = engine_names(engines, lambda e: "ray actor" if is_ray_actor(e) else f"in-process {type(e).__name__}")
-        self.engines: dict[str, _LocalEngine] = {
-            name: (_RayEngine if is_ray_actor(e) else _LocalEngine)(e, name, timeout)
-            for name, e in zip(names, engines, strict=True)
-        }
+        self.timeout = timeout
+        names = engine_names(engines, self._label)
+        self.engines = {name: self._adopt(name, e) for name, e in zip(names, engines, strict=True)}
         super().__init__(names, concurrency, progress, layout, include)
+
+    def _label(self, engine: Any) -> str:
+        return f"in-process {type(engine).__name__}"
+
+    def _adopt(self, name: str, engine: Any) -> Any:
+        return engine
+
+
+class RpcTarget(InProcessTarget):
+    """In-process ``vllm.LLM`` engines or Ray actor handles (one or several)."""
+
+    def _label(self, engine: Any) -> str:
+        return "ray actor" if is_ray_actor(engine) else super()._label(engine)
+
+    def _adopt(self, name: str, engine: Any) -> _LocalEngine:
+        return (_RayEngine if is_ray_actor(engine) else _LocalEngine)(engine, name, self.timeout)
 
     def _call(self, name: str, op: str, step: str) -> Any:
         return self.engines[name].call(op, step, self.include, self.lora_slots)
