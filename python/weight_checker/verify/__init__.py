@@ -1,5 +1,6 @@
 """The RL weight-update check: the workflow (:mod:`.workflow`), what it
-found (:mod:`.results`), how each mismatch is classed (:mod:`.classes`),
+found (:mod:`.results`), the comparison once every checksum is in
+(:mod:`.compare`), how each mismatch is classed (:mod:`.classes`),
 replica consistency (:mod:`.replicas`), several engines' digests
 (:mod:`.engine_digests`), the one fan-out pool (:mod:`.fanout`), the HTTP
 client (:mod:`.httpclient`) and the engines it checks (:mod:`.targets`).

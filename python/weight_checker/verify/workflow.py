@@ -33,14 +33,8 @@ from typing import Any, NamedTuple, TypedDict, Unpack
 
 from weight_checker.errors import InputError, InputTypeError, VerifyError
 from weight_checker.scope import DEFAULT, parse_include, scope_of
-from weight_checker.verify.classes import (
-    EMPTY_DIGEST,
-    already_zeroed_warning,
-    class_counts,
-    classify,
-    classify_expected,
-)
-from weight_checker.verify.engine_digests import EngineDigests, Layout, display_key
+from weight_checker.verify.compare import compare
+from weight_checker.verify.engine_digests import EngineDigests, Layout
 from weight_checker.verify.fanout import DEFAULT_CONCURRENCY
 from weight_checker.verify.results import Step, VerifyResult
 from weight_checker.verify.targets import Target, target_for
@@ -175,91 +169,6 @@ async def _await(value: Any) -> Any:
     return await value
 
 
-def _of(values: dict[str, Any], name: str, engine: str | None) -> dict[str, str] | None:
-    """The digests a step kept as ``name``: one engine's, or all of them merged."""
-    checked: Checked | None = values.get(name)
-    if checked is None:
-        return None
-    digests = checked.digests
-    return dict(digests.per_engine[engine]) if engine is not None else digests.merged()
-
-
-def _compare(run: _Run, values: dict[str, Any]) -> None:
-    """Classifies every key, engine by engine in a fleet, and records the result."""
-    result = run.result
-    current: EngineDigests = values["current"].digests
-    result.layout = current.layout
-    engines: list[str | None] = list(current.per_engine) if current.layout == "fleet" else [None]
-    expected = values.get("expected")
-    for engine in engines:
-        after = _of(values, "current", engine) or {}
-        if expected is not None:
-            classes, details, warnings, count = _against_expected(expected, _of(values, "before", engine), after)
-        else:
-            reference = values.get("baseline_manifest") or _of(values, "baseline", engine) or {}
-            post_reset = _of(values, "post_reset", engine)
-            classes, details, count = classify(reference, after, post_reset), {}, len(reference)
-            warnings = [w] if post_reset is not None and (w := already_zeroed_warning(reference, post_reset)) else []
-        if engine is not None:
-            result.by_engine[engine] = classes
-            classes = {display_key(engine, k): c for k, c in classes.items()}
-            details = {display_key(engine, k): d for k, d in details.items()}
-            warnings = [f"{engine}: {w}" for w in warnings]
-        result.mismatches.update(classes)
-        result.details.update(details)
-        result.warnings += warnings
-        result.key_count += count
-    result.reference = "the expected digests" if expected is not None else "the baseline"
-    _weight_versions(result, values, current)
-    result.match = not result.mismatches and not result.version_mismatches
-
-
-def _weight_versions(result: VerifyResult, values: dict[str, Any], current: EngineDigests) -> None:
-    """Each engine's weight version before and after, and whether the one it
-    claims after the transfer is the expected one, held with its weights."""
-    first = values.get("before") or values.get("baseline")
-    before = first.weight_versions if first is not None else {}
-    after = values["current"].weight_versions
-    want = getattr(values.get("expected"), "weight_version", None)
-    for engine in current.per_engine:
-        result.weight_versions[engine] = {"before": before.get(engine), "after": after.get(engine)}
-        if want is None:
-            continue
-        got = after.get(engine)
-        if got is None:
-            result.warnings.append(f"{engine} reports no weight version (no /weight_info): the version is not checked")
-            continue
-        if current.layout == "fleet":
-            wrong = result.by_engine.get(engine, {})
-        else:
-            wrong = {k: c for k, c in result.mismatches.items() if k in current.per_engine[engine]}
-        if got != want:
-            result.version_mismatches[engine] = f"reports weight version {got!r}, expected {want!r}"
-        elif wrong:
-            held = f"{len(wrong)} key(s) do not hold its weights ({class_counts(wrong)})"
-            result.version_mismatches[engine] = f"claims weight version {want!r} but {held}"
-
-
-def _against_expected(
-    expected: Mapping[str, str], before: dict[str, str] | None, after: dict[str, str]
-) -> tuple[dict[str, str], dict[str, str], list[str], int]:
-    """``(classes, details, warnings, keys compared)`` of one model against
-    the digests it must hold; keys the weights never wrote are not compared."""
-    unwritten = set(getattr(expected, "unwritten", ()))
-    after = {k: v for k, v in after.items() if k not in unwritten}
-    classes, details = classify_expected(expected, before, after)
-    warnings = []
-    if unwritten:
-        warnings.append(f"{len(unwritten)} key(s) not checked: the expected weights never wrote them")
-    emptied = [k for k in classes if after.get(k) == EMPTY_DIGEST != expected.get(k)]
-    if emptied:
-        warnings.append(
-            f"{len(emptied)} key(s) hold no bytes on the engine but are expected to (a CPU backend repacks "
-            f"linear weights into empty parameters): they cannot match, e.g. {emptied[0]}"
-        )
-    return classes, details, warnings, len(expected)
-
-
 def _run(
     t: Target,
     transfer: Callable[[], Any] | None,
@@ -291,7 +200,7 @@ def _run(
             if key:
                 values[key] = value
         start = time.perf_counter()
-        _compare(run, values)
+        compare(run.result, values)
         run.result.lora_slots = dict(t.lora_slots)
         run.step("compare", time.perf_counter() - start, ok=True)
     except BaseException as e:
