@@ -52,3 +52,23 @@ def vllm031_python() -> str | None:
         os.environ.get("WEIGHT_CHECKER_VLLM031_PYTHON", Path(__file__).parent.parent / ".venv-vllm031/bin/python")
     )
     return str(path) if path.exists() else None
+
+
+def pytest_sessionstart(session):
+    """``WEIGHT_CHECKER_LANES=16`` asks for the 16-lane wide kernel (the
+    Makefile's third digest run). On a CPU without AVX-512 the core runs its
+    narrow kernel instead: say so, loudly, rather than pass with the wide
+    kernel untested; under CI a CPU that has it but a run that did not use
+    it is a failure."""
+    if os.environ.get("WEIGHT_CHECKER_LANES", "").strip() != "16":
+        return
+    from weight_checker import _core
+
+    if not _core.wide_kernel_available():
+        session.config.issue_config_time_warning(
+            pytest.PytestWarning("WEIGHT_CHECKER_LANES=16: no AVX-512 on this CPU, the wide kernel is NOT tested"),
+            stacklevel=2,
+        )
+        print("\nnote: WEIGHT_CHECKER_LANES=16 but this CPU has no AVX-512: the wide kernel is not tested in this run")
+    elif _core.small_lanes() != 16 and os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        raise pytest.UsageError("CI=true: this CPU has the wide kernel but WEIGHT_CHECKER_LANES=16 did not select it")
