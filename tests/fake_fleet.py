@@ -42,6 +42,8 @@ class FakeServer:
         self.resets = 0
         #: Seconds a reload_weights takes.
         self.reload_delay = 0.0
+        #: Seconds a pause takes to answer, after it paused.
+        self.pause_delay = 0.0
         #: Set when the fleet stops: a hung request then ends at once.
         self.stopping = threading.Event()
         self.httpd = _QuietServer(("127.0.0.1", 0), self._handler())
@@ -77,6 +79,7 @@ class FakeServer:
                     if server.fail_pause:
                         return self.reply(500, {"detail": "cannot pause"})
                     server.paused = True
+                    server.stopping.wait(server.pause_delay)
                     return self.reply(200, {"status": "paused"})
                 if self.path == "/resume":
                     server.paused = False

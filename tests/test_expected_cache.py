@@ -82,3 +82,24 @@ def test_a_cached_lora_model_reloaded_with_other_adapters_gives_the_fresh_digest
     got = [weight_checker.expected_digests(path, a.items(), loras={"x": (v, config)}, **kw) for v in (v1, v2)]
     got.append(weight_checker.expected_digests(path, state.items(), loras={"y": (v2, config)}, **kw))
     assert got == want and any(":lora:y:" in k for k in got[2]) and not any(":lora:x:" in k for k in got[2])
+
+
+def test_a_tied_models_loaders_are_restored_after_every_call(tmp_path):
+    """lm_head is embed_tokens in a tied model: its loader is wrapped once per
+    load and restored after, however many steps a cached model serves."""
+    from weight_checker.expected.rank_model import CACHE
+
+    from tests.models import write_model
+
+    path = write_model(tmp_path / "tied", "tied")
+    first = weight_checker.expected_digests(path)
+    ((model, _),) = CACHE.models.values()
+    loaders = {
+        n: p.__dict__.get("weight_loader", getattr(p, "weight_loader", None)) for n, p in model.named_parameters()
+    }
+    for _ in range(3):
+        assert weight_checker.expected_digests(path) == first
+        now = {
+            n: p.__dict__.get("weight_loader", getattr(p, "weight_loader", None)) for n, p in model.named_parameters()
+        }
+        assert now == loaders

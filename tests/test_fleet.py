@@ -109,6 +109,23 @@ def test_expected_digests_apply_to_every_engine_of_a_fleet():
         assert result.classes() == {"stale": sorted(f"{fleet[1].url} dp0:pp0:pcp0:tp0:w{j}" for j in range(3))}
 
 
+def test_a_pause_that_times_out_after_the_server_paused_is_resumed_too():
+    with fake_fleet(2) as fleet:
+        fleet[1].pause_delay = 5.0
+        with pytest.raises(weight_checker.VerifyError, match="step 'pause'"):
+            weight_checker.verify([s.url for s in fleet], transfer=reload_all(fleet), timeout=1)
+        assert not any(s.paused for s in fleet)
+
+
+def test_lora_keys_do_not_decide_a_fleet():
+    target = {"dp0:pp0:pcp0:tp0:w": "1"}
+    adapter = {"dp0:pp0:pcp0:tp0:lora:a:m.lora_a": "2"}
+    assert decide_layout({"a": target | adapter, "b": dict(target)}, None) == "fleet"
+    with pytest.raises(weight_checker.InputError, match=r"--fleet.*--merge"):
+        decide_layout({"a": adapter, "b": {}}, None)
+    assert decide_layout({"a": adapter, "b": {}}, "fleet") == "fleet"
+
+
 def test_a_server_given_twice_is_refused_before_anything_is_paused():
     with fake_fleet(1) as fleet:
         with pytest.raises(ValueError, match="given twice"):

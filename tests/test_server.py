@@ -182,6 +182,9 @@ def test_invalid_json_and_content_type(client):
     r = client.post("/weight_checker", data={"action": "checksum"})  # form-encoded
     assert_vllm_error(r, 400)
     assert client.get("/health").status_code == 200
+    # No Content-Type at all: JSON, as vLLM's own route takes it.
+    r = client.post("/weight_checker", content=b'{"action": "checksum"}', headers={"content-type": ""})
+    assert r.status_code == 200 and "checksums" in r.json()
 
 
 def test_bad_requests_change_nothing(client, workers):

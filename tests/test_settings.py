@@ -76,6 +76,13 @@ def test_the_vllm_plugin_stops_start_up_on_a_bad_setting():
     assert r.returncode != 0 and "WEIGHT_CHECKER_GUARD='perhaps'" in r.stderr, r.stderr
 
 
+def test_the_vllm_plugin_ignores_the_test_suites_own_variables():
+    code = "from weight_checker.integrations.vllm.plugin import register; register()"
+    env = env_with("WEIGHT_CHECKER_VLLM_STARTUP_S", "-5")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
 def test_good_values_and_switch_spellings(monkeypatch):
     for value, want in (("1", True), ("off", False), ("Yes", True), ("FALSE", False)):
         monkeypatch.setenv("WEIGHT_CHECKER_GUARD", value)

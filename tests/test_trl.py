@@ -103,6 +103,14 @@ def test_a_trainer_it_does_not_know_is_refused_at_setup(monkeypatch):
     del broken.vllm_generation._iter_named_params
     with pytest.raises(TrlIntegrationError, match=r"_iter_named_params not found; nothing was hooked"):
         verify_every_sync(broken)
+    sleepy = trainer()
+    sleepy.vllm_generation.enable_sleep_mode = True
+    with pytest.raises(TrlIntegrationError, match="sleep mode"):
+        verify_every_sync(sleepy)
+    peft = trainer()
+    peft.model = SimpleNamespace(peft_config={"default": None})
+    with pytest.raises(TrlIntegrationError, match="PEFT"):
+        verify_every_sync(peft)
     monkeypatch.setattr(trl, "__version__", "2.0.0")
     with pytest.raises(TrlIntegrationError, match=r"TRL 2.0.0 is not one this integration knows"):
         verify_every_sync(trainer())

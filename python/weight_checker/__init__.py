@@ -26,7 +26,8 @@ from weight_checker.errors import (
     WeightCheckerError,
     WeightMismatchError,
 )
-from weight_checker.expected.digests import ExpectedDigests, expected_digests
+from weight_checker.expected.digests import expected_digests
+from weight_checker.expected.manifest import ExpectedDigests
 from weight_checker.hashing.digests import CompareResult, checksum, compare, reset, sha256_many
 from weight_checker.keys import rank_prefix
 from weight_checker.verify.replicas import ReplicaResult, replicas

@@ -159,17 +159,19 @@ def enabled(name: str, default: bool = True) -> bool:
     return default if value is None else bool(value)
 
 
-def check() -> None:
-    """Validates every variable that is set: the core's (by the core) and the
-    package's. Raises :class:`SettingsError` naming the first bad one."""
+def check(read_by: tuple[str, ...] = ("core", "python", "tests")) -> None:
+    """Validates every variable that is set and read by one of ``read_by``:
+    the core's (by the core) and the package's. Raises :class:`SettingsError`
+    naming the first bad one."""
     from weight_checker import _core
 
-    try:
-        _core.check_settings()
-    except ValueError as e:
-        raise SettingsError(str(e)) from e
+    if "core" in read_by:
+        try:
+            _core.check_settings()
+        except ValueError as e:
+            raise SettingsError(str(e)) from e
     for setting in SETTINGS:
-        if setting.read_by in ("python", "tests"):
+        if setting.read_by in read_by and setting.read_by != "core":
             get(setting.name)
 
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from weight_checker.errors import WeightCheckerError
 
 if TYPE_CHECKING:
-    from weight_checker.expected.digests import ExpectedDigests
+    from weight_checker.expected.manifest import ExpectedDigests
 
 
 class UsageError(WeightCheckerError):
@@ -46,7 +46,7 @@ def write_output(text: str, path: str | None) -> None:
 
 def load_expected(path: str) -> ExpectedDigests:
     """An ``expect`` manifest (or any manifest) as :class:`ExpectedDigests`."""
-    from weight_checker.expected.digests import ExpectedDigests
+    from weight_checker.expected.manifest import ExpectedDigests
 
     digests = load_manifest(path, [False])
     try:
@@ -75,7 +75,7 @@ def load_manifest(path: str, stdin_used: list[bool]) -> dict[str, str]:
         raise UsageError(f"{where}: invalid JSON: nested too deeply") from e
     except ValueError as e:  # JSONDecodeError, or a number too long to convert
         raise UsageError(f"{where}: invalid JSON: {e}") from e
-    from weight_checker.expected.digests import ExpectedDigests
+    from weight_checker.expected.manifest import ExpectedDigests
 
     if isinstance(data, dict) and "checksums" in data and set(data) <= ExpectedDigests.FIELDS:
         data = data["checksums"]

@@ -72,7 +72,8 @@ def _server_options(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from weight_checker import __version__
 
-    p = argparse.ArgumentParser(prog="weight-checker", description=(__doc__ or "").split("\n\n")[0])
+    description = (__doc__ or "").split("\n\n")[0].replace("``", "")
+    p = argparse.ArgumentParser(prog="weight-checker", description=description)
     p.add_argument("--version", action="version", version=f"weight-checker {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 

@@ -67,12 +67,11 @@ def transfer_for(args: argparse.Namespace, target: HttpTarget) -> Callable[[], N
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from weight_checker.verify.workflow import scope_for, verify
+    from weight_checker.verify.workflow import requested_layout, scope_for, verify
 
     baseline = load_manifest(args.baseline, [False]) if args.baseline is not None else None
     expected = load_expected(args.expected) if args.expected is not None else None
-    layout: Layout | None = "fleet" if args.fleet else "merge" if args.merge else None
-    target = http_target(args, layout, scope_for(args.include, expected))
+    target = http_target(args, requested_layout(args.fleet, args.merge), scope_for(args.include, expected))
     interrupted = False
     try:
         transfer = transfer_for(args, target) if baseline is None else None

@@ -27,12 +27,14 @@ narrows a zero-copy view, so a rank touches only the pages of its shard
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from weight_checker.errors import ExpectedDigestsError
+from weight_checker.expected.manifest import ExpectedDigests
 from weight_checker.expected.rank_groups import rank_groups
 from weight_checker.expected.rank_model import (
     CACHE,
@@ -50,70 +52,8 @@ from weight_checker.keys import rank_prefix
 
 __all__ = ["ExpectedDigests", "expected_digests"]
 
-
-class ExpectedDigests(dict[str, str]):
-    """``{key: hex}`` for every key the engine reports, plus what produced them."""
-
-    #: The fields of a manifest: ``checksum``'s, and the provenance beside it.
-    FIELDS = frozenset({"checksums", "vllm_version", "layout", "unwritten", "warnings", "weight_version"})
-
-    def __init__(
-        self,
-        digests: Mapping[str, str] | None = None,
-        *,
-        vllm_version: str = "",
-        layout: dict[str, Any] | None = None,
-        unwritten: list[str] | None = None,
-        warnings: list[str] | None = None,
-        weight_version: str | None = None,
-    ):
-        super().__init__(digests or {})
-        #: The vLLM version whose model class and loader ran.
-        self.vllm_version = vllm_version
-        #: ``{"tp": T, "pp": P, "dp": D, "dtype": ..., "architecture": ...}``
-        self.layout: dict[str, Any] = layout or {}
-        #: Keys of parameters the weights never wrote (not in the mapping:
-        #: their bytes would be uninitialized memory, so they are never hashed).
-        self.unwritten: list[str] = unwritten or []
-        #: What could not be established (e.g. the model's ``load_weights``
-        #: does not say which parameters it wrote, so unwritten ones go unnoticed).
-        self.warnings: list[str] = warnings or []
-        #: The weight version the engine must report with these weights
-        #: (``None``: not checked).
-        self.weight_version = weight_version
-        #: Seconds spent building and loading the rank models, and hashing them.
-        self.seconds: dict[str, float] = {"load": 0.0, "hash": 0.0}
-
-    def manifest(self) -> dict[str, Any]:
-        """The ``checksum`` manifest format, with the provenance beside it."""
-        out: dict[str, Any] = {
-            "checksums": dict(sorted(self.items())),
-            "vllm_version": self.vllm_version,
-            "layout": self.layout,
-            "unwritten": self.unwritten,
-            "warnings": self.warnings,
-        }
-        if self.weight_version is not None:
-            out["weight_version"] = self.weight_version
-        return out
-
-    @classmethod
-    def from_manifest(cls, data: Mapping[str, Any], digests: Mapping[str, str]) -> ExpectedDigests:
-        """The expected digests of a manifest ``data`` whose ``checksums`` are
-        ``digests`` (validated by the caller); absent fields are empty."""
-
-        def strings(value: Any) -> list[str]:
-            return [v for v in value if isinstance(v, str)] if isinstance(value, list) else []
-
-        version = data.get("weight_version")
-        return cls(
-            digests,
-            vllm_version=data["vllm_version"] if isinstance(data.get("vllm_version"), str) else "",
-            layout=data["layout"] if isinstance(data.get("layout"), dict) else {},
-            unwritten=strings(data.get("unwritten")),
-            warnings=strings(data.get("warnings")),
-            weight_version=str(version) if isinstance(version, (str, int)) and not isinstance(version, bool) else None,
-        )
+#: One call at a time: the arenas and the model cache are the process's.
+_LOCK = threading.Lock()
 
 
 class _Rank:
@@ -194,8 +134,35 @@ def expected_digests(
 
     Raises :class:`ExpectedDigestsError` naming the tensor, the adapter or the
     reason, and, unless ``allow_unwritten``, when the weights leave a
-    parameter unwritten.
+    parameter unwritten. Calls from several threads run one at a time (they
+    share the parameter arenas and the model cache).
     """
+    with _LOCK:
+        return _expected_digests(
+            model, weights, tp=tp, pp=pp, dp=dp, dtype=dtype, allow_unwritten=allow_unwritten, progress=progress,
+            enable_lora=enable_lora, loras=loras, draft=draft, draft_weights=draft_weights,
+            num_speculative_tokens=num_speculative_tokens, weight_version=weight_version, **engine_args,
+        )  # fmt: skip
+
+
+def _expected_digests(
+    model: Any,
+    weights: Any,
+    *,
+    tp: int,
+    pp: int,
+    dp: int,
+    dtype: str | None,
+    allow_unwritten: bool,
+    progress: Callable[[str], None] | None,
+    enable_lora: bool,
+    loras: Mapping[str, Any] | None,
+    draft: str | Path | None,
+    draft_weights: Any,
+    num_speculative_tokens: int,
+    weight_version: str | None,
+    **engine_args: Any,
+) -> ExpectedDigests:
     for label, n in (("tp", tp), ("pp", pp), ("dp", dp)):
         if not isinstance(n, int) or n < 1:
             raise ExpectedDigestsError(f"{label} must be a positive integer, got {n!r}")

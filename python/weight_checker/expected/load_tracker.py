@@ -52,40 +52,46 @@ def _required_shards(module: Any) -> set[Any] | None:
 
 class LoadTracker:
     """Wraps the loaders of ``model``'s parameters while a ``with`` block
-    loads it; then :meth:`incomplete` names the tracked parameters it did not
-    write in full, and :meth:`untracked` the ones it does not follow."""
+    loads it (and only then: the model may be cached and loaded again); then
+    :meth:`incomplete` names the tracked parameters it did not write in full,
+    and :meth:`tracked` says which it follows."""
 
     def __init__(self, model: Any):
-        from vllm.model_executor.model_loader.weight_utils import default_weight_loader
-
         self._remaining: dict[int, set[Any]] = {}
-        #: (parameter, its own weight_loader attribute or None), restored on exit.
-        self._loaders: list[tuple[Any, Any]] = []
+        self._params: list[Any] = []
         for module in model.modules():
             shards = _required_shards(module)
             if shards is None:
                 continue
             for _, param in module.named_parameters(recurse=False):
                 kind = type(param).__name__
-                if kind not in _PARAMETER_KINDS or param.device.type != "cpu":
+                # A tied parameter (lm_head = embed_tokens) is met twice: tracked once.
+                if kind not in _PARAMETER_KINDS or param.device.type != "cpu" or id(param) in self._remaining:
                     continue
                 self._remaining[id(param)] = set(shards)
-                loader = getattr(param, "weight_loader", default_weight_loader)
-                # Restored on exit: a plain parameter's own attribute (or none),
-                # a vLLM parameter's loader through its property.
-                own = loader if kind != "Parameter" else param.__dict__.get("weight_loader")
-                self._loaders.append((param, own))
-                setattr(param, "weight_loader", self._wrapped(loader))  # noqa: B010 (vLLM reads the attribute)
+                self._params.append(param)
+        #: (parameter, its own weight_loader attribute or None), restored on exit.
+        self._loaders: list[tuple[Any, Any]] = []
 
     def __enter__(self) -> LoadTracker:
+        from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+        for param in self._params:
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            # Restored on exit: a plain parameter's own attribute (or none),
+            # a vLLM parameter's loader through its property.
+            own = loader if type(param).__name__ != "Parameter" else param.__dict__.get("weight_loader")
+            self._loaders.append((param, own))
+            setattr(param, "weight_loader", self._wrapped(loader))  # noqa: B010 (vLLM reads the attribute)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for param, loader in self._loaders:  # the model may be loaded again (a cached one)
+        for param, loader in reversed(self._loaders):  # the model may be loaded again (a cached one)
             if loader is None:
                 del param.weight_loader
             else:
                 param.weight_loader = loader
+        self._loaders.clear()
 
     def _wrapped(self, loader: Any) -> Any:
         def weight_loader(param: Any, loaded_weight: Any, *args: Any, **kwargs: Any) -> Any:

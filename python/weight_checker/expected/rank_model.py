@@ -37,10 +37,11 @@ class _Arena:
     loader's copy into them pays a page fault and the kernel's zeroing for
     every 4 KiB (here 0.38 s for 1.7 GB, against 0.10 s for the same copy
     into memory already touched). Each rank's parameters are rebound to views
-    of this one buffer instead, which is zeroed first: bytes that the weights
-    do not write read as zeros, never as what an earlier rank or step left
-    there. The buffer is the size of the largest rank seen;
-    :func:`release_buffers` frees it.
+    of this one buffer instead. Bytes that the weights do not write read as
+    zeros, never as what an earlier rank or step left there: the caller zeroes
+    the parameters the load will not write in full, or the whole buffer
+    (:func:`build_and_load`). The buffer is the size of the largest rank
+    seen; :func:`release_buffers` frees it.
     """
 
     ALIGN = 64
@@ -119,7 +120,7 @@ def cache_key(model: Any, settings: Mapping[str, Any]) -> str | None:
     try:
         stamp = (Path(directory) / "config.json").stat().st_mtime_ns if directory is not None else 0
     except OSError:
-        return None
+        stamp = 0  # not a local directory (a hub id): its arguments (revision included) are the key
     described = {"model": model if isinstance(model, Mapping) else str(model), "stamp": stamp, **settings}
     try:
         return json.dumps(described, sort_keys=True, default=str)

@@ -122,10 +122,31 @@ def _check_trainer(trainer: Any) -> None:
             obj = getattr(obj, part, None)
         if obj is None or not hasattr(obj, attr):
             raise TrlIntegrationError(f"TRL {version}: {owner}.{attr} not found; nothing was hooked")
-    tp = getattr(trainer.vllm_generation, "tensor_parallel_size", 1)
+    vg = trainer.vllm_generation
+    tp = getattr(vg, "tensor_parallel_size", 1)
     if tp != 1:
         raise TrlIntegrationError(
             f"vllm_tensor_parallel_size={tp}: each process holds one shard of a colocated engine; only 1 is checked"
+        )
+    if getattr(vg, "enable_sleep_mode", False):
+        raise TrlIntegrationError(
+            "vllm_enable_sleep_mode=True: the engine's weights are released between generations, so there is "
+            "nothing to checksum before a sync; turn sleep mode off to verify"
+        )
+    if hasattr(getattr(trainer, "model", None), "peft_config"):
+        raise TrlIntegrationError(
+            "a PEFT model: TRL merges the adapters into the weights it sends, and computing the expected digests "
+            "would merge and unmerge them a second time each step; not supported yet"
+        )
+    try:
+        model_config = vg.llm.llm_engine.vllm_config.model_config
+    except AttributeError as e:
+        raise TrlIntegrationError(f"the colocated engine's configuration is not where TRL 1.16 keeps it ({e})") from e
+    if model_config.quantization is not None or getattr(model_config, "model_impl", "auto") not in ("auto", "vllm"):
+        raise TrlIntegrationError(
+            f"the engine runs quantization={model_config.quantization!r}, model_impl="
+            f"{getattr(model_config, 'model_impl', None)!r}: expected digests are computed for vLLM's own "
+            "unquantized model classes only"
         )
 
 
@@ -134,9 +155,11 @@ def _engine_model(llm: Any) -> dict[str, Any]:
     model_config = llm.llm_engine.vllm_config.model_config
     return {
         "model": model_config.model,
+        "revision": model_config.revision,
         "dtype": str(model_config.dtype).removeprefix("torch."),
         "max_model_len": model_config.max_model_len,
         "trust_remote_code": model_config.trust_remote_code,
+        **({"hf_overrides": model_config.hf_overrides} if getattr(model_config, "hf_overrides", None) else {}),
     }
 
 

@@ -73,7 +73,9 @@ def _weight_versions(result: VerifyResult, values: dict[str, Any], current: Engi
             continue
         got = after.get(engine)
         if got is None:
-            result.warnings.append(f"{engine} reports no weight version (no /weight_info): the version is not checked")
+            result.warnings.append(
+                f"{engine} reports no weight version (vLLM < 0.32, or no dev mode): the version is not checked"
+            )
             continue
         if current.layout == "fleet":
             wrong = result.by_engine.get(engine, {})

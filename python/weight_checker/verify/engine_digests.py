@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 from weight_checker.errors import InputError
+from weight_checker.scope import scope_of
 
 Layout = Literal["single", "merge", "fleet"]
-LAYOUTS: tuple[Layout, ...] = ("single", "merge", "fleet")
 
 
 def display_key(engine: str, key: str) -> str:
@@ -48,12 +48,6 @@ class EngineDigests:
             out.update(digests)
         return out
 
-    def display(self) -> dict[str, str]:
-        """A flat map for reports: keys as they are, or engine-qualified in a fleet."""
-        if self.layout != "fleet":
-            return self.merged()
-        return {display_key(e, k): v for e, d in self.per_engine.items() for k, v in d.items()}
-
 
 def _first_shared(a: Mapping[str, str], b: Mapping[str, str]) -> str | None:
     shared = a.keys() & b.keys()
@@ -74,12 +68,23 @@ def decide_layout(per_engine: Mapping[str, Mapping[str, str]], layout: Layout | 
     """The layout of these engines' digests: the one their key sets show,
     which must be ``layout`` where that was asked for. Raises
     :class:`InputError` naming two engines and a key where the key sets
-    contradict the request or overlap partly."""
+    contradict the request or overlap partly.
+
+    LoRA keys do not decide: replicas load adapters on demand, so a replica
+    that lacks one is a fleet whose adapter is ``missing``, not a layout
+    error. With only LoRA keys in scope the caller must say which it is."""
     names = list(per_engine)
     if len(names) == 1:
         return "single"
     if layout not in (None, "merge", "fleet"):
         raise InputError(f"layout must be 'merge' or 'fleet', got {layout!r}")
+    per_engine = {n: {k: v for k, v in d.items() if scope_of(k) != "lora"} for n, d in per_engine.items()}
+    if not any(per_engine.values()):
+        if layout is None:
+            raise InputError(
+                "with only LoRA adapters in scope, say whether the servers are a fleet (--fleet) or one model (--merge)"
+            )
+        return layout
     if layout != "fleet":
         # Merge, or not decided: any shared key between two engines?
         for i, a in enumerate(names):

@@ -165,10 +165,20 @@ class EngineSet:
         )
 
     def pause(self) -> None:
-        done, failures = self._all("pause", "pause")
-        self.paused += [n for n in self.names if n in done and done[n] is not NOTHING_TO_PAUSE]
-        if failures:  # all or none: the runner resumes every engine that did pause
+        """All or none. A pause that failed may still have paused its engine
+        (a client-side timeout after the server paused), and an interrupted
+        one may be in flight: then every engine asked is to be resumed (a
+        resume of an engine that is not paused changes nothing)."""
+        asked = [n for n in self.names if n not in self.paused]
+        try:
+            done, failures = self._all("pause", "pause")
+        except BaseException:
+            self.paused += asked
+            raise
+        if failures:
+            self.paused += [n for n in asked if done.get(n) is not NOTHING_TO_PAUSE]
             raise first_failure("pause", self.names, failures)
+        self.paused += [n for n in asked if done[n] is not NOTHING_TO_PAUSE]
 
     def resume(self) -> list[str]:
         names = list(self.paused)

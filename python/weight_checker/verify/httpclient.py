@@ -82,7 +82,7 @@ def request(
         return status, raw.decode(errors="replace")
 
 
-def _clip(text: str, limit: int = 2000) -> str:
+def clip(text: str, limit: int = 2000) -> str:
     """A non-JSON body (an HTML error page) shortened for a message, saying so."""
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
 
@@ -95,8 +95,8 @@ def post_json(url: str, path: str, body: Any = None, *, timeout: float = 600.0, 
             url, f"unauthorized (HTTP {status}): pass the server's API key (--api-key or VLLM_API_KEY)", status
         )
     if not 200 <= status < 300:
-        detail = _clip(answer) if isinstance(answer, str) else json.dumps(answer)
+        detail = clip(answer) if isinstance(answer, str) else json.dumps(answer)
         raise HttpError(url, f"HTTP {status}: {detail}", status)
     if isinstance(answer, str):
-        raise HttpError(url, f"answer is not JSON: {_clip(answer)!r}", status)
+        raise HttpError(url, f"answer is not JSON: {clip(answer)!r}", status)
     return answer

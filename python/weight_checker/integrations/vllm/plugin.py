@@ -57,7 +57,7 @@ def register() -> None:
     with _lock:
         if _registered:
             return
-        settings.check()
+        settings.check(read_by=("core", "python"))  # not the test suite's own variables
         _registered = True
     patches: Patches = {}
     if plugin_enabled():

@@ -91,7 +91,7 @@ def weight_checker_checksums(self: Any) -> dict[str, str]:
         prefix.rstrip(":"),
         weight_checker.__version__,
         weight_checker.kernel(),
-        _core.last_run() or "no tensor hashed",
+        _core.last_run() or "device tensors staged through pinned host memory",
     )
     return digests
 

@@ -12,6 +12,7 @@ from weight_checker.keys import merge_digests
 from weight_checker.scope import DEFAULT
 from weight_checker.verify.engine_digests import Layout
 from weight_checker.verify.fanout import DEFAULT_CONCURRENCY, NOTHING_TO_PAUSE, EngineSet, Progress
+from weight_checker.verify.httpclient import clip
 
 
 def worker_method(op: str, include: tuple[str, ...]) -> tuple[str, tuple[Any, ...]]:
@@ -27,7 +28,7 @@ def merge_workers(results: Any, step: str, name: str, slots: dict[str, Any] | No
     """One engine's map from its workers' answers to ``collective_rpc``: plain
     ``{key: hex}`` maps, or scoped answers whose ``lora_slots`` go to ``slots``."""
     if not isinstance(results, list) or not all(isinstance(r, dict) for r in results):
-        raise VerifyError(step, name, f"unexpected answer {str(results)[:200]}")
+        raise VerifyError(step, name, f"unexpected answer {clip(str(results))}")
     if all("checksums" in r and "include" in r for r in results):
         if slots is not None:
             slots[name] = {r.get("rank", str(i)): r.get("lora_slots") for i, r in enumerate(results)}

@@ -10,7 +10,7 @@ from weight_checker.errors import HttpError, InputError, VerifyError
 from weight_checker.scope import DEFAULT
 from weight_checker.verify.engine_digests import Layout
 from weight_checker.verify.fanout import DEFAULT_CONCURRENCY, EngineSet, Progress
-from weight_checker.verify.httpclient import api_key_from_env, post_json, request, validate_url
+from weight_checker.verify.httpclient import api_key_from_env, clip, post_json, request, validate_url
 
 #: Why a scoped checksum came back without its scope.
 IGNORED_SCOPE = (
@@ -73,7 +73,7 @@ class HttpTarget(EngineSet):
         answer = self._post(url, "/weight_checker", {"action": "checksum", **scope}, step)
         sums = answer.get("checksums") if isinstance(answer, dict) else None
         if not isinstance(sums, dict) or not all(isinstance(v, str) for v in sums.values()):
-            raise VerifyError(step, url, f"unexpected answer {str(answer)[:200]}")
+            raise VerifyError(step, url, f"unexpected answer {clip(str(answer))}")
         if scope:
             if answer.get("include") != scope["include"]:
                 raise VerifyError(step, url, IGNORED_SCOPE)

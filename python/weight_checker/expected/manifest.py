@@ -1,0 +1,72 @@
+"""What :func:`weight_checker.expected_digests` returns: the digests, with
+what produced them, as the manifest ``weight-checker expect`` writes."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+
+class ExpectedDigests(dict[str, str]):
+    """``{key: hex}`` for every key the engine reports, plus what produced them."""
+
+    #: The fields of a manifest: ``checksum``'s, and the provenance beside it.
+    FIELDS = frozenset({"checksums", "vllm_version", "layout", "unwritten", "warnings", "weight_version"})
+
+    def __init__(
+        self,
+        digests: Mapping[str, str] | None = None,
+        *,
+        vllm_version: str = "",
+        layout: dict[str, Any] | None = None,
+        unwritten: list[str] | None = None,
+        warnings: list[str] | None = None,
+        weight_version: str | None = None,
+    ):
+        super().__init__(digests or {})
+        #: The vLLM version whose model class and loader ran.
+        self.vllm_version = vllm_version
+        #: ``{"tp": T, "pp": P, "dp": D, "dtype": ..., "architecture": ...}``
+        self.layout: dict[str, Any] = layout or {}
+        #: Keys of parameters the weights never wrote (not in the mapping:
+        #: their bytes would be uninitialized memory, so they are never hashed).
+        self.unwritten: list[str] = unwritten or []
+        #: What could not be established (e.g. the model's ``load_weights``
+        #: does not say which parameters it wrote, so unwritten ones go unnoticed).
+        self.warnings: list[str] = warnings or []
+        #: The weight version the engine must report with these weights
+        #: (``None``: not checked).
+        self.weight_version = weight_version
+        #: Seconds spent building and loading the rank models, and hashing them.
+        self.seconds: dict[str, float] = {"load": 0.0, "hash": 0.0}
+
+    def manifest(self) -> dict[str, Any]:
+        """The ``checksum`` manifest format, with the provenance beside it."""
+        out: dict[str, Any] = {
+            "checksums": dict(sorted(self.items())),
+            "vllm_version": self.vllm_version,
+            "layout": self.layout,
+            "unwritten": self.unwritten,
+            "warnings": self.warnings,
+        }
+        if self.weight_version is not None:
+            out["weight_version"] = self.weight_version
+        return out
+
+    @classmethod
+    def from_manifest(cls, data: Mapping[str, Any], digests: Mapping[str, str]) -> ExpectedDigests:
+        """The expected digests of a manifest ``data`` whose ``checksums`` are
+        ``digests`` (validated by the caller); absent fields are empty."""
+
+        def strings(value: Any) -> list[str]:
+            return [v for v in value if isinstance(v, str)] if isinstance(value, list) else []
+
+        version = data.get("weight_version")
+        return cls(
+            digests,
+            vllm_version=data["vllm_version"] if isinstance(data.get("vllm_version"), str) else "",
+            layout=data["layout"] if isinstance(data.get("layout"), dict) else {},
+            unwritten=strings(data.get("unwritten")),
+            warnings=strings(data.get("warnings")),
+            weight_version=str(version) if isinstance(version, (str, int)) and not isinstance(version, bool) else None,
+        )
