@@ -42,6 +42,19 @@ def tiny_llama(tmp_path_factory):
     return write_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama")
 
 
+@pytest.fixture(autouse=True)
+def _environment_restored():
+    """Each test leaves ``os.environ`` as it found it. Libraries change it as
+    they are imported or set up (``import trl`` sets VLLM_LOGGING_LEVEL=ERROR,
+    TRL's colocated vLLM sets RANK, WORLD_SIZE, MASTER_PORT), and every server
+    a later test starts would inherit that."""
+    before = dict(os.environ)
+    yield
+    if dict(os.environ) != before:
+        os.environ.clear()
+        os.environ.update(before)
+
+
 @pytest.fixture(scope="session")
 def vllm031_python() -> str | None:
     """The interpreter of the vLLM 0.31 environment (scripts/dev-env.sh makes

@@ -18,7 +18,9 @@ group's id, also when the caller fails, so no stray engine or worker survives.
   nothing in how vLLM runs;
 - with several local workers (TP x PP x DP > 1), ``VLLM_CPU_OMP_THREADS_BIND``
   splits the CPUs this process may use between them (vLLM's "auto" binding
-  wants one NUMA node per worker and fails on a one-node host).
+  wants one NUMA node per worker and fails on a one-node host);
+- ``VLLM_LOGGING_LEVEL=INFO``: the checks read the plugin's INFO lines, and a
+  parent that imported ``trl`` has ERROR in its environment.
 """
 
 from __future__ import annotations
@@ -93,7 +95,10 @@ def vllm_env(
     except ``PYTHONPATH``, which goes after the AMX directory; ``amx_tile=False``
     leaves the AMX request out (to show what it prevents)."""
     full = dict(os.environ if base is None else base)
-    full.update({"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"})
+    # INFO, whatever the parent process says: the checks read the plugin's
+    # INFO lines from the log, and ``import trl`` sets VLLM_LOGGING_LEVEL=ERROR
+    # in the importing process, which every later server would inherit.
+    full.update({"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "INFO"})
     workers = local_workers(extra_args)
     if workers > 1:
         full.setdefault("VLLM_CPU_OMP_THREADS_BIND", omp_threads_bind(workers))
