@@ -143,6 +143,72 @@ impl StridedView {
         }
     }
 
+    /// Rows of the innermost dimension (the unit [`StridedView::gather`] copies).
+    pub fn rows(&self) -> usize {
+        match self.shape.split_last() {
+            Some((&inner, outer)) if inner > 0 => outer.iter().product(),
+            _ => 0,
+        }
+    }
+
+    /// The rows in C order as slices of the memory itself, where each row is
+    /// contiguous (the innermost stride is the item size); `None` otherwise.
+    pub fn contiguous_rows(&self) -> Option<Vec<&[u8]>> {
+        let nd = self.shape.len();
+        if nd == 0 || self.strides[nd - 1] != self.itemsize as isize {
+            return None;
+        }
+        let row_bytes = self.shape[nd - 1] * self.itemsize;
+        let rows = self.rows();
+        let mut out = Vec::with_capacity(rows);
+        for row in 0..rows {
+            let (mut rest, mut offset) = (row, 0isize);
+            for d in (0..nd - 1).rev() {
+                offset += (rest % self.shape[d]) as isize * self.strides[d];
+                rest /= self.shape[d];
+            }
+            // SAFETY: the row's `row_bytes` lie contiguously at `offset`, inside
+            // the view, readable and unwritten for as long as the view is used
+            // (the contract of `new`), which the borrow of `self` bounds.
+            out.push(unsafe { std::slice::from_raw_parts(self.ptr.offset(offset), row_bytes) });
+        }
+        Some(out)
+    }
+
+    /// Appends the C-order bytes of rows `*row..` to `out`, whole rows, until
+    /// one more would take `out` past `max` bytes (at least one row is
+    /// appended); advances `*row`. Resumable: a caller hashes a view a
+    /// bounded piece at a time, interleaved with other views.
+    pub fn gather(&self, row: &mut usize, out: &mut Vec<u8>, max: usize) {
+        let rows = self.rows();
+        let nd = self.shape.len();
+        let (inner_n, inner_s) = (self.shape[nd - 1], self.strides[nd - 1]);
+        let row_bytes = inner_n * self.itemsize;
+        while *row < rows && (out.is_empty() || out.len() + row_bytes <= max) {
+            // The byte offset of element (index of `*row`.., 0): the flat row
+            // number written in the outer dimensions' mixed radix.
+            let (mut rest, mut offset) = (*row, 0isize);
+            for d in (0..nd - 1).rev() {
+                offset += (rest % self.shape[d]) as isize * self.strides[d];
+                rest /= self.shape[d];
+            }
+            // SAFETY: the row's elements lie at `offset + k * inner_s`, inside
+            // the view, readable and unwritten, per the contract of `new`.
+            unsafe {
+                let start = self.ptr.offset(offset);
+                if inner_s == self.itemsize as isize {
+                    out.extend_from_slice(std::slice::from_raw_parts(start, row_bytes));
+                } else {
+                    for k in 0..inner_n {
+                        let e = start.offset(k as isize * inner_s);
+                        out.extend_from_slice(std::slice::from_raw_parts(e, self.itemsize));
+                    }
+                }
+            }
+            *row += 1;
+        }
+    }
+
     /// SHA-256 of the C-order bytes.
     pub fn digest(&self, kernel: Kernel) -> Digest {
         let mut s = Sha256::new();
@@ -155,6 +221,35 @@ impl StridedView {
 mod tests {
     use super::*;
     use sha2::Digest as _;
+
+    /// Gathering a bounded piece at a time, resumed, gives the C-order bytes.
+    #[test]
+    fn gather_resumes_where_it_stopped() {
+        let data: Vec<u8> = (0..=255u8).cycle().take(7 * 10 * 3).collect();
+        // A 7 x 5 x 3 view of bytes: every other column of a 7 x 10 x 3 array.
+        let view = unsafe { StridedView::new(data.as_ptr(), 1, vec![7, 5, 3], vec![30, 6, 1]) };
+        let mut whole = Vec::new();
+        view.for_each_piece(|p| whole.extend_from_slice(p));
+        for max in [1, 3, 7, 1 << 20] {
+            let (mut row, mut out) = (0, Vec::new());
+            while row < view.rows() {
+                let mut piece = Vec::new();
+                view.gather(&mut row, &mut piece, max);
+                assert!(!piece.is_empty() && (piece.len() <= max.max(3)));
+                out.extend_from_slice(&piece);
+            }
+            assert_eq!(out, whole, "max {max}");
+        }
+        let rows: Vec<u8> = view.contiguous_rows().unwrap().concat();
+        assert_eq!(rows, whole);
+        let transposed = unsafe { StridedView::new(data.as_ptr(), 1, vec![3, 70], vec![1, 3]) };
+        assert!(transposed.contiguous_rows().is_none());
+        let (mut row, mut out) = (0, Vec::new());
+        transposed.gather(&mut row, &mut out, 1 << 20);
+        let mut expected = Vec::new();
+        transposed.for_each_piece(|p| expected.extend_from_slice(p));
+        assert_eq!((row, out), (3, expected));
+    }
 
     /// A transposed 2-D u16 array hashes like its explicit C-order copy.
     #[test]

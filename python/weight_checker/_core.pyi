@@ -198,7 +198,9 @@ class MultiHasher:
     def __len__(self) -> int: ...
     def bytes_fed(self, index: int) -> int: ...
     def update(self, feeds: Iterable[tuple[int, Any]]) -> None:
-        """Feed contiguous buffers; pairs for one digest apply in order."""
+        """Feed buffers, contiguous or with contiguous rows (a shard narrowed
+        along its last dimension, read in place row by row); pairs for one
+        digest apply in order."""
     def update_at(self, buffer: Any, feeds: Sequence[tuple[int, int, int]]) -> None:
         """Feed ``(index, offset, length)`` slices of one contiguous buffer."""
     def finish(self) -> tuple[list[str], list[bool]]:

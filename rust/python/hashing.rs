@@ -35,14 +35,14 @@ fn digest_held_refs(py: Python<'_>, held: &[&Held<'_>]) -> (Vec<Digest>, RunSumm
             })
             .collect();
         let (contiguous, streamed) = scheduler.hash_many_shaped(&slices);
-        use rayon::prelude::*;
-        let strided: Vec<Digest> = sources
-            .par_iter()
+        let views: Vec<_> = sources
+            .iter()
             .filter_map(|s| match s {
-                Source::Strided(v) => Some(v.digest(scheduler.kernel)),
+                Source::Strided(v) => Some(*v),
                 Source::Slice(_) => None,
             })
             .collect();
+        let strided = scheduler.hash_strided(&views);
         let summary = RunSummary {
             batched: None,
             streamed,

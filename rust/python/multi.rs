@@ -51,7 +51,8 @@ impl MultiHasher {
             .ok_or_else(|| to_py_err(Error::DigestIndex { index, len: n }))
     }
 
-    /// Feeds `(index, buffer)` pairs; pairs for one digest apply in order.
+    /// Feeds `(index, buffer)` pairs; pairs for one digest apply in order. A
+    /// buffer is contiguous, or strided with contiguous rows (read in place).
     fn update(&mut self, py: Python<'_>, feeds: &Bound<'_, PyAny>) -> PyResult<()> {
         let mut indices = Vec::new();
         let mut held = Vec::new();
@@ -62,21 +63,27 @@ impl MultiHasher {
                 .map_err(|_| PyTypeError::new_err("feeds must be (index, buffer) tuples"))?;
             indices.push(pair.get_item(0)?.extract::<usize>()?);
             let h = acquire(&pair.get_item(1)?, Names(None), i)?;
-            if matches!(h.source(), Source::Strided(_)) {
-                return Err(PyBufferError::new_err(format!(
-                    "feed #{i}: MultiHasher.update needs contiguous buffers"
-                )));
+            if let Source::Strided(view) = h.source() {
+                if view.contiguous_rows().is_none() {
+                    return Err(PyBufferError::new_err(format!(
+                        "feed #{i}: MultiHasher.update needs a buffer whose rows are contiguous"
+                    )));
+                }
             }
             held.push(h);
         }
-        let sources: Vec<&[u8]> = held
-            .iter()
-            .map(|h| match h.source() {
-                Source::Slice(s) => s,
-                Source::Strided(_) => unreachable!(),
-            })
-            .collect();
-        let feeds: Vec<(usize, &[u8])> = indices.into_iter().zip(sources).collect();
+        // A strided buffer (a shard narrowed along its last dimension) is fed
+        // its rows where they lie: nothing is copied.
+        let mut feeds: Vec<(usize, &[u8])> = Vec::with_capacity(held.len());
+        for (&index, h) in indices.iter().zip(&held) {
+            match h.source() {
+                Source::Slice(s) => feeds.push((index, s)),
+                Source::Strided(view) => {
+                    let rows = view.contiguous_rows().expect("checked above");
+                    feeds.extend(rows.into_iter().map(|row| (index, row)));
+                }
+            }
+        }
         let inner = self.open()?;
         // The fed buffers are read in place with the GIL released: the caller
         // must not write them until this call returns (see `Held::source`).

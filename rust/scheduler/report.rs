@@ -141,13 +141,13 @@ impl fmt::Display for BatchTally {
 }
 
 /// Everything one call hashed: small messages in batches, a streamed run of
-/// the rest, and strided views gathered one stream each, each part where it
-/// ran.
+/// the rest, and strided views (read by row or gathered), each part where
+/// it ran.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct RunSummary {
     pub batched: Option<BatchTally>,
     pub streamed: Option<RunShape>,
-    /// Strided views gathered into one narrow stream each: (kernel, count).
+    /// Strided views, read by row or gathered, hashed through the lanes: (kernel, count).
     pub gathered: Option<(Kernel, usize)>,
 }
 
@@ -165,7 +165,7 @@ impl fmt::Display for RunSummary {
     /// tensors"`. Several, each with its count: `"9984 small by 2 threads
     /// in batches on 4 narrow lanes (sha-ni); 16 large by 2 threads: 1 on 4
     /// narrow lanes (sha-ni), 1 on the 16-lane wide kernel (avx512); 3
-    /// strided gathered, one narrow stream each (sha-ni); 10003 tensors"`.
+    /// strided, read by row or gathered, through the lanes (sha-ni); 10003 tensors"`.
     /// Nothing hashed: `"no tensors"`.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let batched = self.batched.filter(|b| b.messages() > 0);
@@ -196,11 +196,11 @@ impl fmt::Display for RunSummary {
         if let Some((kernel, count)) = gathered {
             f.write_str(sep)?;
             if labelled {
-                write!(f, "{count} strided gathered")?;
+                write!(f, "{count} strided")?;
             } else {
-                f.write_str("gathered strided")?;
+                f.write_str("strided")?;
             }
-            write!(f, ", one narrow stream each ({kernel})")?;
+            write!(f, ", read by row or gathered, through the lanes ({kernel})")?;
         }
         let n = self.messages();
         write!(f, "; {n} tensor{}", plural(n))
@@ -286,8 +286,8 @@ mod tests {
         assert_eq!(
             all.to_string(),
             "10000 small by 2 threads in batches, 9984 on the 16-lane wide kernel (avx512) and 16 on 4 narrow \
-             lanes (portable); 3 large by 2 threads on 2 narrow lanes (portable); 1 strided gathered, one \
-             narrow stream each (portable); 10004 tensors"
+             lanes (portable); 3 large by 2 threads on 2 narrow lanes (portable); 1 strided, read by row or \
+             gathered, through the lanes (portable); 10004 tensors"
         );
         let only_batches = RunSummary {
             batched: Some(BatchTally {
@@ -307,7 +307,7 @@ mod tests {
         };
         assert_eq!(
             gathered.to_string(),
-            "gathered strided, one narrow stream each (portable); 1 tensor"
+            "strided, read by row or gathered, through the lanes (portable); 1 tensor"
         );
     }
 }

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from weight_checker.errors import ExpectedDigestsError
+from weight_checker.expected.deferred import PendingDigests
 from weight_checker.expected.manifest import ExpectedDigests
 from weight_checker.expected.rank_groups import rank_groups
 from weight_checker.expected.rank_model import (
@@ -47,7 +48,6 @@ from weight_checker.expected.rank_model import (
     unwritten_of,
 )
 from weight_checker.expected.weights import weights_source
-from weight_checker.hashing.digests import checksum
 from weight_checker.keys import rank_prefix
 
 __all__ = ["ExpectedDigests", "expected_digests"]
@@ -65,14 +65,20 @@ class _Rank:
         self.prefix = rank_prefix(0, pp_rank, 0, tp_rank)
         self.digests: dict[str, str] = {}
         self.unwritten: list[str] = []
+        self._skipped: set[str] = set()
 
     def add(self, namespace: str, digests: dict[str, str], unwritten: list[str]) -> None:
         skipped = {self.prefix + namespace + n for n in unwritten}
+        self._skipped |= skipped
+        self.unwritten += sorted(skipped)
+        self.put(digests)
+
+    def put(self, digests: Mapping[str, str]) -> None:
+        """Digests of this rank's keys, less those of unwritten parameters."""
         for key, digest in digests.items():
             # A SharedWeightParameter or tensor subclass reports name.{part}.
-            if key not in skipped and key.rsplit(".", 1)[0] not in skipped:
+            if key.startswith(self.prefix) and key not in self._skipped and key.rsplit(".", 1)[0] not in self._skipped:
                 self.digests[key] = digest
-        self.unwritten += sorted(skipped)
 
 
 def _unwritten(
@@ -204,18 +210,30 @@ def _expected_digests(
         }
     if draft is not None:
         out.layout["draft"] = str(draft)
+    later = PendingDigests()
+    ranks = []
     for pp_rank in range(pp):
         for tp_rank in range(tp):
             rank = _Rank(pp_rank, tp_rank)
             if progress is not None:
                 progress(rank.name)
-            _target_rank(config, source, rank, tp, pp, adapters, enable_lora, allow_unwritten, out)
+            _target_rank(config, source, rank, tp, pp, adapters, enable_lora, allow_unwritten, out, later)
             if draft_source is not None:
-                _draft_rank(config, draft_source, rank, tp, pp, allow_unwritten, out)
-            for d in range(dp):
-                replica = rank_prefix(d, pp_rank, 0, tp_rank)
-                out.update({replica + k[len(rank.prefix) :]: v for k, v in rank.digests.items()})
-                out.unwritten += [replica + k[len(rank.prefix) :] for k in rank.unwritten]
+                _draft_rank(config, draft_source, rank, tp, pp, allow_unwritten, out, later)
+            ranks.append(rank)
+    started = time.perf_counter()
+    done = later.finish()  # every rank's parameters hashed where the weights lie, in one run
+    out.seconds["hash"] += time.perf_counter() - started
+    for rank in ranks:
+        rank.put(done)
+        for d in range(dp):
+            replica = rank_prefix(d, rank.pp_rank, 0, rank.tp_rank)
+            out.update({replica + k[len(rank.prefix) :]: v for k, v in rank.digests.items()})
+            out.unwritten += [replica + k[len(rank.prefix) :] for k in rank.unwritten]
+    # vLLM's configuration, cached for the next call, keeps this frame alive
+    # (it records where it was made): it must not keep the weights (a
+    # checkpoint's mapping, the trainer's tensors) alive with it.
+    source = draft_source = weights = draft_weights = None
     return out
 
 
@@ -255,6 +273,7 @@ def _target_rank(
     enable_lora: bool,
     allow_unwritten: bool,
     out: ExpectedDigests,
+    later: PendingDigests,
 ) -> None:
     from weight_checker.expected.lora import add_adapters, wrap
 
@@ -262,9 +281,10 @@ def _target_rank(
     cached, manager = CACHE.models.get(rank.name, (None, None))
     started = time.perf_counter()
     with _on_rank(config, config, model_config, rank, tp, pp, cached, lora=enable_lora):
-        rank_model, loaded = build_and_load(config, model_config, source, TARGET_ARENA, cached)
+        rank_model, loaded, deferred = build_and_load(config, model_config, source, TARGET_ARENA, cached)
         unwritten = _unwritten(rank_model, loaded, "target", rank, out, allow_unwritten)
         if enable_lora and manager is None:
+            deferred.flush()  # wrapping the layers is not ours to watch: their bytes are in place first
             # Wrapped after loading, as the engine does: the same parameters under `.base_layer.` names.
             kept = {id(p) for n, p in rank_model.named_parameters() if n not in unwritten}
             rank_model, manager = wrap(rank_model, config)
@@ -275,7 +295,8 @@ def _target_rank(
             add_adapters(manager, adapters)
         CACHE.models[rank.name] = (rank_model, manager)
     loaded_at = time.perf_counter()
-    rank.add("", checksum(rank_model, prefix=rank.prefix), unwritten)
+    rank.add("", deferred.checksum(rank_model, rank.prefix, later), unwritten)
+    out.bytes_in_place += deferred.in_place_bytes
     if enable_lora:
         from weight_checker.hashing.digests import digest_tensors
         from weight_checker.integrations.vllm.scope_walk import lora_pairs
@@ -288,16 +309,22 @@ def _target_rank(
 
 
 def _draft_rank(
-    config: Any, source: Any, rank: _Rank, tp: int, pp: int, allow_unwritten: bool, out: ExpectedDigests
+    config: Any,
+    source: Any,
+    rank: _Rank,
+    tp: int,
+    pp: int,
+    allow_unwritten: bool,
+    out: ExpectedDigests,
+    later: PendingDigests,
 ) -> None:
-
     from weight_checker.expected.draft import draft_configs
 
     draft_config, draft_model_config = draft_configs(config)
     cached, _ = CACHE.models.get("draft:" + rank.name, (None, None))
     started = time.perf_counter()
     with _on_rank(config, draft_config, draft_model_config, rank, tp, pp, cached):
-        model, loaded = build_and_load(
+        model, loaded, deferred = build_and_load(
             draft_config,
             draft_model_config,
             source,
@@ -308,6 +335,7 @@ def _draft_rank(
         CACHE.models["draft:" + rank.name] = (model, None)
         unwritten = _unwritten(model, loaded, "draft", rank, out, allow_unwritten)
     loaded_at = time.perf_counter()
-    rank.add("draft:", checksum(model, prefix=rank.prefix + "draft:"), unwritten)
+    rank.add("draft:", deferred.checksum(model, rank.prefix + "draft:", later), unwritten)
+    out.bytes_in_place += deferred.in_place_bytes
     out.seconds["load"] += loaded_at - started
     out.seconds["hash"] += time.perf_counter() - loaded_at

@@ -39,6 +39,9 @@ class ExpectedDigests(dict[str, str]):
         self.weight_version = weight_version
         #: Seconds spent building and loading the rank models, and hashing them.
         self.seconds: dict[str, float] = {"load": 0.0, "hash": 0.0}
+        #: Bytes hashed where the weights lie, never copied into a rank's
+        #: parameters (see :mod:`weight_checker.expected.deferred`).
+        self.bytes_in_place = 0
 
     def manifest(self) -> dict[str, Any]:
         """The ``checksum`` manifest format, with the provenance beside it."""

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from weight_checker.errors import ExpectedDigestsError
+from weight_checker.expected.deferred import DeferredWrites
 from weight_checker.expected.load_tracker import LoadTracker
 from weight_checker.expected.weights import Tracked
 
@@ -184,12 +185,14 @@ def build_and_load(
     arena: _Arena,
     model: Any = None,
     **build: Any,
-) -> tuple[Any, set[str] | None]:
+) -> tuple[Any, set[str] | None, DeferredWrites]:
     """One rank's model (the caller set vLLM's current config, dtype, device
     and rank groups), its parameters bound to ``arena`` and loaded with the
     weights ``source()`` gives; with the names ``load_weights`` says it
-    loaded (``None`` where it does not say). ``model``: one built before for
-    the same configuration and rank (:class:`ModelCache`), loaded again.
+    loaded (``None`` where it does not say), and the loader's plain copies,
+    deferred (:mod:`.deferred`: hash with its ``checksum``, or ``flush`` it
+    before anything else reads the parameters). ``model``: one built before
+    for the same configuration and rank (:class:`ModelCache`), loaded again.
     ``build``: more arguments of ``initialize_model``.
 
     Only the parameters the load does not write in full are zeroed first
@@ -211,26 +214,30 @@ def build_and_load(
     for p in params:
         if not tracker.tracked(p):
             p.data.zero_()
-    loaded = _load(model, model_config, source, tracker)
+    deferred = DeferredWrites(arena.buffer, params)
+    loaded = _load(model, model_config, source, tracker, deferred)
     if tracker.incomplete([p for _, p in model.named_parameters()]):
-        arena.bind(model, zero=True)
-        loaded = _load(model, model_config, source, LoadTracker(model))
-    return model, loaded
+        params = arena.bind(model, zero=True)
+        deferred = DeferredWrites(arena.buffer, params)
+        loaded = _load(model, model_config, source, LoadTracker(model), deferred)
+    return model, loaded, deferred
 
 
-def _load(model: Any, model_config: Any, source: WeightsSource, tracker: LoadTracker) -> set[str] | None:
+def _load(
+    model: Any, model_config: Any, source: WeightsSource, tracker: LoadTracker, deferred: DeferredWrites
+) -> set[str] | None:
     from vllm.model_executor.model_loader.weight_tying import maybe_retie_word_embeddings
 
-    tracked = Tracked(source())
+    tracked = Tracked(source(), deferred.note_source)
     try:
-        with tracker:
+        with tracker, deferred:
             loaded = model.load_weights(iter(tracked))
+            maybe_retie_word_embeddings(model, model_config)  # reads the embeddings: under the mode
     except ExpectedDigestsError:
         raise
     except Exception as e:
         where = f"tensor '{tracked.current}'" if tracked.current else "the weights"
         raise ExpectedDigestsError(f"{where}: vLLM's loader failed: {one_line(e)}") from e
-    maybe_retie_word_embeddings(model, model_config)
     return loaded if isinstance(loaded, set) else None
 
 

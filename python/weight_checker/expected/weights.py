@@ -24,7 +24,8 @@ SAFETENSORS_DTYPES = {
 class CheckpointWeights:
     """The ``(name, tensor)`` pairs of a safetensors checkpoint, re-iterable,
     each tensor a zero-copy view of a private (copy-on-write) memory map, so a
-    loader that narrows it reads only the pages it copies. Headers are
+    loader that narrows it reads only the pages it copies. Each file is mapped
+    once, on first use, for every rank. Headers are
     validated by the Rust core first (truncated files, overlapping or
     out-of-range offsets, a shard missing from the index)."""
 
@@ -41,16 +42,23 @@ class CheckpointWeights:
         except (CheckpointError, ValueError) as e:
             raise ExpectedDigestsError(str(e)) from e
         self.nbytes = sum(f.stat().st_size for f in self.files)
+        #: path -> (header, data offset, mapping): mapped once for every rank
+        #: (a page is faulted in once per mapping; the object lives for one call).
+        self._mapped: dict[Path, tuple[dict[str, Any], int, mmap.mmap]] = {}
+
+    def _map(self, path: Path) -> tuple[dict[str, Any], int, mmap.mmap]:
+        if path not in self._mapped:
+            with open(path, "rb") as f:
+                (header_len,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(header_len))
+                self._mapped[path] = (header, 8 + header_len, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY))
+        return self._mapped[path]
 
     def __iter__(self) -> Iterator[tuple[str, Any]]:
         import torch
 
         for path in self.files:
-            with open(path, "rb") as f:
-                (header_len,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(header_len))
-                mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-            base = 8 + header_len
+            header, base, mapping = self._map(path)
             for name, info in header.items():
                 if name == "__metadata__":
                     continue
@@ -90,10 +98,11 @@ def weights_source(weights: Any, checkpoint: Path | None, ranks: int) -> Callabl
 
 class Tracked:
     """Iterates the weights while remembering the tensor being loaded, so a
-    loader failure names it."""
+    loader failure names it; ``on_tensor`` sees each tensor first."""
 
-    def __init__(self, items: Iterable[tuple[str, Any]]):
+    def __init__(self, items: Iterable[tuple[str, Any]], on_tensor: Callable[[Any], None] | None = None):
         self.items = items
+        self.on_tensor = on_tensor
         self.current: str | None = None
 
     def __iter__(self) -> Iterator[tuple[str, Any]]:
@@ -101,5 +110,7 @@ class Tracked:
             if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
                 raise ExpectedDigestsError(f"weights must be (name, tensor) pairs, got {type(item).__name__}")
             self.current = item[0]
+            if self.on_tensor is not None:
+                self.on_tensor(item[1])
             yield item
         self.current = None

@@ -1,0 +1,271 @@
+"""Hash what vLLM's loader would copy, without copying it.
+
+A rank's expected digests used to cost a copy of every weight into the rank's
+parameters and then a hash of those parameters: at TP=1 the copy alone is
+most of a second for 2 GB, against about a second to hash them. Yet nearly
+every byte the loader writes is a plain ``param.narrow(...).copy_(weight
+view)``: the parameter's bytes *are* the weight's bytes, in order.
+
+:class:`DeferredWrites` runs vLLM's real loaders (every decision, every
+narrow, every shard offset stays vLLM's) under a torch function mode that
+records such a copy instead of doing it: the destination's byte range in the
+arena and the source view. A parameter whose recorded pieces tile it exactly
+is then hashed from the pieces themselves (a single piece, strided or not,
+as one tensor; several contiguous pieces as one stream of a
+``MultiHasher``), so the bytes are read once, by the hash.
+
+Exactness comes first. Anything the mode cannot prove is a plain copy of
+bytes that stay put is done for real, after replaying what is pending:
+
+- a copy that casts, broadcasts, reads a temporary the loader made, or
+  writes a strided destination: the parameter's pending pieces are replayed
+  into the arena, then the copy runs, and later writes to it are real;
+- any other operation that could read or write the arena (``torch.equal``
+  in the re-tying of embeddings, an indexed assignment, a ``.cpu()``), or
+  write a tensor the weights came from: every pending piece is replayed
+  first and the rest of the load runs as it always did;
+- after the load, a parameter not tiled exactly (a gap, an overlap) is
+  replayed before it is hashed, as is every parameter that is not hashed by
+  its own name (a part of a shared-weight parameter, say).
+
+The sources must not change until the digests are made, as they must not
+while the loader reads them.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Any
+
+from torch.overrides import TorchFunctionMode
+
+# Operations that only describe a tensor or make a view of it: neither read
+# nor write its elements. Properties (``.data``, ``.shape``, ...) come as ``__get__``.
+_METADATA = frozenset(
+    {
+        "__get__", "narrow", "view", "__getitem__", "chunk", "split", "size", "dim", "stride", "numel",
+        "is_contiguous", "data_ptr", "storage_offset", "element_size", "untyped_storage", "__len__", "detach",
+        "as_strided", "t", "transpose", "permute", "unsqueeze", "squeeze", "expand", "unflatten",
+        "get_device", "is_floating_point", "is_complex", "nelement",
+    }
+)  # fmt: skip
+
+
+class _Piece:
+    """One deferred write: ``nbytes`` at ``offset`` of the arena become the
+    C-order bytes of ``source`` (``None``: zeros)."""
+
+    __slots__ = ("dtype", "nbytes", "offset", "shape", "source")
+
+    def __init__(self, offset: int, nbytes: int, shape: Any, dtype: Any, source: Any):
+        self.offset, self.nbytes, self.shape, self.dtype, self.source = offset, nbytes, shape, dtype, source
+
+
+class DeferredWrites(TorchFunctionMode):
+    """Records a load's plain copies into ``arena`` (a flat uint8 tensor)
+    whose parameters are ``params`` (views of it), while ``with`` is active.
+    :meth:`note_source` registers a tensor the weights gave (only such
+    tensors are read later); :meth:`flush` replays everything pending."""
+
+    def __init__(self, arena: Any, params: list[Any]):
+        super().__init__()
+        self._arena = arena
+        self._base = arena.untyped_storage().data_ptr()
+        spans = sorted((p.data_ptr() - self._base, p.nbytes) for p in params if p.nbytes)
+        self._starts = [s for s, _ in spans]
+        self._ends = [s + n for s, n in spans]
+        #: parameter start offset -> pieces in the order written.
+        self.pending: dict[int, list[_Piece]] = {}
+        self._real: set[int] = set()  # parameters written for real: no more deferring
+        self._sources: set[int] = set()
+        self._passthrough = False
+        self.replayed_bytes = 0
+        #: Bytes left to :class:`PendingDigests`, hashed where the weights lie.
+        self.in_place_bytes = 0
+
+    def note_source(self, tensor: Any) -> None:
+        if hasattr(tensor, "untyped_storage") and tensor.device.type == "cpu":
+            self._sources.add(tensor.untyped_storage().data_ptr())
+
+    def _in_arena(self, t: Any) -> bool:
+        return t.device.type == "cpu" and t.untyped_storage().data_ptr() == self._base
+
+    def _param_of(self, offset: int, nbytes: int) -> int | None:
+        """The start of the parameter holding ``[offset, offset + nbytes)``."""
+        i = bisect.bisect_right(self._starts, offset) - 1
+        if i < 0 or offset + nbytes > self._ends[i]:
+            return None
+        return self._starts[i]
+
+    def _replay(self, start: int) -> None:
+        import torch
+
+        for piece in self.pending.pop(start, []):
+            region = self._arena[piece.offset : piece.offset + piece.nbytes]
+            if piece.source is None:
+                region.zero_()
+            else:
+                with torch.no_grad():
+                    region.view(piece.dtype).view(piece.shape).copy_(piece.source)
+            self.replayed_bytes += piece.nbytes
+
+    def flush(self) -> None:
+        """Replay every pending write; later writes in this load are real."""
+        for start in list(self.pending):
+            self._replay(start)
+        self._passthrough = True
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if not self._passthrough:
+            name = getattr(func, "__name__", "")
+            if name in ("copy_", "fill_", "zero_") and args and self._in_arena(args[0]):
+                if self._defer(name, args, kwargs):
+                    return args[0]
+            elif name not in _METADATA and self._touches(name, args, kwargs):
+                self.flush()
+        return func(*args, **kwargs)
+
+    def _touches(self, name: str, args: Any, kwargs: Any) -> bool:
+        """Whether an operation could read or write the arena, or write a
+        tensor the weights came from."""
+        import torch
+
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        if any(self._in_arena(t) for t in tensors):
+            return True
+        in_place = name.endswith("_") or name.startswith("__i") or name == "__setitem__"
+        first = args[0] if args else None
+        return in_place and isinstance(first, torch.Tensor) and first.untyped_storage().data_ptr() in self._sources
+
+    def _defer(self, name: str, args: Any, kwargs: Any) -> bool:
+        """Records the write to the arena ``args`` describe, or, where it is
+        not a plain copy of bytes that stay put, prepares a real one."""
+        import torch
+
+        dst = args[0]
+        if dst.numel() == 0:
+            return False  # writes nothing (an embedding with no padding rows)
+        offset = dst.data_ptr() - self._base
+        start = self._param_of(offset, dst.nbytes)
+        if start is None:
+            self.flush()  # a write across parameters: no longer ours to track
+            return False
+        if start not in self._real and dst.is_contiguous():
+            if name == "copy_":
+                src = args[1] if len(args) > 1 else kwargs.get("src")
+                if (
+                    isinstance(src, torch.Tensor)
+                    and src.device.type == "cpu"
+                    and src.dtype == dst.dtype
+                    and src.shape == dst.shape
+                    and not self._in_arena(src)
+                    and src.untyped_storage().data_ptr() in self._sources
+                ):
+                    self.pending.setdefault(start, []).append(_Piece(offset, dst.nbytes, dst.shape, dst.dtype, src))
+                    return True
+            else:
+                value = args[1] if name == "fill_" and len(args) > 1 else kwargs.get("value", 0)
+                if name == "zero_" or (not isinstance(value, torch.Tensor) and value == 0):
+                    self.pending.setdefault(start, []).append(_Piece(offset, dst.nbytes, dst.shape, dst.dtype, None))
+                    return True
+        self._replay(start)
+        self._real.add(start)
+        return False
+
+    def tiled(self, start: int, nbytes: int) -> list[_Piece] | None:
+        """The pending pieces of the parameter at ``start``, in byte order,
+        when they cover its ``nbytes`` exactly once; else ``None``."""
+        pieces = sorted(self.pending.get(start, ()), key=lambda p: p.offset)
+        at = start
+        for piece in pieces:
+            if piece.offset != at:
+                return None
+            at += piece.nbytes
+        return pieces if pieces and at == start + nbytes else None
+
+    def checksum(self, model: Any, prefix: str, later: PendingDigests) -> dict[str, str]:
+        """:func:`weight_checker.checksum` of ``model`` as it would be had
+        every write been done. Parameters tiled by pieces are left to
+        ``later`` (their bytes are the weights', which stay put; the arena
+        is the next rank's); the rest are hashed now, from the arena."""
+        from weight_checker.hashing.digests import digest_tensors
+        from weight_checker.hashing.walk import collect
+
+        names, tensors = collect(model)
+        span = dict(zip(self._starts, self._ends, strict=True))
+        whole: list[int | None] = [None] * len(tensors)
+        for i, t in enumerate(tensors):
+            if not self._in_arena(t):
+                continue
+            offset = t.data_ptr() - self._base
+            if t.is_contiguous() and span.get(offset) == offset + t.nbytes:
+                whole[i] = offset
+            elif t.nbytes:
+                self.flush()  # a part of a parameter is hashed: every byte must be in the arena
+        deferred: dict[int, list[_Piece]] = {}
+        for start in {s for s in whole if s is not None and s in self.pending}:
+            pieces = self.tiled(start, span[start] - start)
+            if pieces is not None and all(p.source is None or _rows_contiguous(p.source) for p in pieces):
+                deferred[start] = pieces
+            elif pieces is not None and len(pieces) == 1:
+                deferred[start] = pieces  # one piece of any layout: hashed now, from where it lies
+        for start in [s for s in self.pending if s not in deferred]:
+            self._replay(start)  # hashed from the arena, so its bytes must be there
+        now: list[int] = []
+        sources: list[Any] = []
+        for i, start in enumerate(whole):
+            pieces = deferred.get(start) if start is not None else None
+            if pieces is None:
+                now.append(i)
+                sources.append(tensors[i])
+            elif len(pieces) == 1 and not _rows_contiguous(pieces[0].source):
+                now.append(i)
+                sources.append(pieces[0].source)
+            else:
+                later.add(prefix + names[i], pieces)
+                self.in_place_bytes += sum(p.nbytes for p in pieces)
+        hexes, _ = digest_tensors([names[i] for i in now], sources)
+        # Nothing here keeps the weights alive any longer (a checkpoint's
+        # mapping is released when the call ends, not at the next collection).
+        self.pending.clear()
+        self._sources.clear()
+        return {prefix + names[i]: h for i, h in zip(now, hexes, strict=True)}
+
+
+def _rows_contiguous(t: Any) -> bool:
+    """Whether ``t``'s rows are contiguous (a ``MultiHasher`` reads them in place)."""
+    return t.is_contiguous() or (t.dim() >= 1 and t.stride(-1) == 1)
+
+
+class PendingDigests:
+    """Digests of parameters whose bytes are the weights' own, hashed
+    together once every rank is loaded: one scheduler run for all ranks'
+    parameters, as one for the whole checkpoint would be."""
+
+    def __init__(self) -> None:
+        self._keys: list[str] = []
+        self._pieces: list[list[_Piece]] = []
+
+    def add(self, key: str, pieces: list[_Piece]) -> None:
+        self._keys.append(key)
+        self._pieces.append(pieces)
+
+    def finish(self) -> dict[str, str]:
+        """``{key: hex}`` of everything added."""
+        import torch
+
+        from weight_checker import _core
+
+        if not self._keys:
+            return {}
+        gap = max((p.nbytes for ps in self._pieces for p in ps if p.source is None), default=0)
+        zeros = torch.zeros(gap, dtype=torch.uint8)
+        multi = _core.MultiHasher(len(self._keys))
+        multi.update(
+            [(i, zeros[: p.nbytes] if p.source is None else p.source) for i, ps in enumerate(self._pieces) for p in ps]
+        )
+        hexes, _ = multi.finish()
+        out = dict(zip(self._keys, hexes, strict=True))
+        self._keys, self._pieces = [], []
+        return out
