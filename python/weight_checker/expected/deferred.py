@@ -70,10 +70,10 @@ class DeferredWrites(TorchFunctionMode):
     def __init__(self, arena: Any, params: list[Any]):
         super().__init__()
         self._arena = arena
-        self._base = arena.untyped_storage().data_ptr()
-        spans = sorted((p.data_ptr() - self._base, p.nbytes) for p in params if p.nbytes)
-        self._starts = [s for s, _ in spans]
-        self._ends = [s + n for s, n in spans]
+        self._base: int = arena.untyped_storage().data_ptr()
+        spans: list[tuple[int, int]] = sorted((p.data_ptr() - self._base, p.nbytes) for p in params if p.nbytes)
+        self._starts: list[int] = [s for s, _ in spans]
+        self._ends: list[int] = [s + n for s, n in spans]
         #: parameter start offset -> pieces in the order written.
         self.pending: dict[int, list[_Piece]] = {}
         self._real: set[int] = set()  # parameters written for real: no more deferring
@@ -88,7 +88,7 @@ class DeferredWrites(TorchFunctionMode):
             self._sources.add(tensor.untyped_storage().data_ptr())
 
     def _in_arena(self, t: Any) -> bool:
-        return t.device.type == "cpu" and t.untyped_storage().data_ptr() == self._base
+        return bool(t.device.type == "cpu" and t.untyped_storage().data_ptr() == self._base)
 
     def _param_of(self, offset: int, nbytes: int) -> int | None:
         """The start of the parameter holding ``[offset, offset + nbytes)``."""
@@ -214,8 +214,8 @@ class DeferredWrites(TorchFunctionMode):
             self._replay(start)  # hashed from the arena, so its bytes must be there
         now: list[int] = []
         sources: list[Any] = []
-        for i, start in enumerate(whole):
-            pieces = deferred.get(start) if start is not None else None
+        for i, at in enumerate(whole):
+            pieces = deferred.get(at) if at is not None else None
             if pieces is None:
                 now.append(i)
                 sources.append(tensors[i])
@@ -235,7 +235,7 @@ class DeferredWrites(TorchFunctionMode):
 
 def _rows_contiguous(t: Any) -> bool:
     """Whether ``t``'s rows are contiguous (a ``MultiHasher`` reads them in place)."""
-    return t.is_contiguous() or (t.dim() >= 1 and t.stride(-1) == 1)
+    return bool(t.is_contiguous() or (t.dim() >= 1 and t.stride(-1) == 1))
 
 
 class PendingDigests:

@@ -230,10 +230,14 @@ def _expected_digests(
             replica = rank_prefix(d, rank.pp_rank, 0, rank.tp_rank)
             out.update({replica + k[len(rank.prefix) :]: v for k, v in rank.digests.items()})
             out.unwritten += [replica + k[len(rank.prefix) :] for k in rank.unwritten]
+    for weights_of_a_call in (source, draft_source):
+        forget = getattr(weights_of_a_call, "forget_others", None)
+        if forget is not None:
+            forget()
     # vLLM's configuration, cached for the next call, keeps this frame alive
     # (it records where it was made): it must not keep the weights (a
     # checkpoint's mapping, the trainer's tensors) alive with it.
-    source = draft_source = weights = draft_weights = None
+    del source, draft_source, weights, draft_weights
     return out
 
 
@@ -257,7 +261,9 @@ def _on_rank(
         rank_groups(rank.tp_rank, tp, rank.pp_rank, pp),
         set_current_vllm_config(vllm_config),
         set_default_torch_dtype(model_config.dtype),
-        torch.device("cpu"),
+        # Only to build: as a function mode it sees every torch call of a load
+        # too, which for a cached model is a fifth of the loader's time.
+        torch.device("cpu") if cached is None else contextlib.nullcontext(),
         cpu_punica() if lora else contextlib.nullcontext(),
     ):
         yield

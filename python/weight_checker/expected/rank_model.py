@@ -104,8 +104,11 @@ CACHE = ModelCache()
 def release_buffers() -> None:
     """Frees the parameter memory and the models
     :func:`weight_checker.expected_digests` keeps between calls."""
+    from weight_checker.expected.weights import MAPPINGS
+
     TARGET_ARENA.buffer = None
     DRAFT_ARENA.buffer = None
+    MAPPINGS.clear()
     CACHE.key, CACHE.config, CACHE.models = None, None, {}
 
 

@@ -21,11 +21,15 @@ SAFETENSORS_DTYPES = {
 }  # fmt: skip
 
 
+#: The checkpoint files mapped by the latest call (see CheckpointWeights._map).
+MAPPINGS: dict[tuple[Any, ...], tuple[dict[str, Any], int, mmap.mmap]] = {}
+
+
 class CheckpointWeights:
     """The ``(name, tensor)`` pairs of a safetensors checkpoint, re-iterable,
     each tensor a zero-copy view of a private (copy-on-write) memory map, so a
     loader that narrows it reads only the pages it copies. Each file is mapped
-    once, on first use, for every rank. Headers are
+    once for every rank, and kept for the next call while it is unchanged. Headers are
     validated by the Rust core first (truncated files, overlapping or
     out-of-range offsets, a shard missing from the index)."""
 
@@ -42,17 +46,27 @@ class CheckpointWeights:
         except (CheckpointError, ValueError) as e:
             raise ExpectedDigestsError(str(e)) from e
         self.nbytes = sum(f.stat().st_size for f in self.files)
-        #: path -> (header, data offset, mapping): mapped once for every rank
-        #: (a page is faulted in once per mapping; the object lives for one call).
-        self._mapped: dict[Path, tuple[dict[str, Any], int, mmap.mmap]] = {}
+        self._used: dict[tuple[Any, ...], tuple[dict[str, Any], int, mmap.mmap]] = {}
 
     def _map(self, path: Path) -> tuple[dict[str, Any], int, mmap.mmap]:
-        if path not in self._mapped:
+        """``(header, data offset, mapping)`` of one file, mapped once for
+        every rank and kept for the next call while the file is unchanged
+        (same device, inode, size and mtime): a page is faulted in once per
+        mapping, and unmapping 2 GB of mapped pages costs tens of ms a call."""
+        st = path.stat()
+        key = (str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        if key not in MAPPINGS:
             with open(path, "rb") as f:
                 (header_len,) = struct.unpack("<Q", f.read(8))
                 header = json.loads(f.read(header_len))
-                self._mapped[path] = (header, 8 + header_len, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY))
-        return self._mapped[path]
+                MAPPINGS[key] = (header, 8 + header_len, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY))
+        self._used[key] = MAPPINGS[key]
+        return MAPPINGS[key]
+
+    def forget_others(self) -> None:
+        """Drops the kept mappings this object did not use."""
+        for key in [k for k in MAPPINGS if k not in self._used]:
+            del MAPPINGS[key]
 
     def __iter__(self) -> Iterator[tuple[str, Any]]:
         import torch
@@ -73,16 +87,27 @@ class CheckpointWeights:
                 yield name, flat.view(dtype).reshape(info["shape"])
 
 
+class _Same:
+    """A checkpoint's weights, the same re-iterable object for every rank."""
+
+    def __init__(self, weights: CheckpointWeights):
+        self.weights = weights
+
+    def __call__(self) -> CheckpointWeights:
+        return self.weights
+
+    def forget_others(self) -> None:
+        self.weights.forget_others()
+
+
 def weights_source(weights: Any, checkpoint: Path | None, ranks: int) -> Callable[[], Iterable[tuple[str, Any]]]:
     """A callable giving a fresh iterable of the weights for each of ``ranks`` ranks."""
     if weights is None:
         if checkpoint is None:
             raise ExpectedDigestsError("no weights given and the model is not a checkpoint directory")
-        source = CheckpointWeights(checkpoint)
-        return lambda: source
+        return _Same(CheckpointWeights(checkpoint))
     if isinstance(weights, (str, Path)):
-        source = CheckpointWeights(weights)
-        return lambda: source
+        return _Same(CheckpointWeights(weights))
     if isinstance(weights, Mapping):
         return lambda: weights.items()
     if callable(weights):
