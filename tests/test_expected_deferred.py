@@ -47,7 +47,7 @@ def weights(seed: int = 0) -> dict[str, torch.Tensor]:
     }
 
 
-def load(model: Layout, w: dict[str, torch.Tensor], between=None) -> None:
+def load(model: Layout, w: dict[str, torch.Tensor], between=None, after=None) -> None:
     """A loader as vLLM's: narrowed copies, a shard along the last dimension."""
     with torch.no_grad():
         for i, name in enumerate("qkv"):
@@ -56,9 +56,11 @@ def load(model: Layout, w: dict[str, torch.Tensor], between=None) -> None:
             between(model, w)
         model.o.data.copy_(w["o"].narrow(1, 0, 4))
         model.norm.data.copy_(w["norm"])
+        if after is not None:
+            after(model, w)
 
 
-def run(between=None, seed: int = 0) -> tuple[dict[str, str], dict[str, str], DeferredWrites]:
+def run(between=None, seed: int = 0, after=None) -> tuple[dict[str, str], dict[str, str], DeferredWrites]:
     """(the digests with the writes deferred, the oracle's)."""
     arena = torch.full((512,), 0xAB, dtype=torch.uint8)  # stale bytes, never to be hashed
     model = Layout(arena)
@@ -67,12 +69,12 @@ def run(between=None, seed: int = 0) -> tuple[dict[str, str], dict[str, str], De
     for t in w.values():
         writes.note_source(t)
     with writes:
-        load(model, w, between)
+        load(model, w, between, after)
     later = PendingDigests()
     got = writes.checksum(model, "p:", later)
     got.update(later.finish())
     real = Layout(torch.full((512,), 0xAB, dtype=torch.uint8))
-    load(real, weights(seed), between)
+    load(real, weights(seed), between, after)
     return got, {"p:" + n: sha(p) for n, p in real.named_parameters()}, writes
 
 
@@ -110,6 +112,54 @@ def test_a_cast_is_done_for_real_and_a_part_written_twice_or_not_at_all_is_hashe
     got, want, writes = run(odd)
     assert got == want
     assert writes.replayed_bytes > 0
+
+
+@pytest.mark.parametrize(
+    "after",  # every parameter written (and pending) first
+    [
+        # a copy from another parameter whose own bytes are still pending
+        lambda model, w: model.norm.data.copy_(model.qkv.data[0]),
+        # advanced indexing and a list argument read the arena too
+        lambda model, w: model.norm.data.copy_(model.qkv.data[torch.tensor([1]), :].view(-1)),
+        lambda model, w: model.norm.data.copy_(torch.cat([model.qkv.data[2, :4], w["k"][0, :4]])),
+        # one zero write over a whole parameter (a TP rank with no vocabulary rows), and -0.0, which is not zeros
+        lambda model, w: (model.o.data.fill_(0), model.norm.data.fill_(-0.0)),
+    ],
+    ids=["copy-from-a-parameter", "advanced-index", "cat-of-a-list", "zero-fills"],
+)
+def test_what_reads_the_arena_or_is_not_zero_gives_the_real_bytes(after):
+    got, want, _ = run(after=after)
+    assert got == want
+
+
+def test_a_parameter_only_zeroed_is_hashed_as_zeros():
+    arena = torch.full((512,), 0xAB, dtype=torch.uint8)
+    model = Layout(arena)
+    writes = DeferredWrites(arena, list(model.parameters()))
+    with writes, torch.no_grad():
+        model.o.data.fill_(0)
+    later = PendingDigests()
+    got = writes.checksum(model, "", later)
+    got.update(later.finish())
+    assert got["o"] == sha(torch.zeros(8, 4, dtype=torch.bfloat16))
+
+
+def test_a_weight_written_after_it_was_recorded_is_an_error_not_a_wrong_digest():
+    from weight_checker.errors import ExpectedDigestsError
+
+    arena = torch.zeros(512, dtype=torch.uint8)
+    model = Layout(arena)
+    w = weights()
+    writes = DeferredWrites(arena, list(model.parameters()))
+    for t in w.values():
+        writes.note_source(t)
+    with writes:
+        load(model, w)
+    later = PendingDigests()
+    writes.checksum(model, "", later)
+    w["o"].add_(1)  # a staging buffer refilled before the digests are made
+    with pytest.raises(ExpectedDigestsError, match=r"^o: its weight was written"):
+        later.finish()
 
 
 def test_a_gap_left_by_the_loader_is_the_arena_s_bytes():

@@ -35,30 +35,69 @@ while the loader reads them.
 from __future__ import annotations
 
 import bisect
+import math
+import time
 from typing import Any
 
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
+
+from weight_checker.errors import ExpectedDigestsError
 
 # Operations that only describe a tensor or make a view of it: neither read
 # nor write its elements. Properties (``.data``, ``.shape``, ...) come as ``__get__``.
 _METADATA = frozenset(
     {
         "__get__", "narrow", "view", "__getitem__", "chunk", "split", "size", "dim", "stride", "numel",
-        "is_contiguous", "data_ptr", "storage_offset", "element_size", "untyped_storage", "__len__", "detach",
+        "is_contiguous", "data_ptr", "storage_offset", "element_size", "__len__", "detach",
         "as_strided", "t", "transpose", "permute", "unsqueeze", "squeeze", "expand", "unflatten",
         "get_device", "is_floating_point", "is_complex", "nelement",
     }
 )  # fmt: skip
 
 
+def _describes_only(name: str, args: Any) -> bool:
+    """Whether an operation only describes or views its tensor: basic
+    indexing does, advanced indexing (a tensor, list or array index) reads."""
+    if name != "__getitem__":
+        return name in _METADATA
+    index = args[1] if len(args) > 1 else None
+    parts = index if isinstance(index, tuple) else (index,)
+    return all(p is None or p is Ellipsis or isinstance(p, int | slice) for p in parts)
+
+
 class _Piece:
     """One deferred write: ``nbytes`` at ``offset`` of the arena become the
     C-order bytes of ``source`` (``None``: zeros)."""
 
-    __slots__ = ("dtype", "nbytes", "offset", "shape", "source")
+    __slots__ = ("dtype", "nbytes", "offset", "shape", "source", "version")
 
     def __init__(self, offset: int, nbytes: int, shape: Any, dtype: Any, source: Any):
-        self.offset, self.nbytes, self.shape, self.dtype, self.source = offset, nbytes, shape, dtype, source
+        self.offset, self.nbytes, self.shape, self.dtype = offset, nbytes, shape, dtype
+        # An alias of its own: re-pointing the loader's tensor (``.data =``)
+        # does not change what was read; an in-place write to the bytes bumps
+        # the version, which is checked before they are hashed.
+        self.source = None if source is None else source.view(source.shape)
+        self.version = None if source is None else source._version
+
+    def changed(self) -> bool:
+        return self.source is not None and self.source._version != self.version
+
+
+def _storage(t: Any) -> int | None:
+    """The address of ``t``'s storage; ``None`` where it has none to give
+    (a sparse or wrapper tensor): then it is treated as touching the arena."""
+    try:
+        return int(t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
+def _zero(value: Any) -> bool:
+    """Whether ``fill_(value)`` writes all-zero bytes (``-0.0`` does not)."""
+    if isinstance(value, bool | int):
+        return value == 0
+    return isinstance(value, float) and value == 0 and math.copysign(1.0, value) > 0
 
 
 class DeferredWrites(TorchFunctionMode):
@@ -85,10 +124,12 @@ class DeferredWrites(TorchFunctionMode):
 
     def note_source(self, tensor: Any) -> None:
         if hasattr(tensor, "untyped_storage") and tensor.device.type == "cpu":
-            self._sources.add(tensor.untyped_storage().data_ptr())
+            storage = _storage(tensor)
+            if storage is not None:
+                self._sources.add(storage)
 
     def _in_arena(self, t: Any) -> bool:
-        return bool(t.device.type == "cpu" and t.untyped_storage().data_ptr() == self._base)
+        return bool(t.device.type == "cpu" and _storage(t) == self._base)
 
     def _param_of(self, offset: int, nbytes: int) -> int | None:
         """The start of the parameter holding ``[offset, offset + nbytes)``."""
@@ -122,21 +163,22 @@ class DeferredWrites(TorchFunctionMode):
             if name in ("copy_", "fill_", "zero_") and args and self._in_arena(args[0]):
                 if self._defer(name, args, kwargs):
                     return args[0]
-            elif name not in _METADATA and self._touches(name, args, kwargs):
+            elif not _describes_only(name, args) and self._touches(name, args, kwargs):
                 self.flush()
         return func(*args, **kwargs)
 
     def _touches(self, name: str, args: Any, kwargs: Any) -> bool:
-        """Whether an operation could read or write the arena, or write a
-        tensor the weights came from."""
+        """Whether an operation could read or write the arena (any tensor
+        argument, in a list too, or ``out=``), or write a tensor the weights
+        came from."""
         import torch
 
-        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-        if any(self._in_arena(t) for t in tensors):
+        tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        storages = [_storage(t) if t.device.type == "cpu" else -1 for t in tensors]
+        if any(s is None or s == self._base for s in storages):
             return True
-        in_place = name.endswith("_") or name.startswith("__i") or name == "__setitem__"
-        first = args[0] if args else None
-        return in_place and isinstance(first, torch.Tensor) and first.untyped_storage().data_ptr() in self._sources
+        in_place = name.endswith("_") or name.startswith("__i") or name == "__setitem__" or "out" in kwargs
+        return in_place and any(s in self._sources for s in storages)
 
     def _defer(self, name: str, args: Any, kwargs: Any) -> bool:
         """Records the write to the arena ``args`` describe, or, where it is
@@ -151,6 +193,10 @@ class DeferredWrites(TorchFunctionMode):
         if start is None:
             self.flush()  # a write across parameters: no longer ours to track
             return False
+        others = [a for a in tree_leaves((args[1:], kwargs)) if isinstance(a, torch.Tensor)]
+        if any(a.device.type == "cpu" and _storage(a) in (None, self._base) for a in others):
+            self.flush()  # reads the arena (a copy from another parameter): every byte in place first
+            return False
         if start not in self._real and dst.is_contiguous():
             if name == "copy_":
                 src = args[1] if len(args) > 1 else kwargs.get("src")
@@ -159,14 +205,13 @@ class DeferredWrites(TorchFunctionMode):
                     and src.device.type == "cpu"
                     and src.dtype == dst.dtype
                     and src.shape == dst.shape
-                    and not self._in_arena(src)
-                    and src.untyped_storage().data_ptr() in self._sources
+                    and _storage(src) in self._sources
                 ):
                     self.pending.setdefault(start, []).append(_Piece(offset, dst.nbytes, dst.shape, dst.dtype, src))
                     return True
             else:
                 value = args[1] if name == "fill_" and len(args) > 1 else kwargs.get("value", 0)
-                if name == "zero_" or (not isinstance(value, torch.Tensor) and value == 0):
+                if name == "zero_" or _zero(value):
                     self.pending.setdefault(start, []).append(_Piece(offset, dst.nbytes, dst.shape, dst.dtype, None))
                     return True
         self._replay(start)
@@ -208,7 +253,7 @@ class DeferredWrites(TorchFunctionMode):
             pieces = self.tiled(start, span[start] - start)
             if pieces is not None and all(p.source is None or _rows_contiguous(p.source) for p in pieces):
                 deferred[start] = pieces
-            elif pieces is not None and len(pieces) == 1:
+            elif pieces is not None and len(pieces) == 1 and pieces[0].source is not None:
                 deferred[start] = pieces  # one piece of any layout: hashed now, from where it lies
         for start in [s for s in self.pending if s not in deferred]:
             self._replay(start)  # hashed from the arena, so its bytes must be there
@@ -219,7 +264,7 @@ class DeferredWrites(TorchFunctionMode):
             if pieces is None:
                 now.append(i)
                 sources.append(tensors[i])
-            elif len(pieces) == 1 and not _rows_contiguous(pieces[0].source):
+            elif len(pieces) == 1 and pieces[0].source is not None and not _rows_contiguous(pieces[0].source):
                 now.append(i)
                 sources.append(pieces[0].source)
             else:
@@ -241,24 +286,40 @@ def _rows_contiguous(t: Any) -> bool:
 class PendingDigests:
     """Digests of parameters whose bytes are the weights' own, hashed
     together once every rank is loaded: one scheduler run for all ranks'
-    parameters, as one for the whole checkpoint would be."""
+    parameters, as one for the whole checkpoint would be. A weight written
+    in place since it was recorded is an error, never a wrong digest."""
 
     def __init__(self) -> None:
         self._keys: list[str] = []
         self._pieces: list[list[_Piece]] = []
+        self._done: dict[str, str] = {}
+        #: Seconds spent hashing.
+        self.seconds = 0.0
 
     def add(self, key: str, pieces: list[_Piece]) -> None:
         self._keys.append(key)
         self._pieces.append(pieces)
 
     def finish(self) -> dict[str, str]:
-        """``{key: hex}`` of everything added."""
+        """``{key: hex}`` of everything added (by earlier calls too)."""
+        started = time.perf_counter()
+        self._done.update(self._hash())
+        self.seconds += time.perf_counter() - started
+        return self._done
+
+    def _hash(self) -> dict[str, str]:
         import torch
 
         from weight_checker import _core
 
         if not self._keys:
             return {}
+        for key, pieces in zip(self._keys, self._pieces, strict=True):
+            if any(p.changed() for p in pieces):
+                raise ExpectedDigestsError(
+                    f"{key}: its weight was written while expected_digests ran (a reused staging buffer?): "
+                    "give tensors that stay unchanged until the call returns"
+                )
         gap = max((p.nbytes for ps in self._pieces for p in ps if p.source is None), default=0)
         zeros = torch.zeros(gap, dtype=torch.uint8)
         multi = _core.MultiHasher(len(self._keys))

@@ -211,6 +211,9 @@ def _expected_digests(
     if draft is not None:
         out.layout["draft"] = str(draft)
     later = PendingDigests()
+    # Weights from a callable may be made anew for each load (a reused
+    # staging buffer): hashed as soon as each model is loaded.
+    eager = (callable(weights) and not isinstance(weights, Mapping)) or callable(draft_weights)
     ranks = []
     for pp_rank in range(pp):
         for tp_rank in range(tp):
@@ -218,12 +221,15 @@ def _expected_digests(
             if progress is not None:
                 progress(rank.name)
             _target_rank(config, source, rank, tp, pp, adapters, enable_lora, allow_unwritten, out, later)
+            if eager:
+                later.finish()
             if draft_source is not None:
                 _draft_rank(config, draft_source, rank, tp, pp, allow_unwritten, out, later)
+                if eager:
+                    later.finish()
             ranks.append(rank)
-    started = time.perf_counter()
     done = later.finish()  # every rank's parameters hashed where the weights lie, in one run
-    out.seconds["hash"] += time.perf_counter() - started
+    out.seconds["hash"] += later.seconds
     for rank in ranks:
         rank.put(done)
         for d in range(dp):
