@@ -144,15 +144,21 @@ def test_a_parameter_only_zeroed_is_hashed_as_zeros():
     assert got["o"] == sha(torch.zeros(8, 4, dtype=torch.bfloat16))
 
 
-def test_a_weight_written_after_it_was_recorded_is_an_error_not_a_wrong_digest():
-    from weight_checker.errors import ExpectedDigestsError
-
+def recording() -> tuple[Layout, dict[str, torch.Tensor], DeferredWrites]:
+    """A zeroed arena's parameters, the weights, and the mode watching them."""
     arena = torch.zeros(512, dtype=torch.uint8)
     model = Layout(arena)
     w = weights()
     writes = DeferredWrites(arena, list(model.parameters()))
     for t in w.values():
         writes.note_source(t)
+    return model, w, writes
+
+
+def test_a_weight_written_after_it_was_recorded_is_an_error_not_a_wrong_digest():
+    from weight_checker.errors import ExpectedDigestsError
+
+    model, w, writes = recording()
     with writes:
         load(model, w)
     later = PendingDigests()
@@ -163,12 +169,7 @@ def test_a_weight_written_after_it_was_recorded_is_an_error_not_a_wrong_digest()
 
 
 def test_a_gap_left_by_the_loader_is_the_arena_s_bytes():
-    arena = torch.zeros(512, dtype=torch.uint8)
-    model = Layout(arena)
-    w = weights()
-    writes = DeferredWrites(arena, list(model.parameters()))
-    for t in w.values():
-        writes.note_source(t)
+    model, w, writes = recording()
     with writes, torch.no_grad():
         model.norm.data.narrow(0, 0, 4).copy_(w["norm"][:4])  # half of it
     later = PendingDigests()
