@@ -62,6 +62,47 @@ def test_sdist_holds_every_file_the_build_needs():
     assert f"\nVersion: {weight_checker.__version__}\n" in info, info[:300]
 
 
+#: What the wheel installs with (``dependencies = []``): none of these.
+OPTIONAL = ("torch", "numpy", "vllm", "fastapi", "starlette", "httpx", "ray", "trl", "safetensors", "transformers")
+
+#: The modules a user without the extras imports: the top level, the CLI's
+#: offline commands and HTTP verification (the standard library's client).
+DEPENDENCY_FREE = (
+    "weight_checker",
+    "weight_checker.cli.main",
+    "weight_checker.checkpoint",
+    "weight_checker.expected",
+    "weight_checker.verify",
+    "weight_checker.staging",
+    "weight_checker.scope",
+    "weight_checker.settings",
+)
+
+
+def test_package_imports_without_optional_dependencies(tmp_path):
+    """The wheel test below catches a module-level ``import torch`` only where
+    a wheel was built; this catches it in every run, from the installed
+    package, with every optional dependency made unimportable."""
+    header = json.dumps({"w": {"dtype": "U8", "shape": [5], "data_offsets": [0, 5]}}).encode()
+    st = tmp_path / "small.safetensors"
+    st.write_bytes(struct.pack("<Q", len(header)) + header + b"hello")
+    code = f"""
+import importlib, sys
+class Absent:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {OPTIONAL!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}} (made absent by the test)")
+sys.meta_path.insert(0, Absent())
+for name in {DEPENDENCY_FREE!r}:
+    importlib.import_module(name)
+from weight_checker.cli.main import main
+sys.exit(main(["checksum", {str(st)!r}, "--no-prefix"]))
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads(r.stdout) == {"checksums": {"w": hashlib.sha256(b"hello").hexdigest()}}
+
+
 def test_wheel_installs_and_runs_without_rust(tmp_path):
     wheel = the_wheel()
     venv = tmp_path / "venv"
@@ -81,7 +122,8 @@ def test_wheel_installs_and_runs_without_rust(tmp_path):
         "msgs = [b'', b'abc', bytes(range(256)) * 1000];"
         "print(json.dumps([w.__version__, m.version('weight-checker'), w.sha256_many(msgs)]))"
     )
-    out = subprocess.run([str(py), "-c", code], env=env, capture_output=True, text=True, check=True, cwd=tmp_path)
+    out = subprocess.run([str(py), "-c", code], env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
     version, dist_version, digests = json.loads(out.stdout)
     assert version == dist_version and version in wheel.name
     assert digests == [hashlib.sha256(m).hexdigest() for m in messages]

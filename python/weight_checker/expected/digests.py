@@ -31,10 +31,9 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from weight_checker.errors import ExpectedDigestsError
-from weight_checker.expected.deferred import PendingDigests
 from weight_checker.expected.manifest import ExpectedDigests
 from weight_checker.expected.rank_groups import rank_groups
 from weight_checker.expected.rank_model import (
@@ -49,6 +48,9 @@ from weight_checker.expected.rank_model import (
 )
 from weight_checker.expected.weights import weights_source
 from weight_checker.keys import rank_prefix
+
+if TYPE_CHECKING:  # .deferred needs torch, which `import weight_checker` must not
+    from weight_checker.expected.deferred import PendingDigests
 
 __all__ = ["ExpectedDigests", "expected_digests"]
 
@@ -210,6 +212,8 @@ def _expected_digests(
         }
     if draft is not None:
         out.layout["draft"] = str(draft)
+    from weight_checker.expected.deferred import PendingDigests
+
     later = PendingDigests()
     # Weights from a callable may be made anew for each load (a reused
     # staging buffer): hashed as soon as each model is loaded.

@@ -7,12 +7,14 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from weight_checker.errors import ExpectedDigestsError
-from weight_checker.expected.deferred import DeferredWrites
 from weight_checker.expected.load_tracker import LoadTracker
 from weight_checker.expected.weights import Tracked
+
+if TYPE_CHECKING:  # .deferred needs torch: imported when a rank is built, so `import weight_checker` does not
+    from weight_checker.expected.deferred import DeferredWrites
 
 
 def _engine_args(model: Any, tp: int, pp: int, dtype: str | None, engine_args: Mapping[str, Any]) -> Any:
@@ -203,6 +205,8 @@ def build_and_load(
     is loaded again into a fully zeroed arena, so no byte of an earlier load
     is ever hashed."""
     from vllm.model_executor.model_loader.utils import initialize_model
+
+    from weight_checker.expected.deferred import DeferredWrites
 
     if model is None:
         try:
