@@ -67,6 +67,29 @@ def test_every_document_has_commands_and_the_readme_is_a_front_door():
     assert any(info.startswith("bash") for doc in DOCS for info, _ in blocks(doc))
 
 
+def heading_anchors(path: Path) -> set[str]:
+    """GitHub's anchors for a document's headings: lower case, punctuation
+    dropped, spaces as hyphens."""
+    text = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.M | re.S)  # no headings in code blocks
+    heads = re.findall(r"^#+\s+(.*?)\s*$", text, flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in heads}
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_links_point_at_files_and_headings_that_exist(doc):
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", doc.read_text()):
+        if re.match(r"[a-z]+:", target):
+            continue  # http(s), mailto
+        path, _, anchor = target.partition("#")
+        linked = (doc.parent / path).resolve() if path else doc
+        if not linked.exists():
+            broken.append(f"{target}: no such file")
+        elif anchor and linked.suffix == ".md" and anchor not in heading_anchors(linked):
+            broken.append(f"{target}: no such heading")
+    assert not broken, f"{doc.name}: {broken}"
+
+
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
 def test_python_blocks_compile(doc):
     for info, body in blocks(doc):
