@@ -62,6 +62,14 @@ def test_sdist_holds_every_file_the_build_needs():
     assert f"\nVersion: {weight_checker.__version__}\n" in info, info[:300]
 
 
+def hello_checkpoint(tmp_path: Path) -> Path:
+    """A one-tensor safetensors file whose digest is sha256(b"hello")."""
+    header = json.dumps({"w": {"dtype": "U8", "shape": [5], "data_offsets": [0, 5]}}).encode()
+    st = tmp_path / "small.safetensors"
+    st.write_bytes(struct.pack("<Q", len(header)) + header + b"hello")
+    return st
+
+
 #: What the wheel installs with (``dependencies = []``): none of these.
 OPTIONAL = ("torch", "numpy", "vllm", "fastapi", "starlette", "httpx", "ray", "trl", "safetensors", "transformers")
 
@@ -83,9 +91,7 @@ def test_package_imports_without_optional_dependencies(tmp_path):
     """The wheel test below catches a module-level ``import torch`` only where
     a wheel was built; this catches it in every run, from the installed
     package, with every optional dependency made unimportable."""
-    header = json.dumps({"w": {"dtype": "U8", "shape": [5], "data_offsets": [0, 5]}}).encode()
-    st = tmp_path / "small.safetensors"
-    st.write_bytes(struct.pack("<Q", len(header)) + header + b"hello")
+    st = hello_checkpoint(tmp_path)
     code = f"""
 import importlib, sys
 class Absent:
@@ -132,9 +138,7 @@ def test_wheel_installs_and_runs_without_rust(tmp_path):
     r = subprocess.run([str(cli), "--version"], env=env, capture_output=True, text=True, check=True)
     assert r.stdout.strip() == f"weight-checker {version}"
 
-    header = json.dumps({"w": {"dtype": "U8", "shape": [5], "data_offsets": [0, 5]}}).encode()
-    st = tmp_path / "small.safetensors"
-    st.write_bytes(struct.pack("<Q", len(header)) + header + b"hello")
+    st = hello_checkpoint(tmp_path)
     r = subprocess.run([str(cli), "checksum", str(st), "--no-prefix"], env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout) == {"checksums": {"w": hashlib.sha256(b"hello").hexdigest()}}
