@@ -119,3 +119,47 @@ def test_threads_env_var_wins():
     assert threads == 3 and streams % 3 == 0
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert int(out.stdout.split()[0]) == 5
+
+
+def test_the_import_hook_does_not_recurse_with_another_hook_built_the_same_way(tmp_path):
+    """Another finder that, like ours, asks every other finder for the module
+    it patches (another vLLM plugin's, a test's), in either order on
+    sys.meta_path: the module imports once, with both patches."""
+    (tmp_path / "patched_target.py").write_text("VALUE = 1\n")
+    code = f"""
+import importlib.abc, sys
+sys.path.insert(0, {str(tmp_path)!r})
+from weight_checker.integrations.vllm.hooks import patch_on_import
+
+class AsksEveryone(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "patched_target":
+            return None
+        for finder in sys.meta_path:
+            if finder is not self and hasattr(finder, "find_spec"):
+                spec = finder.find_spec(name, path, target)
+                if spec is not None:
+                    inner = spec.loader
+                    class Loader(importlib.abc.Loader):
+                        def create_module(self, spec):
+                            return inner.create_module(spec)
+                        def exec_module(self, module):
+                            inner.exec_module(module)
+                            module.OTHER = True
+                    spec.loader = Loader()
+                    return spec
+        return None
+
+other_first = sys.argv[1] == "other-first"
+if other_first:
+    patch_on_import({{"patched_target": lambda m: setattr(m, "OURS", True)}})
+    sys.meta_path.insert(0, AsksEveryone())
+else:
+    sys.meta_path.insert(0, AsksEveryone())
+    patch_on_import({{"patched_target": lambda m: setattr(m, "OURS", True)}})
+import patched_target
+assert patched_target.VALUE == 1 and patched_target.OURS and patched_target.OTHER, vars(patched_target)
+"""
+    for order in ("other-first", "ours-first"):
+        r = subprocess.run([sys.executable, "-c", code, order], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, (order, r.stderr[-2000:])

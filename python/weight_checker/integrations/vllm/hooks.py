@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.abc
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -31,23 +32,39 @@ def patch_on_import(patches: Patches) -> None:
 
 
 class _PatchAfterImport(importlib.abc.MetaPathFinder):
-    """Wraps the loader of each module named in ``patches``."""
+    """Wraps the loader of each module named in ``patches``.
+
+    To find the module it asks the other finders on ``sys.meta_path``. Another
+    finder built the same way (another vLLM plugin's, a test's) asks every
+    finder too, this one included: without a guard the two would call each
+    other until the import fails with ``RecursionError``, in every vLLM
+    process. While this finder is asking, a nested call for the same module
+    (from the same thread) answers ``None``: "not mine", so the outer search
+    goes on to the next finder."""
 
     def __init__(self, patches: Patches):
         self.patches = patches
+        self._asking = threading.local()
 
     def find_spec(self, fullname, path, target=None):
         patch = self.patches.get(fullname)
         if patch is None:
             return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None and spec.loader is not None:
-                spec.loader = _PatchingLoader(spec.loader, patch)
-                return spec
-        return None
+        asking: set[str] = self._asking.__dict__.setdefault("names", set())
+        if fullname in asking:
+            return None
+        asking.add(fullname)
+        try:
+            for finder in sys.meta_path:
+                if finder is self or not hasattr(finder, "find_spec"):
+                    continue
+                spec = finder.find_spec(fullname, path, target)
+                if spec is not None and spec.loader is not None:
+                    spec.loader = _PatchingLoader(spec.loader, patch)
+                    return spec
+            return None
+        finally:
+            asking.discard(fullname)
 
 
 class _PatchingLoader(importlib.abc.Loader):
