@@ -1,16 +1,27 @@
 # weight-checker: the two commands are `make demo` (the main job) and
-# `make test` (everything CI runs). Every target that runs a tool from .venv
-# depends on `env`, which sets it up (idempotent), so each works from a fresh clone.
+# `make test` (everything CI runs); `make check` is the developers' fast loop.
+# Every target that runs a tool from .venv depends on `env` (or `env-main`),
+# which sets it up (idempotent), so each works from a fresh clone.
 
 PY := .venv/bin/python
 
-.PHONY: env test test-rust test-python lint wheel bench demo clean
+.PHONY: env env-main test check test-rust test-python lint wheel bench demo clean
 
 env:
 	scripts/dev-env.sh
 
-## Everything CI runs: lint, Rust tests, the wheel, the Python suite with both kernels.
+## .venv only (no vLLM 0.31 environment): what the demo needs.
+env-main:
+	WEIGHT_CHECKER_NO_VLLM031=1 scripts/dev-env.sh
+
+## Everything CI runs: lint, Rust tests, the wheel, the Python suite (real vLLM
+## servers and engines included, every kernel checked against hashlib).
 test: env lint test-rust wheel test-python
+
+## The fast inner loop: lint, the Rust tests, and the Python tests that need no
+## vLLM server or engine (pytest -m "not vllm"). Not what CI runs: make test is.
+check: env lint test-rust
+	$(PY) -m pytest -q -m "not vllm" --durations=15
 
 lint: env
 	cargo fmt --check
@@ -31,17 +42,12 @@ wheel: env
 test-rust:
 	cargo test --release
 
-# The whole suite with the calibrated kernels, then the digest suites again
-# with the portable fallback forced, with the SHA-NI lanes fixed (no 16-lane
-# AVX-512 at all) and with the 16-lane AVX-512 kernel asked for (streamed
-# and small tensors alike), so every kernel is checked against hashlib
-# whichever the calibration picks on this CPU.
-DIGEST_SUITES := tests/test_digests.py tests/test_core.py tests/test_walk.py
+# The whole suite in one run, the 15 slowest tests and the vLLM servers it
+# started listed at the end. Every kernel (the calibrated choice, the portable
+# fallback, SHA-NI lanes fixed, the 16-lane AVX-512 kernel) is checked against
+# hashlib inside it (tests/test_kernels.py).
 test-python: env
-	$(PY) -m pytest
-	WEIGHT_CHECKER_KERNEL=portable $(PY) -m pytest -q $(DIGEST_SUITES)
-	WEIGHT_CHECKER_LANES=4 $(PY) -m pytest -q $(DIGEST_SUITES)
-	WEIGHT_CHECKER_LANES=16 $(PY) -m pytest -q $(DIGEST_SUITES)
+	$(PY) -m pytest --durations=15
 
 bench: env
 	$(PY) benches/bench_checksum.py
@@ -49,7 +55,7 @@ bench: env
 ## The main job: a real vLLM with our plugin, checked by `weight-checker verify`.
 ## make demo TRANSFER="--transfer-cmd true" shows a transfer that did nothing.
 TRANSFER ?=
-demo: env
+demo: env-main
 	$(PY) scripts/demo.py "$(TRANSFER)"
 
 clean:

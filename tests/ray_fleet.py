@@ -20,6 +20,11 @@ from weight_checker.integrations.ray import EngineActorMixin
 @ray.remote(num_cpus=0)
 class Engine(EngineActorMixin):
     def __init__(self, model: str):
+        import os
+
+        # The engine core in the actor's own process, as verl and OpenRLHF run theirs (and no process
+        # of its own to start).
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         import vllm
 
         self.llm = vllm.LLM(

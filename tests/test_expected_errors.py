@@ -7,13 +7,14 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import weight_checker
 from weight_checker.testing.launch import vllm_available
 from weight_checker.testing.models import write_tiny_llama
+
+from .cli import run_cli
 
 pytestmark = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed")
 
@@ -44,8 +45,7 @@ def edit_config(path: Path, **fields) -> None:
 
 
 def expect(path: Path, *args: str) -> subprocess.CompletedProcess:
-    cli = [sys.executable, "-m", "weight_checker.cli", "expect", str(path), *args]
-    return subprocess.run(cli, capture_output=True, text=True, timeout=600)
+    return run_cli("expect", str(path), *args)
 
 
 def one_line_error(r: subprocess.CompletedProcess) -> str:

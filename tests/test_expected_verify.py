@@ -1,5 +1,5 @@
 """Verify an RL step with no reset: the trainer's own tensors (a state dict
-changed in memory), pushed to a real TP=2 engine, checked against
+changed in memory), pushed to a real TP=2 engine (the shared one of tests/servers.py), checked against
 expected_digests of those tensors. On CPU the push is a checkpoint written
 from the state dict and ``reload_weights`` with its path.
 
@@ -19,16 +19,16 @@ from pathlib import Path
 
 import pytest
 import weight_checker
-from weight_checker.testing.launch import vllm_available, vllm_server
+from weight_checker.testing.launch import vllm_available
 
-from .models import write_model
+from . import vllm_checks as checks
+from .cli import run_cli
 
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed"),
 ]
 
-SITE = str(Path(__file__).with_name("gpu_layout_site"))
 SKIPPED = "model.layers.0.mlp.down_proj.weight"
 
 
@@ -50,15 +50,15 @@ def push(state: dict, config_dir: Path, out: Path) -> Path:
     return out
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
+@pytest.fixture
+def engine(vllm_qwen2_tp2, tmp_path):
+    """The shared TP=2 qwen2 server (GPU layout), its checkpoint and tensors;
+    it loads its own checkpoint again after the test."""
     from safetensors.torch import load_file
 
-    root = tmp_path_factory.mktemp("rl-step")
-    model = write_model(root / "step0", "qwen2")
-    args = ["-tp", "2", "--worker-extension-cls", "weight_checker_test_hooks.TestHooks"]
-    with vllm_server(model, root / "vllm.log", extra_args=args, env={"PYTHONPATH": SITE}) as server:
-        yield server, model, load_file(str(model / "model.safetensors")), root
+    model = Path(vllm_qwen2_tp2.model)
+    yield vllm_qwen2_tp2, model, load_file(str(model / "model.safetensors")), tmp_path
+    checks.reload_checkpoint(vllm_qwen2_tp2)
 
 
 def reload(server, path: Path):
@@ -133,7 +133,7 @@ def test_cli_expect_then_verify_without_reset(engine, tmp_path):
     path = push(step4, model, root / "step4")
     manifest = tmp_path / "expected.json"
     cli = [sys.executable, "-m", "weight_checker.cli"]
-    r = subprocess.run([*cli, "expect", str(path), "--tp", "2", "-o", str(manifest)], capture_output=True, text=True)
+    r = run_cli("expect", path, "--tp", "2", "-o", manifest)
     assert r.returncode == 0, r.stderr
     body = json.dumps({"method": "reload_weights", "kwargs": {"weights_path": str(path)}})
     post = (
@@ -151,7 +151,7 @@ def test_cli_expect_then_verify_without_reset(engine, tmp_path):
     assert report["match"] is True and report["key_count"] == len(json.loads(manifest.read_text())["checksums"])
     # The same manifest after a push that changes nothing: every key is stale, exit 1.
     path5 = push(train_step(state, 5), model, root / "step5")
-    r = subprocess.run([*cli, "expect", str(path5), "--tp", "2", "-o", str(manifest)], capture_output=True, text=True)
+    r = run_cli("expect", path5, "--tp", "2", "-o", manifest)
     r = subprocess.run(
         [*cli, "verify", "--url", server.url, "--expected", str(manifest), "--transfer-cmd", "true"],
         capture_output=True,

@@ -4,6 +4,7 @@ verified and replica-checked through their handles."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import subprocess
@@ -22,9 +23,9 @@ pytestmark = [
 SCRIPT = Path(__file__).with_name("ray_fleet.py")
 
 
-def test_two_ray_hosted_engines_verify_replicas_and_name_the_skipped_one(tiny_llama):
+def run(model: Path) -> dict:
     r = subprocess.run(
-        [sys.executable, str(SCRIPT), str(tiny_llama)],
+        [sys.executable, str(SCRIPT), str(model)],
         capture_output=True,
         text=True,
         timeout=900,
@@ -33,7 +34,17 @@ def test_two_ray_hosted_engines_verify_replicas_and_name_the_skipped_one(tiny_ll
     )
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
     assert r.returncode == 0 and lines, r.stdout[-3000:] + r.stderr[-3000:]
-    out = json.loads(lines[-1].removeprefix("RESULT "))
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+def background_jobs(env) -> dict[str, functools.partial]:
+    """The Ray run, in the background from the session's start (tests/jobs.py)."""
+    return {"ray-fleet": functools.partial(run, env.models.path("tiny-llama"))}
+
+
+@pytest.mark.uses_jobs("ray-fleet")
+def test_two_ray_hosted_engines_verify_replicas_and_name_the_skipped_one(jobs, tiny_llama):
+    out = jobs.result("ray-fleet")
     import weight_checker
 
     # Every parameter of vLLM's own model class, once per engine.

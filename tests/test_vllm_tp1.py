@@ -6,7 +6,7 @@ The built-in route serves; the workers' checksum and reset are ours.
 from __future__ import annotations
 
 import pytest
-from weight_checker.testing.launch import vllm_available, vllm_server
+from weight_checker.testing.launch import vllm_available
 
 from . import vllm_checks as checks
 
@@ -16,11 +16,9 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module")
-def server(tiny_llama, tmp_path_factory):
-    log = tmp_path_factory.mktemp("vllm") / "tp1.log"
-    with vllm_server(tiny_llama, log) as s:
-        yield s
+@pytest.fixture
+def server(vllm_tp1):
+    return vllm_tp1
 
 
 def test_bad_payloads_are_400_and_health_stays_200(server):
@@ -35,13 +33,13 @@ def test_changed_and_deleted_keys(server):
     checks.check_changed_and_deleted(server)
 
 
-def test_byte_identical_to_vllms_builtin(server, tiny_llama):
+def test_byte_identical_to_vllms_builtin(server):
     import weight_checker
 
     ours = checks.checksum(server)
     assert ours == checks.vllm_reference(server)
     # Every parameter vLLM's own model class has (built and loaded in this process).
-    assert set(ours) == set(weight_checker.expected_digests(tiny_llama))
+    assert set(ours) == set(weight_checker.expected_digests(server.model))
 
 
 def test_seed_flow(server):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from weight_checker.testing.launch import vllm_available, vllm_server
+from weight_checker.testing.launch import vllm_available
 
 from . import vllm_checks as checks
 
@@ -13,11 +13,10 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module")
-def server(tiny_llama, tmp_path_factory):
-    log = tmp_path_factory.mktemp("vllm") / "tp2.log"
-    with vllm_server(tiny_llama, log, extra_args=["-tp", "2"]) as s:
-        yield s
+@pytest.fixture
+def server(vllm_tp2):
+    """The shared TP=2 server (started with an API key, which ``post`` sends)."""
+    return vllm_tp2
 
 
 def test_both_tp_ranks_and_identity(server):

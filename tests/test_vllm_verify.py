@@ -7,9 +7,10 @@ import shlex
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
-from weight_checker.testing.launch import vllm_available, vllm_server
+from weight_checker.testing.launch import vllm_available
 from weight_checker.testing.models import write_tiny_llama
 
 from . import vllm_checks as checks
@@ -22,16 +23,15 @@ pytestmark = [
 CLI = [sys.executable, "-m", "weight_checker.cli"]
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    # A private copy: one test swaps the checkpoint on disk.
-    return write_tiny_llama(tmp_path_factory.mktemp("verify") / "tiny-llama")
+@pytest.fixture
+def server(vllm_tp1):
+    return vllm_tp1
 
 
-@pytest.fixture(scope="module")
-def server(model, tmp_path_factory):
-    with vllm_server(model, tmp_path_factory.mktemp("vllm") / "verify.log") as s:
-        yield s
+@pytest.fixture
+def model(server) -> Path:
+    """The shared TP=1 server's own checkpoint copy (one test swaps it on disk, and puts it back)."""
+    return Path(server.model)
 
 
 def verify(*args: str) -> subprocess.CompletedProcess:
@@ -197,10 +197,11 @@ def test_malformed_url_is_refused_before_anything_is_paused(server):
     assert_resumed(server)
 
 
-@pytest.fixture(scope="module")
-def second_server(model, tmp_path_factory):
-    with vllm_server(model, tmp_path_factory.mktemp("vllm") / "second.log") as s:
-        yield s
+@pytest.fixture
+def second_server(vllm_tp1_b):
+    """A second, independent TP=1 server of the same checkpoint (started with an
+    API key and the guard off: its dev-mode routes are open, as a stock server's)."""
+    return vllm_tp1_b
 
 
 def replicas(*args: str) -> subprocess.CompletedProcess:

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from weight_checker.testing.launch import ci, vllm_available
 
 DIST = Path(__file__).resolve().parent.parent / "dist"
 
@@ -20,6 +21,8 @@ DIST = Path(__file__).resolve().parent.parent / "dist"
 def the_wheel() -> Path:
     wheels = sorted(DIST.glob("weight_checker-*-cp311-abi3-manylinux*_x86_64.whl"))
     if not wheels:
+        if ci():
+            pytest.fail("CI=true but there is no wheel in dist/: make test builds it before the Python suite")
         pytest.skip("no wheel in dist/: run `make wheel` (make test does)")
     return wheels[-1]
 
@@ -142,3 +145,69 @@ def test_wheel_installs_and_runs_without_rust(tmp_path):
     r = subprocess.run([str(cli), "checksum", str(st), "--no-prefix"], env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout) == {"checksums": {"w": hashlib.sha256(b"hello").hexdigest()}}
+
+
+def readme_install_lines() -> list[str]:
+    """The ``pip install`` lines of the README's Install section, as shown."""
+    readme = (DIST.parent / "README.md").read_text()
+    section = readme.split("## Install", 1)[1].split("\n## ", 1)[0]
+    block = section.split("```bash no-run\n", 1)[1].split("```", 1)[0]
+    lines = [ln.split("#", 1)[0].strip() for ln in block.splitlines()]
+    return [ln for ln in lines if ln.startswith("pip install")]
+
+
+def test_the_readmes_install_gives_a_working_cli_and_vllm_plugin(tmp_path):
+    """The README's install command, run as shown (from the clone's root) in a
+    fresh venv that has vLLM (this environment's packages, weight_checker's
+    development install not among them): the command works, and vLLM's own
+    plugin loader finds the installed plugin and patches its worker."""
+    the_wheel()
+    if not vllm_available():
+        pytest.skip("vLLM is not installed")
+    lines = readme_install_lines()
+    assert lines and all("dist/weight_checker-" in ln for ln in lines), lines
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    # vLLM, torch and the rest from this environment's site-packages: a folder of
+    # links to every entry but this package's (its development install), on the
+    # venv's path through a .pth file (whose own .pth files are not read).
+    import sysconfig
+
+    here = Path(sysconfig.get_paths()["purelib"])
+    others = tmp_path / "site-without-weight-checker"
+    others.mkdir()
+    for entry in here.iterdir():
+        if not entry.name.lower().startswith(("weight_checker", "weight-checker")):
+            (others / entry.name).symlink_to(entry)
+    there = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    Path(there, "with-vllm.pth").write_text(f"{others}\n")
+    env = dict(
+        os.environ, PATH=f"{venv / 'bin'}:/usr/bin:/bin", VIRTUAL_ENV=str(venv), PIP_DISABLE_PIP_VERSION_CHECK="1"
+    )
+    env.pop("PYTHONPATH", None)
+    for line in lines:
+        r = subprocess.run(line, shell=True, cwd=DIST.parent, env=env, capture_output=True, text=True)
+        assert r.returncode == 0, (line, r.stdout[-2000:], r.stderr[-3000:])
+    import weight_checker
+
+    cli = shutil.which("weight-checker", path=env["PATH"])
+    assert cli is not None and Path(cli).parent == venv / "bin", cli
+    r = subprocess.run([cli, "--version"], env=env, capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.strip() == f"weight-checker {weight_checker.__version__}", r.stderr
+    code = """
+import json, weight_checker
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+from vllm.v1.worker.gpu_worker import Worker
+print(json.dumps([weight_checker.__file__, Worker.compute_weight_checksums.__module__]))
+"""
+    r = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", code], env=env, capture_output=True, text=True, cwd=tmp_path
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    where, patched_by = json.loads(r.stdout.strip().splitlines()[-1])
+    assert Path(where).is_relative_to(there), where  # the installed wheel, not this checkout
+    assert patched_by == "weight_checker.integrations.vllm.worker"

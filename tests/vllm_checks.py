@@ -121,6 +121,15 @@ def check_rust_core_served(server: Server, answer: dict[str, str], workers: int)
         assert line["run"].endswith(f"; {count} tensors"), line.group(0)
 
 
+def reload_checkpoint(server: Server) -> None:
+    """The server loads its own checkpoint again: what a test that pushed
+    other weights does to leave a shared server as it found it. By path: a
+    ``reload_weights`` without one reloads the latest path it was given."""
+    body = {"method": "reload_weights", "kwargs": {"weights_path": server.model}}
+    status, answer = server.post("/collective_rpc", body)
+    assert status == 200, answer
+
+
 def merge_results(body: dict) -> dict[str, str]:
     """One map from a ``/collective_rpc`` answer's per-worker results."""
     merged: dict[str, str] = {}

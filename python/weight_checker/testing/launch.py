@@ -161,9 +161,16 @@ class Server:
     def log_text(self) -> str:
         return self.log.read_text(errors="replace")
 
+    def alive(self) -> bool:
+        """Whether the API server process is still running."""
+        return self.proc.poll() is None
 
-@contextlib.contextmanager
-def vllm_server(
+    def stop(self) -> None:
+        """Stops the server's whole process group (see :func:`stop`)."""
+        stop(self.proc)
+
+
+def start_server(
     model: Path,
     log: Path,
     *,
@@ -172,11 +179,10 @@ def vllm_server(
     python: str | None = None,
     api_key: str | None = None,
     amx_tile: bool = True,
-) -> Iterator[Server]:
-    """A vLLM API server on a free port, stopped (whole process group) on exit.
-    ``python``: the interpreter of another vLLM environment (e.g. vLLM 0.31);
-    ``api_key``: started with ``--api-key``, and sent by ``Server.post``;
-    ``env`` and ``amx_tile``: see :func:`vllm_env`."""
+) -> Server:
+    """A vLLM API server on a free port, healthy when this returns; stop it
+    with :meth:`Server.stop` (the whole process group). Stopped here if it
+    does not become healthy. Arguments: see :func:`vllm_server`."""
     port = free_port()
     if api_key:
         extra_args = [*extra_args, "--api-key", api_key]
@@ -202,10 +208,33 @@ def vllm_server(
                 pass
             if time.monotonic() > deadline:
                 raise RuntimeError(f"vLLM not healthy after {STARTUP_TIMEOUT_S}s:\n{server.log_text()[-4000:]}")
-            time.sleep(1)
+            time.sleep(0.25)
+    except BaseException:
+        stop(proc)
+        raise
+    return server
+
+
+@contextlib.contextmanager
+def vllm_server(
+    model: Path,
+    log: Path,
+    *,
+    extra_args: list[str] | tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+    python: str | None = None,
+    api_key: str | None = None,
+    amx_tile: bool = True,
+) -> Iterator[Server]:
+    """A vLLM API server on a free port, stopped (whole process group) on exit.
+    ``python``: the interpreter of another vLLM environment (e.g. vLLM 0.31);
+    ``api_key``: started with ``--api-key``, and sent by ``Server.post``;
+    ``env`` and ``amx_tile``: see :func:`vllm_env`."""
+    server = start_server(model, log, extra_args=extra_args, env=env, python=python, api_key=api_key, amx_tile=amx_tile)
+    try:
         yield server
     finally:
-        stop(proc)
+        server.stop()
 
 
 def stop(proc: subprocess.Popen) -> None:
