@@ -25,8 +25,22 @@ class _QuietServer(ThreadingHTTPServer):
         pass
 
 
+#: A MoE layer's expert parameters, as vLLM names them.
+EXPERTS = ("layers.0.experts.w13_weight", "layers.0.experts.w2_weight")
+
+
 class FakeServer:
-    def __init__(self, rank: int, *, delay: float = 0.0, hang: bool = False, fail_pause: bool = False, tp: int = 1):
+    def __init__(
+        self,
+        rank: int,
+        *,
+        delay: float = 0.0,
+        hang: bool = False,
+        fail_pause: bool = False,
+        tp: int = 1,
+        moe_dp: int = 0,
+        says_sharded: bool = True,
+    ):
         self.rank = rank
         self.delay = delay
         self.hang = hang
@@ -37,6 +51,20 @@ class FakeServer:
             for t in range(tp)
             for j in range(3)
         }
+        #: ``moe_dp=N``: one MoE engine of N DP ranks: the same dense weights on
+        #: each, and each DP rank's own part of the experts.
+        self.moe_dp = moe_dp
+        #: Whether it answers ``weight_checker_dp_sharded`` (this package's plugin).
+        self.says_sharded = says_sharded
+        if moe_dp:
+            self.loaded = {
+                f"dp{d}:pp0:pcp0:tp{t}:{name}": hashlib.sha256(
+                    f"{t}-{name}-{d if name in EXPERTS else 0}".encode()
+                ).hexdigest()
+                for d in range(moe_dp)
+                for t in range(tp)
+                for name in ("w0", "w1", *EXPERTS)
+            }
         self.weights = dict(self.loaded)
         #: How many resets this server received.
         self.resets = 0
@@ -84,6 +112,10 @@ class FakeServer:
                 if self.path == "/resume":
                     server.paused = False
                     return self.reply(200, {"status": "resumed"})
+                if self.path == "/collective_rpc" and body.get("method") == "weight_checker_dp_sharded":
+                    if not server.says_sharded:
+                        return self.reply(500, {"error": {"message": "no such method", "code": 500}})
+                    return self.reply(200, {"results": [list(EXPERTS) if server.moe_dp > 1 else []]})
                 if self.path == "/collective_rpc" and body.get("method") == "reload_weights":
                     time.sleep(server.reload_delay)
                     server.weights = dict(server.loaded)

@@ -20,13 +20,39 @@ FAMILIES = {
     ),
     # experts stacked into w13 / w2 and sharded per tp rank
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    # q/k/v and gate/up fused on disk (loaded whole, with no shard id, then sharded)
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0}),
+    # experts and a shared expert; at DP=2 the experts are sharded across the DP ranks too
+    "qwen2moe": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 256,
+            "shared_expert_intermediate_size": 256,
+            "decoder_sparse_step": 1,
+            "norm_topk_prob": False,
+        },
+    ),
 }
 
 
 def write_model(path: Path, family: str, seed: int = 0) -> Path:
-    """A bf16 checkpoint (config.json + model.safetensors) of ``family``, fixed seed, written once."""
+    """A bf16 checkpoint (config.json + model.safetensors) of ``family``, fixed seed, written once.
+    ``tied-copy``: the ``tied`` family whose checkpoint also keeps a copy of
+    ``lm_head`` (as quantization and fine-tuning tools write them)."""
     if family == "llama":
         return write_tiny_llama(path, seed)
+    if family == "tied-copy":
+        from safetensors.torch import load_file, save_file
+
+        if not (path / "model.safetensors").exists():
+            write_model(path, "tied", seed)
+            tensors = load_file(str(path / "model.safetensors"))
+            tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+            save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+        return path
     import torch
     import transformers
 

@@ -246,3 +246,23 @@ def test_keys_that_hold_no_bytes_on_the_engine_are_flagged_in_the_report():
         result = weight_checker.verify([fleet[0].url], transfer=reload_all(fleet), expected=expected)
     assert result.mismatches == {"dp0:pp0:pcp0:tp0:w1": "stale"}
     assert any("hold no bytes" in w and "dp0:pp0:pcp0:tp0:w1" in w for w in result.warnings)
+
+
+@pytest.mark.parametrize("says", [True, False], ids=["the-engine-says", "vllms-expert-names"])
+def test_a_moe_engines_dp_ranks_are_not_replicas_but_two_engines_are(says):
+    """A MoE engine at DP=2 holds each DP rank's own part of the experts:
+    its DP ranks are replicas for every other key only. Two such engines are
+    replicas of each other, DP rank by DP rank, experts included."""
+    with fake_fleet(1, **{"0": {"moe_dp": 2, "says_sharded": says}}) as one:
+        result = weight_checker.replicas(one[0].url)
+        assert result.consistent, result.inconsistent
+        assert result.replicas == ["dp0", "dp1"] and result.sharded == 4
+    with fake_fleet(2, **{str(i): {"moe_dp": 2, "says_sharded": says} for i in range(2)}) as two:
+        assert weight_checker.replicas([s.url for s in two]).consistent
+        two[1].weights["dp1:pp0:pcp0:tp0:layers.0.experts.w2_weight"] = "0" * 64
+        result = weight_checker.replicas([s.url for s in two])
+        assert not result.consistent
+        assert list(result.inconsistent) == ["dp1:pp0:pcp0:tp0:layers.0.experts.w2_weight"]
+        two[1].weights = dict(two[1].loaded)
+        two[0].weights["dp1:pp0:pcp0:tp0:w0"] = "0" * 64  # a dense weight: compared across DP ranks too
+        assert list(weight_checker.replicas([s.url for s in two]).inconsistent) == ["pp0:pcp0:tp0:w0"]

@@ -12,7 +12,9 @@ locally), with the check turned on in one line.
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -56,10 +58,27 @@ def run(tmp_path: Path, *args: str) -> tuple[int, dict, str]:
     return r.returncode, json.loads(lines[-1][len("RESULT ") :]), r.stdout + r.stderr
 
 
-def test_every_step_of_a_grpo_run_is_verified_and_a_stale_push_is_named(tmp_path):
+def grpo(*args: str) -> tuple[int, dict, str]:
+    import tempfile
+
+    return run(Path(tempfile.mkdtemp(prefix="grpo-")), *args)
+
+
+def background_jobs(env) -> dict[str, functools.partial]:
+    """The GRPO runs, in the background from the session's start (tests/jobs.py)."""
+    return {
+        "grpo-previous": functools.partial(
+            grpo, "--steps", "4", "--fault", "previous", "--fault-from", "3", "--on-mismatch", "warn"
+        ),
+        "grpo-skip": functools.partial(grpo, "--steps", "3", "--fault", "skip", "--fault-from", "0"),
+    }
+
+
+@pytest.mark.uses_jobs("grpo-previous")
+def test_every_step_of_a_grpo_run_is_verified_and_a_stale_push_is_named(jobs):
     """Four steps: three clean, then a sync that pushes the previous step's
     weights (reported, not raised: on_mismatch="warn")."""
-    rc, out, log = run(tmp_path, "--steps", "4", "--fault", "previous", "--fault-from", "3", "--on-mismatch", "warn")
+    rc, out, log = jobs.result("grpo-previous")
     assert rc == 0, log[-5000:]
     steps = out["steps"]
     assert [s["step"] for s in steps] == [0, 1, 2, 3], steps
@@ -77,8 +96,9 @@ def test_every_step_of_a_grpo_run_is_verified_and_a_stale_push_is_named(tmp_path
         )
 
 
-def test_a_sync_that_skips_one_tensor_stops_training_at_the_first_step_naming_it(tmp_path):
-    rc, out, log = run(tmp_path, "--steps", "3", "--fault", "skip", "--fault-from", "0")
+@pytest.mark.uses_jobs("grpo-skip")
+def test_a_sync_that_skips_one_tensor_stops_training_at_the_first_step_naming_it(jobs):
+    rc, out, log = jobs.result("grpo-skip")
     assert rc == 1, log[-5000:]
     steps = out["steps"]
     assert steps[0]["match"], steps[0]  # step 0: the engine holds the initial weights already
@@ -114,3 +134,98 @@ def test_a_trainer_it_does_not_know_is_refused_at_setup(monkeypatch):
     monkeypatch.setattr(trl, "__version__", "2.0.0")
     with pytest.raises(TrlIntegrationError, match=r"TRL 2.0.0 is not one this integration knows"):
         verify_every_sync(trainer())
+
+
+class OneWorkerEngine:
+    """An in-process engine as TRL's colocated one looks to the integration: its
+    one worker holds the weights TRL's sync loads, by name, and answers the
+    plugin's checksum over ``collective_rpc`` (hashlib: the oracle)."""
+
+    def __init__(self, model_dir: Path, state: dict):
+        import torch
+        from weight_checker.expected.digests import expected_digests
+
+        self.weights = dict(expected_digests(model_dir, state))  # what the engine holds at start
+        config = SimpleNamespace(
+            model=str(model_dir), revision=None, dtype=torch.bfloat16, max_model_len=256,
+            trust_remote_code=False, hf_overrides=None, quantization=None, model_impl="auto",
+        )  # fmt: skip
+        self.llm_engine = SimpleNamespace(vllm_config=SimpleNamespace(model_config=config))
+        self.model_dir = model_dir
+
+    def load(self, pairs: list) -> None:
+        """Takes the pairs it is sent (hashed when asked, as vLLM's loader leaves them)."""
+        self.sent = pairs
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        from weight_checker.expected.digests import expected_digests
+
+        assert method == "weight_checker_checksums", method
+        if getattr(self, "sent", None) is not None:
+            self.weights.update(expected_digests(self.model_dir, self.sent, allow_unwritten=True))
+            self.sent = None
+        return [dict(self.weights)]
+
+
+def fake_trainer(engine: OneWorkerEngine, pairs: list, walks: list) -> SimpleNamespace:
+    def iter_named_params():
+        walks.append(1)
+        yield from pairs
+
+    def sync_weights():
+        sent = list(vg._iter_named_params())
+        engine.load(sent)
+        return "synced"
+
+    vg = SimpleNamespace(llm=engine, _iter_named_params=iter_named_params, mode="colocate")
+    vg.sync_weights = sync_weights
+    model = SimpleNamespace(training=True)
+    from collections import defaultdict
+
+    metrics = {"train": defaultdict(list)}
+    return SimpleNamespace(vllm_generation=vg, state=SimpleNamespace(global_step=3), _metrics=metrics, model=model)
+
+
+@pytest.mark.parametrize("on_mismatch", ["warn", "raise"])
+def test_a_failure_of_the_expected_side_never_stops_the_sync(tiny_llama, on_mismatch, caplog):
+    """The expected digests fail (a pair the model has no parameter for): the
+    sync still runs; "warn" logs it and returns the sync's result, "raise"
+    raises after the sync has run. TRL's tensors are walked once."""
+    import weight_checker
+    from safetensors.torch import load_file
+    from weight_checker.integrations.trl import SyncVerifier, _verified_sync
+
+    state = load_file(str(tiny_llama / "model.safetensors"))
+    engine = OneWorkerEngine(tiny_llama, state)
+    pairs = [(k, v.clone()) for k, v in state.items()] + [("model.no_such.weight", state[next(iter(state))])]
+    walks: list = []
+    trainer = fake_trainer(engine, pairs[:-1], walks)
+    trainer.vllm_generation._iter_named_params = fake_trainer(engine, pairs, walks).vllm_generation._iter_named_params
+    hook = SyncVerifier(trainer, 1, on_mismatch, trainer.vllm_generation.sync_weights)
+    log = logging.getLogger("test-trl")
+    with caplog.at_level(logging.WARNING, logger="test-trl"):
+        if on_mismatch == "raise":
+            with pytest.raises(weight_checker.VerifyError, match=r"step 'expected digests'.*no_such"):
+                _verified_sync(hook, log, (), {})
+        else:
+            assert _verified_sync(hook, log, (), {}) == "synced"
+    assert walks == [1]  # one walk of TRL's tensors, shared by the sync and the expected digests
+    assert len(engine.sent) == len(pairs)  # the sync ran: it sent every pair
+    assert hook.unverified == 1 and hook.results == []
+    assert "synced, NOT verified" in caplog.text and "no_such" in caplog.text
+
+
+def test_a_verified_sync_walks_trls_tensors_once_and_matches(tiny_llama):
+    from safetensors.torch import load_file
+    from weight_checker.integrations.trl import SyncVerifier, _verified_sync
+
+    state = load_file(str(tiny_llama / "model.safetensors"))
+    engine = OneWorkerEngine(tiny_llama, state)
+    stepped = [(k, (v.float() * 1.01).to(v.dtype)) for k, v in state.items()]
+    walks: list = []
+    trainer = fake_trainer(engine, stepped, walks)
+    hook = SyncVerifier(trainer, 1, "raise", trainer.vllm_generation.sync_weights)
+    assert _verified_sync(hook, logging.getLogger("test-trl"), (), {}) == "synced"
+    assert walks == [1]
+    [check] = hook.results
+    assert check.match and check.keys == 15 and not check.mismatches

@@ -44,6 +44,11 @@ from torch.utils._pytree import tree_leaves
 
 from weight_checker.errors import ExpectedDigestsError
 
+# Operations that hand out a tensor's memory to what torch does not see
+# (numpy, a raw storage, a DLPack capsule): whatever they lead to may write
+# it, unseen by the version counter.
+_ESCAPES = frozenset({"numpy", "untyped_storage", "storage", "_typed_storage", "__array__", "__dlpack__"})
+
 # Operations that only describe a tensor or make a view of it: neither read
 # nor write its elements. Properties (``.data``, ``.shape``, ...) come as ``__get__``.
 _METADATA = frozenset(
@@ -68,20 +73,45 @@ def _describes_only(name: str, args: Any) -> bool:
 
 class _Piece:
     """One deferred write: ``nbytes`` at ``offset`` of the arena become the
-    C-order bytes of ``source`` (``None``: zeros)."""
+    C-order bytes of ``source`` (``None``: zeros), the weight ``name`` gave."""
 
-    __slots__ = ("dtype", "nbytes", "offset", "shape", "source", "version")
+    __slots__ = ("dtype", "name", "nbytes", "offset", "shape", "source", "storage", "version")
 
-    def __init__(self, offset: int, nbytes: int, shape: Any, dtype: Any, source: Any):
-        self.offset, self.nbytes, self.shape, self.dtype = offset, nbytes, shape, dtype
+    def __init__(self, offset: int, nbytes: int, shape: Any, dtype: Any, source: Any, name: str | None = None):
+        self.offset, self.nbytes, self.shape, self.dtype, self.name = offset, nbytes, shape, dtype, name
         # An alias of its own: re-pointing the loader's tensor (``.data =``)
         # does not change what was read; an in-place write to the bytes bumps
-        # the version, which is checked before they are hashed.
+        # the version, and freeing them (``untyped_storage().resize_(0)``, as
+        # FSDP reshards) moves or shrinks the storage: both are checked before
+        # the bytes are read again.
         self.source = None if source is None else source.view(source.shape)
         self.version = None if source is None else source._version
+        self.storage = None if source is None else _extent(source)
 
-    def changed(self) -> bool:
-        return self.source is not None and self.source._version != self.version
+    def check(self) -> None:
+        """Raises, naming the weight, if its bytes may no longer be the ones the
+        loader was given: written in place, or freed."""
+        if self.source is None:
+            return
+        if _extent(self.source) != self.storage:
+            raise ExpectedDigestsError(
+                f"weight '{self.name}': its memory was freed or resized while expected_digests ran (an FSDP "
+                "reshard?): give tensors that stay allocated until the call returns"
+            )
+        if self.source._version != self.version:
+            raise ExpectedDigestsError(
+                f"weight '{self.name}': it was written while expected_digests ran (a reused staging buffer?): "
+                "give tensors that stay unchanged until the call returns"
+            )
+
+
+def _extent(t: Any) -> tuple[int, int] | None:
+    """``t``'s storage: its address and size in bytes."""
+    try:
+        storage = t.untyped_storage()
+        return int(storage.data_ptr()), int(storage.nbytes())
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
 
 
 def _storage(t: Any) -> int | None:
@@ -116,17 +146,22 @@ class DeferredWrites(TorchFunctionMode):
         #: parameter start offset -> pieces in the order written.
         self.pending: dict[int, list[_Piece]] = {}
         self._real: set[int] = set()  # parameters written for real: no more deferring
-        self._sources: set[int] = set()
+        #: storage address of a stable weight -> its name.
+        self._sources: dict[int, str] = {}
         self._passthrough = False
         self.replayed_bytes = 0
         #: Bytes left to :class:`PendingDigests`, hashed where the weights lie.
         self.in_place_bytes = 0
 
-    def note_source(self, tensor: Any) -> None:
-        if hasattr(tensor, "untyped_storage") and tensor.device.type == "cpu":
+    def note_source(self, name: str, tensor: Any) -> None:
+        """``tensor``, the weight ``name``, is stable (see
+        :class:`~weight_checker.expected.weights.Pass`): a copy of it may be
+        deferred. Not an inference tensor: torch keeps no version counter
+        for those, so a write to one could not be told."""
+        if hasattr(tensor, "untyped_storage") and tensor.device.type == "cpu" and not tensor.is_inference():
             storage = _storage(tensor)
             if storage is not None:
-                self._sources.add(storage)
+                self._sources[storage] = name
 
     def _in_arena(self, t: Any) -> bool:
         return bool(t.device.type == "cpu" and _storage(t) == self._base)
@@ -142,6 +177,7 @@ class DeferredWrites(TorchFunctionMode):
         import torch
 
         for piece in self.pending.pop(start, []):
+            piece.check()
             region = self._arena[piece.offset : piece.offset + piece.nbytes]
             if piece.source is None:
                 region.zero_()
@@ -170,15 +206,23 @@ class DeferredWrites(TorchFunctionMode):
     def _touches(self, name: str, args: Any, kwargs: Any) -> bool:
         """Whether an operation could read or write the arena (any tensor
         argument, in a list too, or ``out=``), or write a tensor the weights
-        came from."""
+        came from: in place (``add_``, ``x[i] = y``, ``out=``, ``inplace=True``)
+        or by handing its memory out (``numpy()``, ``untyped_storage()``...)."""
         import torch
 
         tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
         storages = [_storage(t) if t.device.type == "cpu" else -1 for t in tensors]
         if any(s is None or s == self._base for s in storages):
             return True
-        in_place = name.endswith("_") or name.startswith("__i") or name == "__setitem__" or "out" in kwargs
-        return in_place and any(s in self._sources for s in storages)
+        writes = (
+            name.endswith("_")
+            or name.startswith("__i")
+            or name == "__setitem__"
+            or "out" in kwargs
+            or bool(kwargs.get("inplace"))
+            or name in _ESCAPES
+        )
+        return writes and any(s in self._sources for s in storages)
 
     def _defer(self, name: str, args: Any, kwargs: Any) -> bool:
         """Records the write to the arena ``args`` describe, or, where it is
@@ -207,7 +251,9 @@ class DeferredWrites(TorchFunctionMode):
                     and src.shape == dst.shape
                     and _storage(src) in self._sources
                 ):
-                    self.pending.setdefault(start, []).append(_Piece(offset, dst.nbytes, dst.shape, dst.dtype, src))
+                    name = self._sources[_storage(src)]  # type: ignore[index]
+                    piece = _Piece(offset, dst.nbytes, dst.shape, dst.dtype, src, name)
+                    self.pending.setdefault(start, []).append(piece)
                     return True
             else:
                 value = args[1] if name == "fill_" and len(args) > 1 else kwargs.get("value", 0)
@@ -265,6 +311,7 @@ class DeferredWrites(TorchFunctionMode):
                 now.append(i)
                 sources.append(tensors[i])
             elif len(pieces) == 1 and pieces[0].source is not None and not _rows_contiguous(pieces[0].source):
+                pieces[0].check()
                 now.append(i)
                 sources.append(pieces[0].source)
             else:
@@ -314,12 +361,9 @@ class PendingDigests:
 
         if not self._keys:
             return {}
-        for key, pieces in zip(self._keys, self._pieces, strict=True):
-            if any(p.changed() for p in pieces):
-                raise ExpectedDigestsError(
-                    f"{key}: its weight was written while expected_digests ran (a reused staging buffer?): "
-                    "give tensors that stay unchanged until the call returns"
-                )
+        for pieces in self._pieces:
+            for piece in pieces:
+                piece.check()
         gap = max((p.nbytes for ps in self._pieces for p in ps if p.source is None), default=0)
         zeros = torch.zeros(gap, dtype=torch.uint8)
         multi = _core.MultiHasher(len(self._keys))

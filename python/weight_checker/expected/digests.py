@@ -43,6 +43,8 @@ from weight_checker.expected.rank_model import (
     build_and_load,
     cache_key,
     engine_config,
+    import_vllm,
+    in_a_clean_thread,
     refuse_quantized_config,
     unwritten_of,
 )
@@ -59,12 +61,14 @@ _LOCK = threading.Lock()
 
 
 class _Rank:
-    """What one (pp, tp) rank gives: keys under the rank's ``dp0`` prefix."""
+    """What one rank gives: keys under its prefix. ``dp_rank`` is 0 but for a
+    MoE model's data-parallel ranks, which hold different experts; a dense
+    model's DP replicas hold their dp0 rank's digests."""
 
-    def __init__(self, pp_rank: int, tp_rank: int):
-        self.pp_rank, self.tp_rank = pp_rank, tp_rank
-        self.name = f"pp{pp_rank}:tp{tp_rank}"
-        self.prefix = rank_prefix(0, pp_rank, 0, tp_rank)
+    def __init__(self, pp_rank: int, tp_rank: int, dp_rank: int | None = None):
+        self.pp_rank, self.tp_rank, self.dp_rank = pp_rank, tp_rank, dp_rank or 0
+        self.name = f"pp{pp_rank}:tp{tp_rank}" if dp_rank is None else f"dp{dp_rank}:pp{pp_rank}:tp{tp_rank}"
+        self.prefix = rank_prefix(self.dp_rank, pp_rank, 0, tp_rank)
         self.digests: dict[str, str] = {}
         self.unwritten: list[str] = []
         self._skipped: set[str] = set()
@@ -102,12 +106,12 @@ def _unwritten(
 
 
 def expected_digests(
-    model: Any,
+    model: Any = None,
     weights: Any = None,
     *,
-    tp: int = 1,
-    pp: int = 1,
-    dp: int = 1,
+    tp: int | None = None,
+    pp: int | None = None,
+    dp: int | None = None,
     dtype: str | None = None,
     allow_unwritten: bool = False,
     progress: Callable[[str], None] | None = None,
@@ -115,8 +119,9 @@ def expected_digests(
     loras: Mapping[str, Any] | None = None,
     draft: str | Path | None = None,
     draft_weights: Any = None,
-    num_speculative_tokens: int = 2,
+    num_speculative_tokens: int | None = None,
     weight_version: str | None = None,
+    like: str | None = None,
     **engine_args: Any,
 ) -> ExpectedDigests:
     """``{key: hex}`` for every key an engine started with this model and
@@ -129,28 +134,54 @@ def expected_digests(
     ``engine_args`` add to them, e.g. ``max_lora_rank=8, max_loras=2``).
     ``weights``: a checkpoint (path), or the trainer's ``(hf_name, tensor)``
     pairs as a mapping, a list, ``.items()`` or a callable returning a fresh
-    iterable (every rank reads them all).
+    iterable (every rank reads them all). ``tp``, ``pp``, ``dp``: the layout
+    (default 1 each).
+
+    ``like``: the URL of a running (dev-mode) vLLM server whose engine these
+    digests are for: its model (when ``model`` is ``None``), dtype, layout,
+    expert parallelism, LoRA limits and draft model are read from its
+    ``/server_info`` (:mod:`.server_config`); an argument given here that
+    contradicts it is an error.
 
     ``enable_lora`` (implied by ``loras``): the engine runs with LoRA, so its
     target keys carry vLLM's ``.base_layer.`` names. ``loras``: adapter name
     -> PEFT directory or the trainer's ``(tensors, adapter_config)``; each
     adapter's slot contents on every rank, keys ``lora:{name}:{module}.lora_a``
     / ``.lora_b``. ``draft``: the draft model's directory (draft-model
-    speculative decoding), its weights from ``draft_weights`` (as ``weights``)
-    or its checkpoint; keys ``draft:{name}``. ``weight_version``: the version
-    the engine must claim with these weights (checked by ``verify``).
+    speculative decoding; ``num_speculative_tokens``, default 2), its weights
+    from ``draft_weights`` (as ``weights``) or its checkpoint; keys
+    ``draft:{name}``. ``weight_version``: the version the engine must claim
+    with these weights (checked by ``verify``).
 
     Raises :class:`ExpectedDigestsError` naming the tensor, the adapter or the
     reason, and, unless ``allow_unwritten``, when the weights leave a
     parameter unwritten. Calls from several threads run one at a time (they
     share the parameter arenas and the model cache).
     """
+    given = {
+        "tp": tp, "pp": pp, "dp": dp, "dtype": dtype, "enable_lora": enable_lora or bool(loras) or None,
+        "draft": draft, "num_speculative_tokens": num_speculative_tokens, **engine_args,
+    }  # fmt: skip
+    if like is not None:
+        from weight_checker.expected.server_config import reconcile, server_engine
+
+        server = server_engine(like)
+        given = reconcile(server, given)
+        model = server.model if model is None else model
+    elif model is None:
+        raise ExpectedDigestsError("no model given (a checkpoint directory, engine arguments, or like=URL)")
+    args = {k: v for k, v in given.items() if v is not None}
+    layout = {name: args.pop(name, 1) for name in ("tp", "pp", "dp")}
     with _LOCK:
-        return _expected_digests(
-            model, weights, tp=tp, pp=pp, dp=dp, dtype=dtype, allow_unwritten=allow_unwritten, progress=progress,
-            enable_lora=enable_lora, loras=loras, draft=draft, draft_weights=draft_weights,
-            num_speculative_tokens=num_speculative_tokens, weight_version=weight_version, **engine_args,
+        out = _expected_digests(
+            model, weights, tp=layout["tp"], pp=layout["pp"], dp=layout["dp"], dtype=args.pop("dtype", None),
+            allow_unwritten=allow_unwritten, progress=progress, enable_lora=bool(args.pop("enable_lora", False)),
+            loras=loras, draft=args.pop("draft", None), draft_weights=draft_weights,
+            num_speculative_tokens=args.pop("num_speculative_tokens", 2), weight_version=weight_version, **args,
         )  # fmt: skip
+    if like is not None:
+        out.layout["server"] = like
+    return out
 
 
 def _expected_digests(
@@ -188,11 +219,13 @@ def _expected_digests(
         engine_args = {**engine_args, "speculative_config": speculative_config(draft, num_speculative_tokens)}
     draft_source = weights_source(draft_weights, Path(draft), tp * pp) if draft is not None else None
 
+    key = cache_key(model, {"tp": tp, "pp": pp, "dp": dp, "dtype": dtype, **engine_args})
+    config = in_a_clean_thread(_prepare, model, key, tp, pp, dp, dtype, engine_args, enable_lora, draft is not None)
     import vllm
 
-    key = cache_key(model, {"tp": tp, "pp": pp, "dtype": dtype, **engine_args})
-    config = CACHE.config_for(key, lambda: engine_config(model, tp, pp, dtype, engine_args))
     model_config = config.model_config
+    # A MoE model's DP ranks shard its experts between them; a dense model's are replicas.
+    moe_dp = config.parallel_config.data_parallel_size > 1
     if model_config.quantization is not None:
         raise ExpectedDigestsError(
             f"quantized model ({model_config.quantization}): its post-load processing changes bytes; not supported"
@@ -217,33 +250,33 @@ def _expected_digests(
     later = PendingDigests()
     # Weights from a callable may be made anew for each load (a reused
     # staging buffer): hashed as soon as each model is loaded.
-    eager = (callable(weights) and not isinstance(weights, Mapping)) or callable(draft_weights)
+    eager = source.fresh_per_rank or (draft_source is not None and draft_source.fresh_per_rank)
     ranks = []
-    for pp_rank in range(pp):
-        for tp_rank in range(tp):
-            rank = _Rank(pp_rank, tp_rank)
-            if progress is not None:
-                progress(rank.name)
-            _target_rank(config, source, rank, tp, pp, adapters, enable_lora, allow_unwritten, out, later)
-            if eager:
-                later.finish()
-            if draft_source is not None:
-                _draft_rank(config, draft_source, rank, tp, pp, allow_unwritten, out, later)
+    for dp_rank in range(dp) if moe_dp else [None]:
+        for pp_rank in range(pp):
+            for tp_rank in range(tp):
+                rank = _Rank(pp_rank, tp_rank, dp_rank)
+                if progress is not None:
+                    progress(rank.name)
+                _target_rank(config, source, rank, tp, pp, dp, adapters, enable_lora, allow_unwritten, out, later)
                 if eager:
                     later.finish()
-            ranks.append(rank)
+                if draft_source is not None:
+                    _draft_rank(config, draft_source, rank, tp, pp, dp, allow_unwritten, out, later)
+                    if eager:
+                        later.finish()
+                ranks.append(rank)
     done = later.finish()  # every rank's parameters hashed where the weights lie, in one run
     out.seconds["hash"] += later.seconds
     for rank in ranks:
         rank.put(done)
-        for d in range(dp):
+        for d in [rank.dp_rank] if moe_dp else range(dp):
             replica = rank_prefix(d, rank.pp_rank, 0, rank.tp_rank)
             out.update({replica + k[len(rank.prefix) :]: v for k, v in rank.digests.items()})
             out.unwritten += [replica + k[len(rank.prefix) :] for k in rank.unwritten]
     for weights_of_a_call in (source, draft_source):
-        forget = getattr(weights_of_a_call, "forget_others", None)
-        if forget is not None:
-            forget()
+        if weights_of_a_call is not None:
+            weights_of_a_call.forget_others()
     # vLLM's configuration, cached for the next call, keeps this frame alive
     # (it records where it was made): it must not keep the weights (a
     # checkpoint's mapping, the trainer's tensors) alive with it.
@@ -251,29 +284,65 @@ def _expected_digests(
     return out
 
 
+def _prepare(
+    model: Any,
+    key: str | None,
+    tp: int,
+    pp: int,
+    dp: int,
+    dtype: str | None,
+    engine_args: Mapping[str, Any],
+    lora: bool,
+    draft: bool,
+) -> Any:
+    """vLLM's modules imported and the configuration made (cached): run in a
+    clean thread, before any frame that holds the caller's weights runs vLLM's code."""
+    import_vllm(lora=lora, draft=draft)
+    return CACHE.config_for(key, lambda: _engine_config(model, tp, pp, dp, dtype, engine_args))
+
+
+def _engine_config(model: Any, tp: int, pp: int, dp: int, dtype: str | None, engine_args: Mapping[str, Any]) -> Any:
+    """vLLM's configuration of each rank: a dense model's DP replicas are
+    independent engines (DP size 1, as vLLM reconfigures them); a MoE model's
+    ranks are configured with the engine's DP size."""
+    config = engine_config(model, tp, pp, dtype, engine_args)
+    if dp > 1 and config.model_config.is_moe:
+        config = engine_config(model, tp, pp, dtype, {**engine_args, "data_parallel_size": dp})
+    return config
+
+
 @contextlib.contextmanager
 def _on_rank(
-    config: Any, vllm_config: Any, model_config: Any, rank: _Rank, tp: int, pp: int, cached: Any, lora: bool = False
+    config: Any,
+    vllm_config: Any,
+    model_config: Any,
+    rank: _Rank,
+    tp: int,
+    pp: int,
+    dp: int,
+    cached: Any,
+    lora: bool = False,
 ) -> Iterator[None]:
     """vLLM set up to build and load ``rank``'s model of ``vllm_config`` on
     the CPU: its parallel state, current config and dtype (and the CPU
     punica wrapper for LoRA). A model built anew must not meet the layer
     names registered by an earlier one (the target and draft configs share them)."""
-    import torch
     from vllm.config import set_current_vllm_config
-    from vllm.utils.torch_utils import set_default_torch_dtype
 
+    from weight_checker.expected.default_dtype import thread_default_dtype
     from weight_checker.expected.lora import cpu_punica
 
     if cached is None:
         config.compilation_config.static_forward_context.clear()
+        moe_layers = getattr(config.compilation_config, "static_all_moe_layers", None)
+        if isinstance(moe_layers, list):
+            moe_layers.clear()
+    moe_dp = config.parallel_config.data_parallel_size > 1
     with (
-        rank_groups(rank.tp_rank, tp, rank.pp_rank, pp),
+        rank_groups(rank.tp_rank, tp, rank.pp_rank, pp, rank.dp_rank if moe_dp else 0, dp if moe_dp else 1),
         set_current_vllm_config(vllm_config),
-        set_default_torch_dtype(model_config.dtype),
-        # Only to build: as a function mode it sees every torch call of a load
-        # too, which for a cached model is a fifth of the loader's time.
-        torch.device("cpu") if cached is None else contextlib.nullcontext(),
+        # vLLM's set_default_torch_dtype, for this thread only (torch's is the process's).
+        thread_default_dtype(model_config.dtype, factories=False),
         cpu_punica() if lora else contextlib.nullcontext(),
     ):
         yield
@@ -285,30 +354,33 @@ def _target_rank(
     rank: _Rank,
     tp: int,
     pp: int,
+    dp: int,
     adapters: list[tuple[str, int, Any]],
     enable_lora: bool,
     allow_unwritten: bool,
     out: ExpectedDigests,
     later: PendingDigests,
 ) -> None:
-    from weight_checker.expected.lora import add_adapters, wrap
+    from weight_checker.expected.default_dtype import thread_default_dtype
+    from weight_checker.expected.lora import add_adapters
 
     model_config = config.model_config
     cached, manager = CACHE.models.get(rank.name, (None, None))
     started = time.perf_counter()
-    with _on_rank(config, config, model_config, rank, tp, pp, cached, lora=enable_lora):
+    with _on_rank(config, config, model_config, rank, tp, pp, dp, cached, lora=enable_lora):
         rank_model, loaded, deferred = build_and_load(config, model_config, source, TARGET_ARENA, cached)
         unwritten = _unwritten(rank_model, loaded, "target", rank, out, allow_unwritten)
         if enable_lora and manager is None:
             deferred.flush()  # wrapping the layers is not ours to watch: their bytes are in place first
             # Wrapped after loading, as the engine does: the same parameters under `.base_layer.` names.
             kept = {id(p) for n, p in rank_model.named_parameters() if n not in unwritten}
-            rank_model, manager = wrap(rank_model, config)
+            rank_model, manager = in_a_clean_thread(_wrapped, rank_model, config)
             unwritten = [n for n, p in rank_model.named_parameters() if id(p) not in kept]
         elif enable_lora:  # a cached wrapped model, its base layers loaded again (as the engine reloads)
             manager.remove_all_adapters()
         if enable_lora:
-            add_adapters(manager, adapters)
+            with thread_default_dtype(model_config.dtype):
+                add_adapters(manager, adapters)
         CACHE.models[rank.name] = (rank_model, manager)
     loaded_at = time.perf_counter()
     rank.add("", deferred.checksum(rank_model, rank.prefix, later), unwritten)
@@ -324,12 +396,25 @@ def _target_rank(
     out.seconds["hash"] += time.perf_counter() - loaded_at
 
 
+def _wrapped(model: Any, config: Any) -> tuple[Any, Any]:
+    """vLLM's LoRA wrapping of a rank's model (run in a clean thread, with the
+    caller's vLLM config and rank groups, which are the process's)."""
+    import torch
+
+    from weight_checker.expected.default_dtype import thread_default_dtype
+    from weight_checker.expected.lora import wrap
+
+    with torch.device("cpu"), thread_default_dtype(config.model_config.dtype):
+        return wrap(model, config)
+
+
 def _draft_rank(
     config: Any,
     source: Any,
     rank: _Rank,
     tp: int,
     pp: int,
+    dp: int,
     allow_unwritten: bool,
     out: ExpectedDigests,
     later: PendingDigests,
@@ -339,7 +424,7 @@ def _draft_rank(
     draft_config, draft_model_config = draft_configs(config)
     cached, _ = CACHE.models.get("draft:" + rank.name, (None, None))
     started = time.perf_counter()
-    with _on_rank(config, draft_config, draft_model_config, rank, tp, pp, cached):
+    with _on_rank(config, draft_config, draft_model_config, rank, tp, pp, dp, cached):
         model, loaded, deferred = build_and_load(
             draft_config,
             draft_model_config,

@@ -50,6 +50,23 @@ def _required_shards(module: Any) -> set[Any] | None:
     return None
 
 
+def _shards_written(param: Any, shard: Any) -> set[Any] | None:
+    """The shards one loader call writes (``None``: the whole parameter). A
+    tuple of shard ids (Qwen3.5 loads ``in_proj_qkv`` as ``(0, 1, 2)``: one
+    checkpoint tensor fused on disk) is split by vLLM's merged-column loader
+    into parts it numbers from 0, one per id, or copied whole where the
+    parameter has no output dimension."""
+    if shard is None:
+        return None
+    if not isinstance(shard, tuple):
+        return {shard}
+    if getattr(param, "output_dim", None) is None:
+        return None
+    if shard and all(isinstance(s, int) for s in shard):
+        return set(range(shard[-1] - shard[0] + 1))
+    return set(shard)
+
+
 class LoadTracker:
     """Wraps the loaders of ``model``'s parameters while a ``with`` block
     loads it (and only then: the model may be cached and loaded again); then
@@ -99,10 +116,11 @@ class LoadTracker:
             remaining = self._remaining.get(id(param))
             if remaining is not None:
                 named = [kwargs[k] for k in _SHARD_KWARGS if k in kwargs]
-                if args or named:
-                    remaining.discard(args[0] if args else named[0])
+                written = _shards_written(param, args[0] if args else (named[0] if named else None))
+                if written is None:
+                    remaining.clear()  # the whole parameter (a fused checkpoint tensor)
                 else:
-                    remaining.clear()  # no shard id: the whole parameter (a fused checkpoint tensor)
+                    remaining.difference_update(written)
             return out
 
         return weight_loader

@@ -51,20 +51,36 @@ class RankGroup:
 
 
 @contextlib.contextmanager
-def rank_groups(tp_rank: int, tp: int, pp_rank: int, pp: int) -> Iterator[None]:
+def rank_groups(tp_rank: int, tp: int, pp_rank: int, pp: int, dp_rank: int = 0, dp: int = 1) -> Iterator[None]:
+    """vLLM's groups as worker (``dp_rank``, ``pp_rank``, ``tp_rank``) of an
+    engine of ``dp`` x ``pp`` x ``tp`` sees them, while the block runs.
+
+    ``dp`` > 1 is for a MoE model only, whose data-parallel ranks share one
+    torch world and shard the experts between them: vLLM's MoE layers take
+    their tensor- (or expert-) parallel rank and size from the DP group
+    flattened with the TP group (``FusedMoEParallelConfig.make``). A dense
+    model's DP replicas are independent engines, each a world of its own with a
+    DP group of one: ``dp`` = 1 for them, whatever the engine's DP size."""
     from vllm.distributed import parallel_state as ps
 
     names = ("_TP", "_PP", "_DP", "_EP", "_PCP", "_DCP", "_WORLD")
     saved = {n: getattr(ps, n, None) for n in names}
-    global_rank = pp_rank * tp + tp_rank
+    world = tp * pp  # one engine's workers
+    base = dp_rank * world
+    global_rank = base + pp_rank * tp + tp_rank
     groups = {
-        "_TP": RankGroup(tp_rank, tp, [pp_rank * tp + i for i in range(tp)], global_rank),
-        "_PP": RankGroup(pp_rank, pp, [p * tp + tp_rank for p in range(pp)], global_rank),
-        "_DP": RankGroup(0, 1, [global_rank], global_rank),
-        "_EP": RankGroup(tp_rank, tp, [pp_rank * tp + i for i in range(tp)], global_rank),
+        "_TP": RankGroup(tp_rank, tp, [base + pp_rank * tp + i for i in range(tp)], global_rank),
+        "_PP": RankGroup(pp_rank, pp, [base + p * tp + tp_rank for p in range(pp)], global_rank),
+        "_DP": RankGroup(dp_rank, dp, [e * world + pp_rank * tp + tp_rank for e in range(dp)], global_rank),
+        "_EP": RankGroup(
+            dp_rank * tp + tp_rank,
+            dp * tp,
+            [e * world + pp_rank * tp + i for e in range(dp) for i in range(tp)],
+            global_rank,
+        ),
         "_PCP": RankGroup(0, 1, [global_rank], global_rank),
         "_DCP": RankGroup(0, 1, [global_rank], global_rank),
-        "_WORLD": RankGroup(global_rank, tp * pp, list(range(tp * pp)), global_rank),
+        "_WORLD": RankGroup(global_rank, dp * world, list(range(dp * world)), global_rank),
     }
     try:
         for n, g in groups.items():
@@ -73,7 +89,5 @@ def rank_groups(tp_rank: int, tp: int, pp_rank: int, pp: int) -> Iterator[None]:
         yield
     finally:
         for n, old in saved.items():
-            setattr(ps, n, old)
-
-
-# --- the computation -------------------------------------------------------------------
+            if hasattr(ps, n):
+                setattr(ps, n, old)

@@ -4,14 +4,16 @@ result exact (quantized layers, post-load processing that changes bytes)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Callable, Iterable, Mapping
+import threading
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from weight_checker.errors import ExpectedDigestsError
 from weight_checker.expected.load_tracker import LoadTracker
-from weight_checker.expected.weights import Tracked
+from weight_checker.expected.weights import CheckpointWeights, Pass, Tracked, WeightsSource
 
 if TYPE_CHECKING:  # .deferred needs torch: imported when a rank is built, so `import weight_checker` does not
     from weight_checker.expected.deferred import DeferredWrites
@@ -170,6 +172,66 @@ def _refuse_byte_changing_post_load(model: Any) -> None:
         raise ExpectedDigestsError(f"{type(model).__name__} post-processes its weights after loading")
 
 
+def in_a_clean_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``, run in a thread of its own: what vLLM imports or
+    builds there runs in frames that hold nothing of the caller's.
+
+    vLLM keeps some exceptions raised while its modules are imported (e.g.
+    ``vllm.multimodal.media.audio``'s ``_torchcodec_import_exc``, a failed
+    torchcodec import), and with them their traceback: every frame above the
+    import, up to the caller's own, stays alive with its locals for the life
+    of the process. Imported from a trainer's ``expected_digests(...)``, that
+    kept the first call's weights (and the trainer's locals: a gathered copy
+    of the model under ZeRO-3). A fresh thread's stack ends at the thread."""
+    done: list[tuple[bool, Any]] = []
+
+    def run() -> None:
+        try:
+            done.append((True, fn(*args, **kwargs)))
+        except BaseException as e:  # re-raised in the caller's thread
+            done.append((False, e))
+
+    thread = threading.Thread(target=run, name="weight-checker-vllm", daemon=True)
+    thread.start()
+    thread.join()
+    ok, value = done.pop()
+    if ok:
+        return value
+    raise value
+
+
+#: The vLLM modules a call uses, imported first in a clean thread (see
+#: :func:`in_a_clean_thread`): the target model's, and LoRA's and drafts' where asked.
+VLLM_MODULES = (
+    "vllm",
+    "vllm.engine.arg_utils",
+    "vllm.config",
+    "vllm.distributed.parallel_state",
+    "vllm.utils.torch_utils",
+    "vllm.model_executor.model_loader.utils",
+    "vllm.model_executor.model_loader.weight_utils",
+    "vllm.model_executor.model_loader.weight_tying",
+    "vllm.model_executor.layers.quantization.base_config",
+)
+LORA_MODULES = (
+    "vllm.lora.worker_manager",
+    "vllm.lora.model_manager",
+    "vllm.lora.punica_wrapper.punica_cpu",
+    "vllm.lora.request",
+    "vllm.lora.lora_model",
+    "vllm.lora.peft_helper",
+)
+DRAFT_MODULES = ("vllm.v1.spec_decode.draft_model",)
+
+
+def import_vllm(lora: bool = False, draft: bool = False) -> None:
+    """Imports what a call uses of vLLM (run it in a clean thread)."""
+    import importlib
+
+    for name in (*VLLM_MODULES, *(LORA_MODULES if lora else ()), *(DRAFT_MODULES if draft else ())):
+        importlib.import_module(name)
+
+
 def one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
 
@@ -192,52 +254,105 @@ def build_and_load(
     **build: Any,
 ) -> tuple[Any, set[str] | None, DeferredWrites]:
     """One rank's model (the caller set vLLM's current config, dtype, device
-    and rank groups), its parameters bound to ``arena`` and loaded with the
-    weights ``source()`` gives; with the names ``load_weights`` says it
-    loaded (``None`` where it does not say), and the loader's plain copies,
-    deferred (:mod:`.deferred`: hash with its ``checksum``, or ``flush`` it
-    before anything else reads the parameters). ``model``: one built before
-    for the same configuration and rank (:class:`ModelCache`), loaded again.
-    ``build``: more arguments of ``initialize_model``.
+    and rank groups), its parameters bound to ``arena`` and loaded with one
+    pass of ``source``; with the names ``load_weights`` says it loaded
+    (``None`` where it does not say), and the loader's plain copies of stable
+    weights, deferred (:mod:`.deferred`: hash with its ``checksum``, or
+    ``flush`` it before anything else reads the parameters). ``model``: one
+    built before for the same configuration and rank (:class:`ModelCache`),
+    loaded again. ``build``: more arguments of ``initialize_model``.
 
-    Only the parameters the load does not write in full are zeroed first
-    (:mod:`.load_tracker`); should a tracked one be left incomplete, the rank
-    is loaded again into a fully zeroed arena, so no byte of an earlier load
-    is ever hashed."""
-    from vllm.model_executor.model_loader.utils import initialize_model
-
+    Stable weights (:class:`~.weights.Pass`): only the parameters the load
+    does not write in full are zeroed first (:mod:`.load_tracker`); should a
+    tracked one be left incomplete, the rank is read again into a fully zeroed
+    arena, so no byte of an earlier load is ever hashed. Other weights are
+    read once: the arena is zeroed whole first, and every copy is made as the
+    loader reads it."""
     from weight_checker.expected.deferred import DeferredWrites
 
     if model is None:
-        try:
-            model = initialize_model(vllm_config=vllm_config, model_config=model_config, **build)
-        except ExpectedDigestsError:
-            raise
-        except Exception as e:
-            raise ExpectedDigestsError(f"vLLM cannot build {model_config.architecture}: {one_line(e)}") from e
-        _refuse_byte_changing_post_load(model)
+        model = in_a_clean_thread(_build, vllm_config, model_config, build)
+    weights = source.read()
+    if not weights.stable:
+        params = arena.bind(model, zero=True)
+        deferred = DeferredWrites(arena.buffer, params)
+        return model, _load(model, model_config, weights, None, deferred), deferred
     params = arena.bind(model, zero=False)
     tracker = LoadTracker(model)
     for p in params:
         if not tracker.tracked(p):
             p.data.zero_()
     deferred = DeferredWrites(arena.buffer, params)
-    loaded = _load(model, model_config, source, tracker, deferred)
+    loaded = _load(model, model_config, weights, tracker, deferred)
     if tracker.incomplete([p for _, p in model.named_parameters()]):
         params = arena.bind(model, zero=True)
         deferred = DeferredWrites(arena.buffer, params)
-        loaded = _load(model, model_config, source, LoadTracker(model), deferred)
+        loaded = _load(model, model_config, source.read(), LoadTracker(model), deferred)
     return model, loaded, deferred
 
 
+def _build(vllm_config: Any, model_config: Any, build: dict[str, Any]) -> Any:
+    """A rank's model, as vLLM builds it on the CPU (the caller set vLLM's
+    current config, dtype and rank groups; run in a clean thread)."""
+    import torch
+    from vllm.model_executor.model_loader.utils import initialize_model
+
+    from weight_checker.expected.default_dtype import thread_default_dtype
+
+    try:
+        # Both function modes, this thread's own.
+        with torch.device("cpu"), thread_default_dtype(model_config.dtype):
+            model = initialize_model(vllm_config=vllm_config, model_config=model_config, **build)
+    except ExpectedDigestsError:
+        raise
+    except Exception as e:
+        raise ExpectedDigestsError(f"vLLM cannot build {model_config.architecture}: {one_line(e)}") from e
+    _refuse_byte_changing_post_load(model)
+    _tie_as_the_engine_started(model, model_config)
+    return model
+
+
+def _tie_as_the_engine_started(model: Any, model_config: Any) -> None:
+    """A config that says the word embeddings are tied, with a checkpoint that
+    ships an ``lm_head`` too: vLLM builds the ``lm_head`` untied, and ties it
+    again once the engine has loaded its checkpoint if the two are equal
+    (``maybe_retie_word_embeddings``). A model built here must start as that
+    engine did, whatever weights this call loads (the trainer's, with no
+    ``lm_head``: a tied model has none): the two tensors of the engine's own
+    checkpoint are loaded into it first, and vLLM decides."""
+    if not getattr(model_config, "word_embeddings_untied_by_checkpoint", False):
+        return
+    from vllm.model_executor.model_loader.weight_tying import _get_untied_lm_head, maybe_retie_word_embeddings
+
+    untied = _get_untied_lm_head(model)
+    if untied is None:
+        return
+    embed = next(n for n, m in model.named_modules() if m is untied.embed_tokens)
+    try:
+        checkpoint = CheckpointWeights(Path(model_config.model))
+    except ExpectedDigestsError as e:
+        raise ExpectedDigestsError(
+            f"{model_config.model}: the config ties the word embeddings but the checkpoint has an lm_head; "
+            f"whether the engine tied them again depends on that checkpoint, which cannot be read: {e}"
+        ) from e
+    wanted = (untied.weight_name, f"{embed}.weight")
+    pairs = [(n, t) for n, t in checkpoint if n.endswith(wanted)]
+    try:
+        model.load_weights(iter(pairs if len(pairs) == 2 else checkpoint))
+        maybe_retie_word_embeddings(model, model_config)
+    except Exception as e:
+        raise ExpectedDigestsError(f"vLLM's loader failed on the checkpoint's embeddings: {one_line(e)}") from e
+
+
 def _load(
-    model: Any, model_config: Any, source: WeightsSource, tracker: LoadTracker, deferred: DeferredWrites
+    model: Any, model_config: Any, weights: Pass, tracker: LoadTracker | None, deferred: DeferredWrites
 ) -> set[str] | None:
     from vllm.model_executor.model_loader.weight_tying import maybe_retie_word_embeddings
 
-    tracked = Tracked(source(), deferred.note_source)
+    # Only a stable pass's tensors may be read after the loader moves on.
+    tracked = Tracked(weights.pairs, deferred.note_source if weights.stable else None)
     try:
-        with tracker, deferred:
+        with tracker if tracker is not None else contextlib.nullcontext(), deferred:
             loaded = model.load_weights(iter(tracked))
             maybe_retie_word_embeddings(model, model_config)  # reads the embeddings: under the mode
     except ExpectedDigestsError:
@@ -256,6 +371,3 @@ def unwritten_of(model: Any, loaded: set[str] | None) -> list[str]:
     return sorted(
         n for n, _ in model.named_parameters() if n not in loaded and n.replace(".base_layer", "") not in loaded
     )
-
-
-WeightsSource = Callable[[], Iterable[tuple[str, Any]]]

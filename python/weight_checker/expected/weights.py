@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import mmap
 import struct
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -87,45 +88,96 @@ class CheckpointWeights:
                 yield name, flat.view(dtype).reshape(info["shape"])
 
 
-class _Same:
-    """A checkpoint's weights, the same re-iterable object for every rank."""
+class Pass:
+    """One rank's reading of the weights: the pairs, and whether their tensors
+    are *stable*: held all at once and unchanged until the call returns (a
+    checkpoint's mapping, a dict, a list or a tuple the caller built), so
+    that a copy of their bytes may be deferred and hashed where they lie
+    (:mod:`.deferred`). Anything else (a generator, an iterator, a lazy
+    mapping, what a callable returns that is not such a collection) may hand
+    out a reused buffer refilled for the next pair, by torch or outside it
+    (numpy, ``readinto``, a receive), or free a tensor once the next is asked
+    for: its tensors are copied as they are read, never deferred."""
 
-    def __init__(self, weights: CheckpointWeights):
-        self.weights = weights
+    __slots__ = ("pairs", "stable")
 
-    def __call__(self) -> CheckpointWeights:
-        return self.weights
+    def __init__(self, pairs: Iterable[tuple[str, Any]], stable: bool):
+        self.pairs = pairs
+        self.stable = stable
+
+
+#: What holds its pairs already, and hands out the tensors it holds: a dict
+#: (a state dict), a list, a tuple, a dict's ``items()``. Exact types only: a
+#: subclass may make its items as they are asked for.
+_HELD: tuple[type, ...] = (dict, OrderedDict, list, tuple, type({}.items()), type(OrderedDict().items()))
+
+
+def _held(weights: Any) -> bool:
+    return type(weights) in _HELD
+
+
+class WeightsSource:
+    """The weights of a call, read once per rank: :meth:`read` gives one
+    rank's :class:`Pass`. ``fresh_per_rank``: a callable, made anew for each
+    rank (what one rank's pass holds may be reused by the next: hashed before
+    the next is read)."""
+
+    def __init__(self, read: Callable[[], Pass], fresh_per_rank: bool = False, checkpoint: Any = None):
+        self.read = read
+        self.fresh_per_rank = fresh_per_rank
+        self._checkpoint = checkpoint
 
     def forget_others(self) -> None:
-        self.weights.forget_others()
+        """Drops the checkpoint mappings kept from earlier calls that this one did not use."""
+        if self._checkpoint is not None:
+            self._checkpoint.forget_others()
 
 
-def weights_source(weights: Any, checkpoint: Path | None, ranks: int) -> Callable[[], Iterable[tuple[str, Any]]]:
-    """A callable giving a fresh iterable of the weights for each of ``ranks`` ranks."""
+def _checkpoint_source(weights: CheckpointWeights) -> WeightsSource:
+    return WeightsSource(lambda: Pass(weights, stable=True), checkpoint=weights)
+
+
+def _pass_of(items: Any) -> Pass:
+    if isinstance(items, Mapping):
+        return Pass(items.items(), stable=_held(items))
+    return Pass(items, stable=_held(items))
+
+
+def weights_source(weights: Any, checkpoint: Path | None, ranks: int) -> WeightsSource:
+    """The weights of a call, for each of ``ranks`` ranks."""
     if weights is None:
         if checkpoint is None:
             raise ExpectedDigestsError("no weights given and the model is not a checkpoint directory")
-        return _Same(CheckpointWeights(checkpoint))
+        return _checkpoint_source(CheckpointWeights(checkpoint))
     if isinstance(weights, (str, Path)):
-        return _Same(CheckpointWeights(weights))
+        return _checkpoint_source(CheckpointWeights(weights))
     if isinstance(weights, Mapping):
-        return lambda: weights.items()
+        return WeightsSource(lambda: _pass_of(weights))
     if callable(weights):
-        fresh: Callable[[], Iterable[tuple[str, Any]]] = weights
-        return fresh
-    if iter(weights) is weights and ranks > 1:
-        raise ExpectedDigestsError(
-            "weights is a one-shot iterator: every rank reads every pair, so pass a list, a mapping "
-            "(state_dict), dict.items(), or a callable that returns a fresh iterable"
-        )
-    return lambda: weights
+        return WeightsSource(lambda: _pass_of(weights()), fresh_per_rank=True)
+    if iter(weights) is weights:
+        if ranks > 1:
+            raise ExpectedDigestsError(
+                "weights is a one-shot iterator: every rank reads every pair, so pass a list, a mapping "
+                "(state_dict), dict.items(), or a callable that returns a fresh iterable"
+            )
+        used: list[bool] = []
+
+        def once() -> Pass:
+            if used:  # never reached: an unstable pass is read once, into a zeroed arena
+                raise ExpectedDigestsError("weights is a one-shot iterator and was read already")
+            used.append(True)
+            return Pass(weights, stable=False)
+
+        return WeightsSource(once)
+    return WeightsSource(lambda: _pass_of(weights))
 
 
 class Tracked:
     """Iterates the weights while remembering the tensor being loaded, so a
-    loader failure names it; ``on_tensor`` sees each tensor first."""
+    loader failure names it; ``on_tensor(name, tensor)`` sees each pair first."""
 
-    def __init__(self, items: Iterable[tuple[str, Any]], on_tensor: Callable[[Any], None] | None = None):
+    def __init__(self, items: Iterable[tuple[str, Any]], on_tensor: Callable[[str, Any], None] | None = None):
         self.items = items
         self.on_tensor = on_tensor
         self.current: str | None = None
@@ -136,6 +188,6 @@ class Tracked:
                 raise ExpectedDigestsError(f"weights must be (name, tensor) pairs, got {type(item).__name__}")
             self.current = item[0]
             if self.on_tensor is not None:
-                self.on_tensor(item[1])
+                self.on_tensor(item[0], item[1])
             yield item
         self.current = None

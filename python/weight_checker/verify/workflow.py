@@ -12,6 +12,9 @@ Three modes, one workflow:
 - **expected** (``expected=``, the digests every rank must hold, from
   :func:`weight_checker.expected_digests`): no reset. Pause, checksum
   (before), transfer, checksum (after), compare with ``expected``, resume.
+  ``expected`` may be a callable, called once the transfer ran (step
+  "expected digests"): digests computed from the very tensors the transfer
+  sent, alongside it.
   Each mismatching key is ``stale``, ``wrong-shard``, ``changed``,
   ``missing`` or ``unexpected`` (:mod:`weight_checker.verify.classes`).
 - **baseline** (``baseline=``, no transfer): the current checksum compared
@@ -73,6 +76,20 @@ def _check_digest_map(digests: Mapping[str, str] | None, what: str) -> Mapping[s
     return digests
 
 
+def _resolve_expected(expected: Callable[[], Any]) -> Mapping[str, str]:
+    """The expected digests a callable gives, once the transfer ran."""
+    try:
+        digests = expected()
+    except VerifyError:
+        raise
+    except Exception as e:
+        raise VerifyError("expected digests", None, f"{type(e).__name__}: {e}") from e
+    checked = _check_digest_map(digests, "the expected digests callable's result")
+    if checked is None:
+        raise VerifyError("expected digests", None, "the expected digests callable returned None")
+    return checked
+
+
 def _mode(transfer: Any, baseline: Any, expected: Any, name: str) -> str:
     if baseline is not None and expected is not None:
         raise InputTypeError(f"{name} takes a baseline or expected digests, not both")
@@ -118,7 +135,7 @@ def version_warnings(expected: Mapping[str, str] | None, versions: Mapping[str, 
     ]
 
 
-def _steps(t: Target, transfer: Callable[[], Any], mode: str) -> list[_StepPlan]:
+def _steps(t: Target, transfer: Callable[[], Any], mode: str, expected: Any = None) -> list[_StepPlan]:
     """The steps of ``mode``, in order (resume is the runner's). A checksum
     step also reads the weight version each engine claims."""
 
@@ -132,6 +149,7 @@ def _steps(t: Target, transfer: Callable[[], Any], mode: str) -> list[_StepPlan]
             ("pause", t.pause, None),
             checksum("checksum (before)", "before"),
             ("transfer", transfer, None),
+            *([("expected digests", lambda: _resolve_expected(expected), "expected")] if callable(expected) else []),
             checksum("checksum (after)", "current"),
         ]
     return [
@@ -173,14 +191,15 @@ def _run(
     t: Target,
     transfer: Callable[[], Any] | None,
     baseline: Mapping[str, str] | None,
-    expected: Mapping[str, str] | None,
+    expected: Mapping[str, str] | Callable[[], Mapping[str, str]] | None,
     name: str,
     loop: asyncio.AbstractEventLoop | None = None,
 ) -> VerifyResult:
     """The workflow on ``t``, its inputs checked (``name``: the caller, for messages)."""
     baseline = _check_digest_map(baseline, "baseline")
-    expected = _check_digest_map(expected, "expected")
-    mode = _mode(transfer, baseline, expected, name)
+    later = expected if callable(expected) else None
+    expected = None if callable(expected) else _check_digest_map(expected, "expected")
+    mode = _mode(transfer, baseline, expected if later is None else later, name)
     values: dict[str, Any] = {"expected": expected, "baseline_manifest": baseline}
     run = _Run(t)
     error: BaseException | None = None
@@ -189,7 +208,7 @@ def _run(
             run.result.warnings += list(getattr(expected, "warnings", ()))
             run.result.warnings += version_warnings(expected, t.versions())
         call_transfer = _call_transfer(transfer, loop) if transfer is not None else (lambda: None)
-        for step, fn, key in _steps(t, call_transfer, mode):
+        for step, fn, key in _steps(t, call_transfer, mode, later):
             start = time.perf_counter()
             try:
                 value = fn()
@@ -199,6 +218,9 @@ def _run(
             run.step(step, time.perf_counter() - start, ok=True)
             if key:
                 values[key] = value
+            if step == "expected digests":
+                run.result.warnings += list(getattr(value, "warnings", ()))
+                run.result.warnings += version_warnings(value, t.versions())
         start = time.perf_counter()
         compare(run.result, values)
         run.result.lora_slots = dict(t.lora_slots)
@@ -233,7 +255,8 @@ class VerifyOptions(TypedDict, total=False):
 
     - ``baseline``: compare the current digests with these (no transfer);
     - ``expected``: the digests every rank must hold
-      (:func:`weight_checker.expected_digests`): no reset;
+      (:func:`weight_checker.expected_digests`), or a callable that returns
+      them once the transfer ran: no reset;
     - ``timeout``: seconds per request to each engine (HTTP: 600);
     - ``api_key``: the servers' API key (default ``VLLM_API_KEY``);
     - ``concurrency``: engines asked at once (32);
@@ -244,7 +267,7 @@ class VerifyOptions(TypedDict, total=False):
     """
 
     baseline: Mapping[str, str] | None
-    expected: Mapping[str, str] | None
+    expected: Mapping[str, str] | Callable[[], Mapping[str, str]] | None
     timeout: float | None
     api_key: str | None
     concurrency: int
@@ -260,7 +283,8 @@ def _prepare(target: Any, options: VerifyOptions, loop: asyncio.AbstractEventLoo
             f"unexpected option {unknown[0]!r}; the options are {', '.join(VerifyOptions.__annotations__)}"
         )
     layout = requested_layout(options.get("fleet", False), options.get("merge", False))
-    scope = scope_for(options.get("include"), options.get("expected"))
+    expected = options.get("expected")
+    scope = scope_for(options.get("include"), None if callable(expected) else expected)
     return target_for(
         target,
         api_key=options.get("api_key"),

@@ -16,7 +16,13 @@ from collections.abc import Coroutine, Iterable
 from typing import Any
 
 from weight_checker.errors import VerifyError
-from weight_checker.verify.targets.engines import InProcessTarget, in_process_vllm_version, merge_workers, worker_method
+from weight_checker.verify.targets.engines import (
+    InProcessTarget,
+    in_process_vllm_version,
+    merge_workers,
+    sharded_names,
+    worker_method,
+)
 
 
 def run_on_loop(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any], timeout: float | None) -> Any:
@@ -59,4 +65,6 @@ class AsyncLLMTarget(InProcessTarget):
             result = run_on_loop(self.loop, call, self.timeout)
         except Exception as e:
             raise VerifyError(step, name, f"collective_rpc({method!r}) failed: {e}") from e
+        if op == "dp_sharded":
+            return sharded_names(result)
         return merge_workers(result, step, name, self.lora_slots) if op == "checksum" else None

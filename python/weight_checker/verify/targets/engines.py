@@ -17,7 +17,10 @@ from weight_checker.verify.httpclient import clip
 
 def worker_method(op: str, include: tuple[str, ...]) -> tuple[str, tuple[Any, ...]]:
     """The plugin's worker method (``weight_checker.integrations.vllm.worker``)
-    and its arguments for ``checksum`` or ``reset`` of the scope ``include``."""
+    and its arguments for ``checksum`` or ``reset`` of the scope ``include``,
+    or ``dp_sharded``."""
+    if op == "dp_sharded":
+        return "weight_checker_dp_sharded", ()
     scoped = include != DEFAULT
     if op == "checksum":
         return ("weight_checker_scope_checksums", (list(include),)) if scoped else ("weight_checker_checksums", ())
@@ -37,6 +40,13 @@ def merge_workers(results: Any, step: str, name: str, slots: dict[str, Any] | No
         return merge_digests(results)
     except DuplicateKeysError as e:
         raise VerifyError(step, name, f"two workers produced the same keys: {e.keys[:5]}") from e
+
+
+def sharded_names(results: Any) -> list[str] | None:
+    """The workers' ``weight_checker_dp_sharded`` answers as one list (``None``: not such answers)."""
+    if not isinstance(results, list) or not all(isinstance(r, list) for r in results):
+        return None
+    return sorted({n for r in results for n in r if isinstance(n, str)})
 
 
 def in_process_vllm_version() -> str | None:
@@ -88,6 +98,8 @@ class _LocalEngine:
             return self.weight_version()
         method, args = worker_method(op, include)
         result = self.rpc(method, args, step)
+        if op == "dp_sharded":
+            return sharded_names(result)
         return merge_workers(result, step, self.name, slots) if op == "checksum" else None
 
 

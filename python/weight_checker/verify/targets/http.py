@@ -11,6 +11,7 @@ from weight_checker.scope import DEFAULT
 from weight_checker.verify.engine_digests import Layout
 from weight_checker.verify.fanout import DEFAULT_CONCURRENCY, EngineSet, Progress
 from weight_checker.verify.httpclient import api_key_from_env, clip, post_json, request, validate_url
+from weight_checker.verify.targets.engines import sharded_names
 
 #: Why a scoped checksum came back without its scope.
 IGNORED_SCOPE = (
@@ -70,6 +71,9 @@ class HttpTarget(EngineSet):
             return body.get("version") if status == 200 and isinstance(body, dict) else None
         if op == "weight_version":
             return self._weight_version(url)
+        if op == "dp_sharded":
+            answer = self._post(url, "/collective_rpc", {"method": "weight_checker_dp_sharded"}, step)
+            return sharded_names(answer.get("results") if isinstance(answer, dict) else None)
         answer = self._post(url, "/weight_checker", {"action": "checksum", **scope}, step)
         sums = answer.get("checksums") if isinstance(answer, dict) else None
         if not isinstance(sums, dict) or not all(isinstance(v, str) for v in sums.values()):
