@@ -1,7 +1,9 @@
-"""The `dp{dp}:pp{pp}:pcp{pcp}:tp{tp}:{name}` key format of vLLM's checker."""
+"""The `dp{dp}:pp{pp}:pcp{pcp}:tp{tp}:{name}` key format of vLLM's checker
+(and its main branch's `dp{dp}:pp{pp}:pcp{pcp}:tp{tp}:ep{ep}:{name}`)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 
 from weight_checker.errors import DuplicateKeysError, InputError
@@ -43,14 +45,41 @@ def first_repeated(items: Iterable[str]) -> str:
     raise ValueError("no item appears twice")
 
 
+#: The rank fields of a key, in order: vLLM 0.32/0.33's four
+#: (``dp:pp:pcp:tp``), and its main branch's five (``:ep`` after ``tp``).
+RANK_FIELDS = ("dp", "pp", "pcp", "tp", "ep")
+_FIELD = re.compile(r"(dp|pp|pcp|tp|ep)(\d+)$")
+
+
+def _rank_fields(key: str) -> int:
+    """How many of the key's leading ``:``-separated parts are rank fields
+    (4 or 5; 0 for a key without a rank prefix)."""
+    parts = key.split(":", 5)
+    n = 0
+    for want, part in zip(RANK_FIELDS, parts[:-1], strict=False):
+        m = _FIELD.match(part)
+        if m is None or m.group(1) != want:
+            break
+        n += 1
+    return n if n >= 4 else 0
+
+
 def split_rank(key: str) -> tuple[str, str]:
     """``("dp0:pp0:pcp0:tp0", "name")``: a key's rank and its name (which may
     itself hold colons, e.g. ``lora:NAME:module.lora_a``); ``("", key)`` for a
-    key without the rank prefix."""
-    parts = key.split(":", 4)
-    if len(parts) < 5:
+    key without the rank prefix. Both key forms: vLLM 0.32's
+    ``dp:pp:pcp:tp:name`` and its main branch's ``dp:pp:pcp:tp:ep:name``
+    (then the rank is ``"dp0:pp0:pcp0:tp0:ep0"``)."""
+    n = _rank_fields(key)
+    if not n:
         return "", key
-    return ":".join(parts[:4]), parts[4]
+    parts = key.split(":", n)
+    return ":".join(parts[:n]), parts[n]
+
+
+def key_name(key: str) -> str:
+    """The tensor's name in a key (what follows its rank prefix)."""
+    return split_rank(key)[1]
 
 
 def split_key(key: str) -> tuple[str, str]:

@@ -4,8 +4,9 @@
 scope of ``{"action": "checksum"}``: byte-identical to vLLM); ``draft`` adds
 the draft model of speculative decoding (keys ``...:draft:{name}``);
 ``lora`` adds every LoRA adapter in a slot (keys
-``...:lora:{adapter}:{module}.lora_a`` / ``.lora_b``). How each is walked in
-a vLLM worker: :mod:`weight_checker.integrations.vllm.scope_walk`.
+``...:lora:{adapter}:{module}.lora_a`` / ``.lora_b``); ``buffers`` adds the
+target model's persistent buffers (keys ``...:buffer:{name}``). How each is
+walked in a vLLM worker: :mod:`weight_checker.integrations.vllm.scope_walk`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 
 from weight_checker.errors import InputError
 
-SCOPES = ("target", "draft", "lora")
+SCOPES = ("target", "draft", "lora", "buffers")
 #: The scope when none is given: what vLLM's own checker covers.
 DEFAULT = ("target",)
 
@@ -36,10 +37,14 @@ def parse_include(include: Any) -> tuple[str, ...]:
 
 
 def scope_of(key: str) -> str:
-    """``target``, ``draft`` or ``lora``: which scope a key belongs to."""
-    name = key.split(":", 4)[-1]
+    """``target``, ``draft``, ``lora`` or ``buffers``: which scope a key belongs to."""
+    from weight_checker.keys import key_name
+
+    name = key_name(key)
     if name.startswith("draft:"):
         return "draft"
     if name.startswith("lora:"):
         return "lora"
+    if name.startswith("buffer:"):
+        return "buffers"
     return "target"

@@ -4,6 +4,7 @@ RL weight update.
     weight-checker checksum PATH... [--prefix P | --no-prefix] [-o FILE]
     weight-checker compare BASELINE CURRENT [--json]
     weight-checker expect CKPT [--tp T] [--pp P] [--dp D] [--dtype DTYPE] [-o FILE]
+    weight-checker expect [CKPT] --server URL [-o FILE]
     weight-checker verify --url URL [--url URL ...] [--api-key KEY] [--fleet | --merge]
                           (--transfer reload | --transfer-cmd CMD | --wait) [--expected FILE]
     weight-checker verify --url URL [--url URL ...] --baseline FILE
@@ -89,10 +90,19 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser(
         "expect", help="the digests every rank must hold after loading a checkpoint (vLLM's own loader, on the CPU)"
     )
-    e.add_argument("checkpoint", metavar="CKPT", help="model directory: config.json and *.safetensors")
-    e.add_argument("--tp", type=positive, default=1, help="tensor-parallel size (default 1)")
-    e.add_argument("--pp", type=positive, default=1, help="pipeline-parallel size (default 1)")
-    e.add_argument("--dp", type=positive, default=1, help="data-parallel size (default 1)")
+    e.add_argument(
+        "checkpoint", metavar="CKPT", nargs="?", help="model directory: config.json and *.safetensors "
+        "(with --server: the weights; default: the server's model)"
+    )  # fmt: skip
+    e.add_argument(
+        "--server", metavar="URL", help="the engine of this running (dev-mode) vLLM server: its model, dtype, layout, "
+        "LoRA limits and draft read from its /server_info (a flag that contradicts it is an error)"
+    )  # fmt: skip
+    e.add_argument("--api-key", metavar="KEY", help="the server's API key, with --server (default: $VLLM_API_KEY)")
+    e.add_argument("--tp", type=positive, help="tensor-parallel size (default 1)")
+    e.add_argument("--pp", type=positive, help="pipeline-parallel size (default 1)")
+    e.add_argument("--dp", type=positive, help="data-parallel size (default 1)")
+    e.add_argument("--enable-expert-parallel", action="store_true", help="the engine's --enable-expert-parallel")
     e.add_argument("--dtype", help="the engine's --dtype (default: vLLM's choice for the config)")
     e.add_argument("--allow-unwritten", action="store_true", help="leave out parameters the checkpoint never writes")
     e.add_argument("--enable-lora", action="store_true", help="the engine runs with --enable-lora (.base_layer. names)")
@@ -107,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="a PEFT adapter the engine holds under NAME (repeat; implies --enable-lora)",
     )
     e.add_argument("--draft", metavar="DIR", help="the draft model of draft-model speculative decoding")
-    e.add_argument("--num-speculative-tokens", type=positive, default=2, help="the engine's (default 2)")
+    e.add_argument("--num-speculative-tokens", type=positive, help="the engine's (default 2)")
     e.add_argument("--weight-version", metavar="V", help="the weight version the engine must claim with these weights")
     e.add_argument("-o", "--output", metavar="FILE", help="write here instead of stdout")
     e.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
@@ -126,9 +136,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--transfer-cmd", metavar="CMD", help="shell command that transfers the weights")
     t.add_argument("--wait", action="store_true", help="wait for Enter while the trainer transfers")
     t.add_argument("--baseline", metavar="FILE", help="no pause, reset or transfer: compare the current digests")
-    v.add_argument(
+    x = v.add_mutually_exclusive_group()
+    x.add_argument(
         "--expected", metavar="FILE", help="no reset: checksum before and after the transfer, compare with `expect`'s"
     )
+    x.add_argument(
+        "--expected-from", metavar="CKPT", help="as --expected, the digests computed from CKPT for the engine each "
+        "server runs (read from its /server_info, as `expect CKPT --server URL`)"
+    )  # fmt: skip
     f = v.add_mutually_exclusive_group()
     f.add_argument("--fleet", action="store_true", help="the servers are replicas: each compared on its own")
     f.add_argument("--merge", action="store_true", help="the servers serve disjoint ranks of one model (external LB)")
@@ -153,8 +168,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "verify":
         if not (args.transfer or args.transfer_cmd or args.wait or args.baseline):
             parser.error("verify needs one of --transfer reload, --transfer-cmd CMD, --wait, --baseline FILE")
-        if args.baseline is not None and args.expected is not None:
+        if args.baseline is not None and (args.expected is not None or args.expected_from is not None):
             parser.error("--baseline and --expected exclude each other")
+    if args.command == "expect" and args.checkpoint is None and args.server is None:
+        parser.error("expect needs CKPT, or --server URL")
     try:
         settings.check()
         return args.func(args)

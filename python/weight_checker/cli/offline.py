@@ -40,7 +40,7 @@ def cmd_expect(args: argparse.Namespace) -> int:
     logging.getLogger("vllm").setLevel(logging.ERROR)
     from weight_checker.expected.digests import expected_digests
 
-    ranks = args.tp * args.pp
+    ranks = (args.tp or 1) * (args.pp or 1)
     show = sys.stderr.isatty() and not args.no_progress
     done = [0]
 
@@ -54,11 +54,18 @@ def cmd_expect(args: argparse.Namespace) -> int:
     names = [name for name, _ in args.lora]
     if len(set(names)) != len(names):
         raise UsageError(f"--lora: adapter {next(n for n in names if names.count(n) > 1)!r} given twice")
-    if lora_limits and not (args.enable_lora or args.lora):
+    if lora_limits and not (args.enable_lora or args.lora or args.server):
         raise UsageError("--max-lora-rank / --max-loras need --enable-lora (or --lora)")
+    if args.api_key and not args.server:
+        raise UsageError("--api-key is the --server's")
+    if args.api_key:
+        os.environ["VLLM_API_KEY"] = args.api_key  # read by the server's /server_info request
+    model = args.checkpoint if args.server is None else None
+    weights = args.checkpoint if args.server is not None else None
     try:
         expected = expected_digests(
-            args.checkpoint,
+            model,
+            weights,
             tp=args.tp,
             pp=args.pp,
             dp=args.dp,
@@ -70,7 +77,9 @@ def cmd_expect(args: argparse.Namespace) -> int:
             draft=args.draft,
             num_speculative_tokens=args.num_speculative_tokens,
             weight_version=args.weight_version,
+            like=args.server,
             **lora_limits,
+            **({"enable_expert_parallel": True} if args.enable_expert_parallel else {}),
         )
     except ExpectedDigestsError as e:
         raise UsageError(str(e)) from e

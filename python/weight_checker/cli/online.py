@@ -8,6 +8,7 @@ import json
 import os
 import sys
 from collections.abc import Callable
+from typing import Any
 
 from weight_checker.cli.files import UsageError, load_expected, load_manifest
 from weight_checker.cli.report import print_verify_report
@@ -71,6 +72,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     baseline = load_manifest(args.baseline, [False]) if args.baseline is not None else None
     expected = load_expected(args.expected) if args.expected is not None else None
+    if args.expected_from is not None:
+        expected = expected_from(args.expected_from, args.url, args.api_key)
     target = http_target(args, requested_layout(args.fleet, args.merge), scope_for(args.include, expected))
     interrupted = False
     try:
@@ -93,6 +96,33 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(f"weight-checker verify: {result.error}", file=sys.stderr)
         return EXIT_BAD
     return EXIT_OK if result.match else EXIT_MISMATCH
+
+
+def expected_from(checkpoint: str, urls: list[str], api_key: str | None) -> Any:
+    """``verify --expected-from CKPT``: the digests computed from ``CKPT`` for
+    the engine the servers run (read from the first one's ``/server_info``;
+    every other one must run the same engine)."""
+    import logging
+
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM's lines are not this command's output
+    logging.getLogger("vllm").setLevel(logging.ERROR)
+    if api_key:
+        os.environ["VLLM_API_KEY"] = api_key
+    from weight_checker.errors import ExpectedDigestsError
+    from weight_checker.expected.digests import expected_digests
+    from weight_checker.expected.server_config import reconcile, server_engine
+
+    try:
+        first = server_engine(urls[0])
+        for url in urls[1:]:
+            other = server_engine(url)
+            stated = {"tp": other.tp, "pp": other.pp, "dp": other.dp, **other.arguments}
+            reconcile(first, stated)
+            if other.model != first.model:
+                raise ExpectedDigestsError(f"{url} serves {other.model}, {first.url} {first.model}: give --expected")
+        return expected_digests(None, checkpoint, like=urls[0])
+    except ExpectedDigestsError as e:
+        raise UsageError(f"--expected-from: {e}") from e
 
 
 def cmd_replicas(args: argparse.Namespace) -> int:

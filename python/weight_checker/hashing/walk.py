@@ -95,3 +95,23 @@ def _torch_loaded() -> bool:
     import sys
 
     return "torch" in sys.modules
+
+
+def persistent_buffers(model: Any) -> list[tuple[str, Any]]:
+    """``(name, buffer)`` of every persistent buffer of ``model``: those a
+    state dict holds (``register_buffer(..., persistent=False)`` ones are
+    left out: rotary caches and other values derived at construction), each
+    once, under its first name, in module order. vLLM's checksum covers none
+    of them; its main branch's covers persistent buffers, and a buffer can be
+    the one thing a weight update got wrong (vLLM #44371: a Gemma buffer took
+    KL from 0.01 to 1.5)."""
+    seen: set[int] = set()
+    out: list[tuple[str, Any]] = []
+    for module_name, module in model.named_modules():
+        skipped: set[str] = getattr(module, "_non_persistent_buffers_set", set())
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer is None or name in skipped or id(buffer) in seen:
+                continue
+            seen.add(id(buffer))
+            out.append((f"{module_name}.{name}" if module_name else name, buffer))
+    return out

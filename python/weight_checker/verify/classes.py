@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from weight_checker.hashing.digests import compare
+from weight_checker.keys import split_rank
 
 EMPTY_DIGEST = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
 
@@ -44,12 +45,14 @@ def classify(
 
 
 def _rank_and_name(key: str) -> tuple[str, str]:
-    """``("dp0:pp0:pcp0", "name")`` and the tp rank apart: keys that differ
-    only in their tp rank are shards of one tensor."""
-    parts = key.split(":", 4)
-    if len(parts) < 5:
+    """``("dp0:pp0:pcp0:name", "tp1")``: the key less its tp rank, and the tp
+    rank apart: keys that differ only in their tp rank are shards of one
+    tensor (either key form: an ``ep`` field stays with the rest)."""
+    rank, name = split_rank(key)
+    if not rank:
         return key, ""
-    return ":".join(parts[:3]) + ":" + parts[4], parts[3]
+    fields = rank.split(":")
+    return ":".join(fields[:3] + fields[4:] + [name]), fields[3]
 
 
 def classify_expected(

@@ -9,6 +9,7 @@ vLLM ≤ 0.31, which has none, and for data parallelism (vLLM's
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 from weight_checker.integrations.vllm import logger
@@ -52,6 +53,28 @@ def adapter_for(engine_client: Any) -> EngineAdapter:
     return EngineAdapter(checksums=checksums, reset=reset, scoped_checksums=scoped_checksums, scoped_reset=scoped_reset)
 
 
+def weight_update_routes_for(app: Any, engine_client: Any) -> Any:
+    """The weight-update routes' glue (:mod:`weight_checker.server.weight_update`)
+    over vLLM's engine client: every worker of every engine finishes the update
+    and hashes its weights in one call (the plugin's worker method)."""
+    from weight_checker.server.weight_update import WeightUpdateRoutes
+
+    async def finish_and_hash(include: list[str] | None) -> list[dict[str, Any]]:
+        try:  # vLLM's own metrics of the finish, as its route records them
+            from vllm.entrypoints.rl.online.metrics import weight_operation_metrics
+
+            record: Any = weight_operation_metrics().record("finish")
+        except ImportError:
+            record = contextlib.nullcontext()
+        with record:
+            return await _all_engines(engine_client, "weight_checker_finish_weight_update", (include,))
+
+    async def set_weight_version(version: str) -> None:
+        await engine_client.update_weight_version(version)
+
+    return WeightUpdateRoutes(app.state.weight_checker_original_routes, finish_and_hash, set_weight_version)
+
+
 class WeightCheckerEndpoint:
     """``vllm.endpoint_plugins`` entry point: mounts ``POST /weight_checker``
     (replacing vLLM's built-in route of the same path) when
@@ -72,6 +95,33 @@ class WeightCheckerEndpoint:
             logger.info("weight_checker: POST /weight_checker served by weight_checker.server")
         else:
             logger.info("weight_checker: VLLM_SERVER_DEV_MODE is not 1; /weight_checker not mounted")
+            return
+        self._attach_weight_update(app)
+
+    def _attach_weight_update(self, app: Any) -> None:
+        """``/update_weights`` and ``/finish_weight_update`` over vLLM's own
+        (where this vLLM has them: ≥ 0.32), for digests as each update commits."""
+        from weight_checker.server.weight_update import UPDATE, create_weight_update_router, original_routes
+
+        originals = original_routes(app)
+        if len(originals) != 2:
+            logger.info("weight_checker: this vLLM has no weight-update routes; digests at finish not served")
+            return
+        app.state.weight_checker_original_routes = originals
+
+        def get_routes(request: Any):
+            state = request.app.state
+            routes = getattr(state, "weight_checker_update_routes", None)
+            if routes is None:
+                routes = state.weight_checker_update_routes = weight_update_routes_for(request.app, state.engine_client)
+            return routes
+
+        app.include_router(create_weight_update_router(get_routes))
+        logger.info(
+            "weight_checker: POST %s and /finish_weight_update served by weight_checker.server "
+            '(vLLM\'s own unless an update is sent with "checksum": true)',
+            UPDATE,
+        )
 
     async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
         if engine_client is not None:

@@ -4,6 +4,7 @@
   (the default: ``{"action": "checksum"}`` is byte-identical to vLLM's).
 - ``draft``: the draft model of draft-model speculative decoding, its
   parameters under ``draft:{name}``.
+- ``buffers``: the target model's persistent buffers, under ``buffer:{name}``.
 - ``lora``: every LoRA adapter in a slot, as the layers compute with it: each
   wrapped module's rows of the slot buffers (``lora_a_stacked`` /
   ``lora_b_stacked``) on this rank, under ``lora:{adapter}:{module}.lora_a``
@@ -118,13 +119,21 @@ def scoped_pairs(worker: Any, include: Iterable[str], prefix: str) -> tuple[list
     pairs: list[tuple[str, Any]] = []
     extra: dict[str, Any] = {}
     if "target" in include:
-        names, tensors = collect(runner.get_model())
+        from weight_checker.integrations.vllm.worker import vllm_checksum_targets
+
+        model = runner.get_model()
+        targets = vllm_checksum_targets(model)  # what the running vLLM's own checksum covers
+        names, tensors = collect(model if targets is None else targets)
         pairs += [(prefix + n, t) for n, t in zip(names, tensors, strict=True)]
     if "draft" in include:
         draft = runner.get_draft_model() if hasattr(runner, "get_draft_model") else None
         if draft is not None:
             names, tensors = collect(draft)
             pairs += [(f"{prefix}draft:{n}", t) for n, t in zip(names, tensors, strict=True)]
+    if "buffers" in include:
+        from weight_checker.hashing.walk import persistent_buffers
+
+        pairs += [(f"{prefix}buffer:{n}", t) for n, t in persistent_buffers(runner.get_model())]
     if "lora" in include:
         manager = getattr(runner, "lora_manager", None)
         if manager is not None and getattr(manager, "_adapter_manager", None) is not None:

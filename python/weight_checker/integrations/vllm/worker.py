@@ -17,12 +17,19 @@ from weight_checker.integrations.vllm import logger
 _threads_set = False
 
 
+#: vLLM's own key-prefix methods, newest first: its main branch's
+#: (``dp:pp:pcp:tp:ep:``), then 0.32/0.33's (``dp:pp:pcp:tp:``).
+PREFIX_METHODS = ("_weight_checksum_key_prefix", "_weight_checksum_prefix")
+
+
 def worker_prefix(worker: Any) -> str:
-    """The worker's key prefix: vLLM's own method where it has one, else the
-    same ranks read from vLLM's parallel state."""
-    own = getattr(worker, "_weight_checksum_prefix", None)
-    if callable(own):
-        return own()
+    """The worker's key prefix: vLLM's own method where it has one (so keys
+    follow the running vLLM: one whose keys gain ``:ep{rank}`` gets them
+    here too), else the same ranks read from vLLM's parallel state."""
+    for name in PREFIX_METHODS:
+        own = getattr(worker, name, None)
+        if callable(own):
+            return str(own())
     from vllm.distributed import parallel_state as ps
 
     from weight_checker.keys import rank_prefix
@@ -69,8 +76,22 @@ def _set_thread_budget(worker: Any) -> None:
     _core.set_threads(share)
 
 
+def vllm_checksum_targets(model: Any) -> list[tuple[str, Any]] | None:
+    """The ``(name, tensor)`` pairs the running vLLM's own checksum covers,
+    where vLLM says (its main branch's ``_iter_checksum_targets``: parameters
+    and persistent buffers); ``None`` where it walks the parameters as
+    0.32/0.33 do (:mod:`weight_checker.hashing.walk`)."""
+    try:
+        from vllm.model_executor.model_loader import weight_checksum
+    except ImportError:
+        return None
+    targets = getattr(weight_checksum, "_iter_checksum_targets", None)
+    return list(targets(model)) if callable(targets) else None
+
+
 def weight_checker_checksums(self: Any) -> dict[str, str]:
-    """``{prefix + name: sha256 hex}`` of this worker's model, by the Rust core."""
+    """``{prefix + name: sha256 hex}`` of this worker's model, by the Rust
+    core: the tensors vLLM's own checksum covers, under its own key prefix."""
     import weight_checker
     from weight_checker import _core
     from weight_checker.hashing.digests import checksum_sized
@@ -79,7 +100,8 @@ def weight_checker_checksums(self: Any) -> dict[str, str]:
     prefix = worker_prefix(self)
     model = self.model_runner.get_model()
     start = time.perf_counter()
-    digests, nbytes = checksum_sized(model, prefix)
+    targets = vllm_checksum_targets(model)
+    digests, nbytes = checksum_sized(model if targets is None else targets, prefix)
     seconds = time.perf_counter() - start
     logger.info(
         "weight_checker: %d tensors, %d bytes in %.4f s (%.2f GB/s) on %s by the Rust core "
@@ -155,6 +177,36 @@ def weight_checker_vllm_reference(self: Any) -> dict[str, str]:
     return {prefix + n: d for n, d in compute_tensor_digests(self.model_runner.get_model()).items()}
 
 
+def weight_checker_finish_weight_update(self: Any, include: Any = None) -> dict[str, Any]:
+    """vLLM's ``finish_weight_update`` on this worker, then the digests of the
+    weights it committed, in the same call: nothing else runs on the worker in
+    between. ``{"checksums": {key: hex}, "rank": ...}`` (and ``include``,
+    ``lora_slots`` for a scope, as :func:`weight_checker_scope_checksums`);
+    ``include`` ``None``: what vLLM's own checksum covers."""
+    self.finish_weight_update()
+    if include is not None:
+        return weight_checker_scope_checksums(self, include)
+    return {"checksums": weight_checker_checksums(self), "rank": worker_prefix(self).rstrip(":")}
+
+
+def weight_checker_dp_sharded(self: Any) -> list[str]:
+    """The names of this worker's parameters that its engine's DP ranks shard
+    between them: a MoE model's experts (vLLM splits them across the DP ranks
+    flattened with the TP ranks, or spreads whole experts with expert
+    parallelism), so its DP ranks are not replicas. Empty for a dense model,
+    whose DP replicas are engines of their own with a DP group of one."""
+    from vllm.distributed import parallel_state as ps
+
+    if ps.get_dp_group().world_size <= 1:
+        return []
+    names = []
+    for module_name, module in self.model_runner.get_model().named_modules():
+        moe = getattr(getattr(module, "moe_config", None), "moe_parallel_config", None)
+        if moe is not None and (getattr(moe, "dp_size", 1) > 1 or getattr(moe, "use_ep", False)):
+            names += [f"{module_name}.{name}" for name, _ in module.named_parameters(recurse=False)]
+    return sorted(names)
+
+
 def patch_worker_class(worker_cls: type) -> None:
     """Makes ``worker_cls`` (vLLM's GPU ``Worker``; CPU and other workers
     inherit it) use weight_checker. Safe to call more than once."""
@@ -165,6 +217,8 @@ def patch_worker_class(worker_cls: type) -> None:
     setattr(worker_cls, "weight_checker_reset", weight_checker_reset)  # noqa: B010
     setattr(worker_cls, "weight_checker_scope_checksums", weight_checker_scope_checksums)  # noqa: B010
     setattr(worker_cls, "weight_checker_vllm_reference", weight_checker_vllm_reference)  # noqa: B010
+    setattr(worker_cls, "weight_checker_dp_sharded", weight_checker_dp_sharded)  # noqa: B010
+    setattr(worker_cls, "weight_checker_finish_weight_update", weight_checker_finish_weight_update)  # noqa: B010
     missing = [m for m in ("compute_weight_checksums", "reset_weights") if not hasattr(worker_cls, m)]
     if missing:
         logger.info(

@@ -1,0 +1,176 @@
+"""Digests as each update commits, inside vLLM's own weight-update API.
+
+vLLM ≥ 0.32 updates weights through ``POST /start_weight_update``,
+``/update_weights`` and ``/finish_weight_update``; its route answers the
+finish with ``{"message": "Weight update finished"}`` and nothing else. vLLM's
+main branch adds ``"checksum": true`` on ``/update_weights``, and then returns
+the committed weights' digests from ``/finish_weight_update``. This gives
+0.32 and 0.33 the same, through this package's endpoint plugin:
+
+- ``POST /update_weights`` takes ``"checksum": true`` and ``"include"`` (the
+  checksum's scope, as ``/weight_checker``'s) beside ``update_info``. The
+  update itself is vLLM's own route's, given the body without them; the
+  request is remembered for the session once that succeeds.
+- ``POST /finish_weight_update`` of such a session finishes the update and
+  hashes the weights in one call to every worker of every engine (each
+  worker finishes, then hashes what it now holds: nothing else can run on it
+  in between), sets the weight version as vLLM does, and answers
+  ``{"message": "Weight update finished", "checksums": {key: hex}}`` (with
+  ``"include"`` and ``"lora_slots"`` for a scope, as ``/weight_checker``).
+- Without the flag (and every other request), both routes are vLLM's own:
+  the request goes to vLLM's original route, and its answer comes back byte
+  for byte, headers included.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from weight_checker.errors import DuplicateKeysError, InputError
+from weight_checker.keys import merge_digests
+from weight_checker.scope import SCOPES, parse_include
+from weight_checker.server.requests import error_response
+
+UPDATE = "/update_weights"
+FINISH = "/finish_weight_update"
+#: The fields this route adds to ``/update_weights``.
+FIELDS = ("checksum", "include")
+
+
+@dataclass
+class UpdateSession:
+    """What an update asked for, between its ``update_weights`` and its finish."""
+
+    #: The checksum's scope (``None``: the target model, as vLLM's own checksum).
+    include: tuple[str, ...] | None = None
+
+
+@dataclass(eq=False)
+class WeightUpdateRoutes:
+    """The two routes over vLLM's own (``original``: path -> its route) and
+    ``finish_and_hash(include)``: every worker's answer to finishing the
+    update and hashing its weights (one dict per worker)."""
+
+    original: dict[str, Any]
+    finish_and_hash: Callable[[list[str] | None], Awaitable[list[dict[str, Any]]]]
+    set_weight_version: Callable[[str], Awaitable[None]]
+    session: UpdateSession | None = field(default=None)
+
+
+def original_routes(app: FastAPI) -> dict[str, Any]:
+    """vLLM's own ``POST`` routes of :data:`UPDATE` and :data:`FINISH`, found
+    before this package's replace them."""
+    out: dict[str, Any] = {}
+    for route in app.router.routes:
+        path, methods = getattr(route, "path", None), getattr(route, "methods", None) or set()
+        if path in (UPDATE, FINISH) and "POST" in methods:
+            out.setdefault(path, route)
+    return out
+
+
+async def delegate(route: Any, request: Request, body: bytes) -> Response:
+    """``request`` (with ``body``) answered by ``route``, vLLM's own, as a
+    response of the same status, headers and bytes. Its errors become its
+    app's answers (vLLM's exception handlers run inside the route)."""
+    scope = dict(request.scope)
+    scope["headers"] = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"] + [
+        (b"content-length", str(len(body)).encode())
+    ]
+    given = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal given
+        if not given:
+            given = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return {"type": "http.disconnect"}
+
+    messages: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        messages.append(message)
+
+    await route.handle(scope, receive, send)
+    start = next(m for m in messages if m["type"] == "http.response.start")
+    response = Response(
+        content=b"".join(m.get("body", b"") for m in messages if m["type"] == "http.response.body"),
+        status_code=start["status"],
+    )
+    response.raw_headers = list(start.get("headers", []))
+    return response
+
+
+def _object(body: bytes) -> dict[str, Any] | None:
+    """The body as a JSON object, or ``None`` (then it is vLLM's to answer)."""
+    try:
+        parsed = json.loads(body) if body.strip() else None
+    except ValueError:
+        return None
+    return parsed if isinstance(parsed, dict) else None
+
+
+def create_weight_update_router(get_routes: Callable[[Request], WeightUpdateRoutes]) -> APIRouter:
+    router = APIRouter()
+
+    @router.post(UPDATE, response_model=None)
+    async def update_weights(request: Request) -> Response:
+        """vLLM's ``/update_weights``; with ``"checksum": true`` (and an
+        optional ``"include"``), the finish of this update also returns the
+        committed weights' digests."""
+        routes = get_routes(request)
+        body = await request.body()
+        parsed = _object(body)
+        if parsed is None or not set(FIELDS) & parsed.keys():
+            return await delegate(routes.original[UPDATE], request, body)
+        checksum = parsed.pop("checksum", False)
+        if not isinstance(checksum, bool):
+            return error_response(HTTPStatus.BAD_REQUEST, f"'checksum' must be true or false, got {checksum!r:.80}",
+                                  "body.checksum")  # fmt: skip
+        include = parsed.pop("include", None)
+        try:
+            scope = parse_include(include) if include is not None else None
+        except InputError:
+            message = f"'include' must be a non-empty list of {', '.join(SCOPES)}; got {include!r:.80}"
+            return error_response(HTTPStatus.BAD_REQUEST, message, "body.include")
+        response = await delegate(routes.original[UPDATE], request, json.dumps(parsed).encode())
+        if response.status_code == HTTPStatus.OK and checksum:
+            routes.session = UpdateSession(scope)
+        return response
+
+    @router.post(FINISH, response_model=None)
+    async def finish_weight_update(request: Request) -> Response:
+        """vLLM's ``/finish_weight_update``; after an update sent with
+        ``"checksum": true``, also the digests of the weights it committed."""
+        routes = get_routes(request)
+        body = await request.body()
+        session = routes.session
+        if session is None:
+            return await delegate(routes.original[FINISH], request, body)
+        parsed = _object(body) if body.strip() else {}
+        version = parsed.get("weight_version") if parsed is not None else None
+        if parsed is None or not (version is None or isinstance(version, str)):
+            message = "the body must be a JSON object with an optional string 'weight_version'"
+            return error_response(HTTPStatus.BAD_REQUEST, message, "body.weight_version")
+        routes.session = None
+        answers = await routes.finish_and_hash(list(session.include) if session.include else None)
+        if version is not None:
+            await routes.set_weight_version(version)
+        try:
+            checksums = merge_digests(a["checksums"] for a in answers)
+        except DuplicateKeysError as e:
+            return error_response(HTTPStatus.INTERNAL_SERVER_ERROR, f"Duplicate weight checksum keys: {e.keys}")
+        out: dict[str, Any] = {"message": "Weight update finished", "checksums": checksums}
+        if session.include:
+            out["include"] = list(session.include)
+            if "lora" in session.include:
+                out["lora_slots"] = {a.get("rank", str(i)): a.get("lora_slots") for i, a in enumerate(answers)}
+        return JSONResponse(out)
+
+    return router
