@@ -7,13 +7,14 @@ or ``loaded FOLDER dp2:MODEL dp2-ep:MODEL ...`` (see :func:`loaded_at_dp2`)
 is started in this process (vLLM's in-process engine core; TP, PP and DP
 workers are vLLM's own processes), its every worker's digests are taken with
 vLLM's own routine (``compute_tensor_digests``, through the worker method
-``weight_checker_vllm_reference``) together with the digests of what the CPU
+``weight_checker_vllm_reference``) and of its persistent buffers (the
+plugin's ``buffers`` scope), together with the digests of what the CPU
 backend repacked, as the loader left them (the GPU-layout hook, see
 ``weight_checker.testing.gpu_layout``), and the engine is shut down before
 the next model's starts: one vLLM import for every model of a layout.
 
 Prints one ``RESULT {json}`` line per model:
-``{"model", "checksums": {key: hex}, "repacked": {key: hex}, "vllm_version"}``.
+``{"model", "checksums": {key: hex}, "repacked": {key: hex}, "buffers": {key: hex}, "vllm_version"}``.
 Run by tests/test_expected.py with the environment of a test server
 (``vllm_env``: the AMX tile state, the CPU binding) and the GPU-layout site.
 """
@@ -50,9 +51,11 @@ def with_llm(model: str, sizes: dict) -> dict:
 
     llm = vllm.LLM(model=model, **COMMON, **sizes)
     try:
+        buffers = llm.collective_rpc("weight_checker_scope_checksums", args=(["buffers"],))
         return {
             "checksums": merged(llm.collective_rpc("weight_checker_vllm_reference")),
             "repacked": merged(llm.collective_rpc("weight_checker_test_gpu_layout_digests")),
+            "buffers": merged([w["checksums"] for w in buffers]),
         }
     finally:
         llm.llm_engine.engine_core.shutdown()
@@ -74,9 +77,13 @@ async def with_dp2(model: str) -> dict:
             per_engine = await engine.engine_core.call_utility_all_async("collective_rpc", method, None, (), None)
             return merged([w for workers in per_engine for w in workers])
 
+        answers = await engine.engine_core.call_utility_all_async(
+            "collective_rpc", "weight_checker_scope_checksums", None, (["buffers"],), None
+        )
         return {
             "checksums": await every_worker("weight_checker_vllm_reference"),
             "repacked": await every_worker("weight_checker_test_gpu_layout_digests"),
+            "buffers": merged([w["checksums"] for workers in answers for w in workers]),
         }
     finally:
         engine.shutdown()

@@ -98,9 +98,65 @@ async def run_async(model: str, tp: int) -> dict:
     return out
 
 
+def run_transfer(model: str, tp: int) -> dict:
+    """vLLM's weight-update API in process: a trainer sends one step over the
+    tests' gloo engine through ``verified(llm, ...)``, then another whose
+    finish is the library's :func:`finish_weight_update` (the digests of what
+    it committed), compared with a checksum of the engine."""
+    import torch
+    import vllm
+    import weight_checker
+    from safetensors.torch import load_file
+    from weight_checker.integrations.weight_transfer import finish_weight_update, verified
+    from weight_checker.testing.gloo_engine import GlooTrainer, GlooTrainerInitInfo
+    from weight_checker.testing.launch import free_port
+
+    llm = vllm.LLM(
+        model=model, skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16", max_model_len=256,
+        tensor_parallel_size=tp, weight_transfer_config={"backend": "gloo"},
+    )  # fmt: skip
+    state = load_file(model + "/model.safetensors")
+    g = torch.Generator().manual_seed(3)
+    steps = [{k: (v.float() + 0.01 * torch.randn(v.shape, generator=g)).to(v.dtype) for k, v in state.items()}]
+    steps.append({k: (v.float() * 1.01).to(v.dtype) for k, v in steps[0].items()})
+    client = verified(llm, lambda version: weight_checker.expected_digests(model, steps[int(version)], tp=tp))
+    info = GlooTrainerInitInfo(master_address="127.0.0.1", master_port=free_port(), world_size=1 + tp, rank=0)
+    trainer = GlooTrainer.trainer_init(info, client=client)
+    trainer.send_weights(steps[0].items(), weight_version="0")
+    first = client.results[-1]
+    out: dict = {"first": {"match": first.match, "keys": first.key_count, "from": first.digests_from}}
+
+    class Library:
+        """vLLM's own methods, the finish the library's."""
+
+        def init_weight_transfer_engine(self, init_info):  # joined already
+            raise AssertionError("not called")
+
+        def start_weight_update(self):
+            llm.start_weight_update()
+
+        def update_weights(self, update_info):
+            llm.update_weights({"update_info": update_info})
+
+        def finish_weight_update(self, weight_version=None):
+            out["committed"] = finish_weight_update(llm, weight_version)
+
+    trainer.client = Library()
+    trainer.send_weights(steps[1].items(), weight_version="1")
+    engine = {k: v for w in llm.collective_rpc("weight_checker_checksums") for k, v in w.items()}
+    out["committed_is_the_engine"] = out["committed"] == engine
+    out["committed_is_expected"] = out["committed"] == dict(weight_checker.expected_digests(model, steps[1], tp=tp))
+    out["version"] = llm.get_weight_version()
+    trainer.shutdown()
+    return out
+
+
 def main() -> None:
     model, mode, tp = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    out = run_llm(model, tp) if mode == "llm" else asyncio.run(run_async(model, tp))
+    if mode == "transfer":
+        out = run_transfer(model, tp)
+    else:
+        out = run_llm(model, tp) if mode == "llm" else asyncio.run(run_async(model, tp))
     print("RESULT " + json.dumps(out))
 
 

@@ -22,6 +22,12 @@ FAMILIES = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
     # q/k/v and gate/up fused on disk (loaded whole, with no shard id, then sharded)
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0}),
+    # persistent buffers loaded from the checkpoint (xIELU's beta and eps), and every attention layer's scales
+    "apertus": (
+        "ApertusConfig",
+        "ApertusForCausalLM",
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
+    ),
     # experts and a shared expert; at DP=2 the experts are sharded across the DP ranks too
     "qwen2moe": (
         "Qwen2MoeConfig",

@@ -54,7 +54,7 @@ CASES = [
     ("qwen2", "tp1"), ("qwen2", "tp2"), ("qwen2", "dp2"), ("qwen2", "pp2"),
     ("tied", "tp1"), ("tied", "tp2"), ("tied", "dp2"), ("tied", "pp2"),
     ("mixtral", "tp1"), ("mixtral", "tp2"), ("mixtral", "pp2"),
-    ("tied-copy", "tp1"),
+    ("tied-copy", "tp1"), ("apertus", "tp1"),
 ]  # fmt: skip
 #: The cases whose engine is one of the session's shared servers (tests/servers.py,
 #: the GPU layout kept), the same model at the same layout; every other case's
@@ -138,6 +138,11 @@ def test_every_key_and_digest_equals_the_engines(models, jobs, vllm_servers, req
     ranks = {k.rsplit(":", 1)[0] for k in engine}
     assert len(ranks) == sizes.get("tp", 1) * sizes.get("pp", 1) * sizes.get("dp", 1)
     assert expected.vllm_version == found["vllm_version"]
+    if "buffers" in found:  # the engines run in process: their persistent buffers too
+        with_buffers = weight_checker.expected_digests(path, buffers=True, **sizes)
+        want = {k: v for k, v in with_buffers.items() if ":buffer:" in k}
+        assert want and found["buffers"] == want
+        assert {k: v for k, v in with_buffers.items() if ":buffer:" not in k} == dict(expected)
 
 
 def test_cli_expect_writes_the_library_manifest(models, tmp_path):

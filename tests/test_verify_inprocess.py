@@ -25,8 +25,10 @@ SCRIPT = Path(__file__).with_name("inprocess_verify.py")
 
 
 def run(model: Path, mode: str, tp: int) -> dict:
-    # The same environment the test servers get (AMX tile state, CPU binding).
-    env = vllm_env(["-tp", str(tp)])
+    # The same environment the test servers get (AMX tile state, CPU binding); the GPU layout and
+    # the gloo transfer engine for vLLM's weight-update API (tests/gpu_layout_site).
+    site = {"PYTHONPATH": str(SCRIPT.with_name("gpu_layout_site"))} if mode == "transfer" else {}
+    env = vllm_env(["-tp", str(tp)], site)
     r = subprocess.run(
         [sys.executable, str(SCRIPT), str(model), mode, str(tp)],
         capture_output=True,
@@ -62,6 +64,7 @@ def background_jobs(env) -> dict[str, functools.partial]:
         "inprocess-llm-tp1": functools.partial(run, model, "llm", 1),
         "inprocess-llm-tp2": functools.partial(run, model, "llm", 2),
         "inprocess-async-tp1": functools.partial(run, model, "async", 1),
+        "inprocess-transfer-tp1": functools.partial(run, model, "transfer", 1),
     }
 
 
@@ -84,6 +87,18 @@ def test_async_llm_in_process(jobs):
     check_cases(out, 1)
     assert out["good"]["steps"][0] == "pause" and out["good"]["steps"][-1] == "resume"
     assert out["paused_after"] is False
+
+
+@pytest.mark.uses_jobs("inprocess-transfer-tp1")
+def test_vllms_weight_update_api_in_process_returns_the_committed_digests(jobs):
+    """An in-process LLM updated through vLLM's own API (the tests' gloo
+    engine): ``verified(llm, expected)`` passes the update with the digests
+    taken at its finish, and the library's ``finish_weight_update(llm)``
+    returns the digests of what it committed: the engine's own, the expected."""
+    out = jobs.result("inprocess-transfer-tp1")
+    assert out["first"]["match"] and out["first"]["keys"] == 15 and set(out["first"]["from"].values()) == {"finish"}
+    assert out["committed_is_the_engine"] and out["committed_is_expected"]
+    assert out["version"] == "1"
 
 
 def test_empty_digest_constant_is_sha256_of_nothing():

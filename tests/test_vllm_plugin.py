@@ -163,3 +163,55 @@ assert patched_target.VALUE == 1 and patched_target.OURS and patched_target.OTHE
     for order in ("other-first", "ours-first"):
         r = subprocess.run([sys.executable, "-c", code, order], capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, (order, r.stderr[-2000:])
+
+
+def test_keys_and_tensors_follow_the_running_vllm(monkeypatch, tmp_path):
+    """A vLLM whose worker keys checksums ``dp:pp:pcp:tp:ep:`` (its main
+    branch's ``_weight_checksum_key_prefix``) and whose checksum covers
+    persistent buffers (``weight_checksum._iter_checksum_targets``): the
+    plugin's answer follows it, byte for byte with that vLLM's own routine,
+    and the CLI reads the five-field keys."""
+    import hashlib
+    import json
+    import types
+
+    def own_targets(model):  # what such a vLLM's checksum covers: parameters, then persistent buffers
+        yield from model.named_parameters()
+        yield from ((n, b) for n, b in model.named_buffers())
+
+    def own_digests(model):  # that vLLM's own digests of them
+        return {n: hashlib.sha256(t.detach().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
+                for n, t in own_targets(model)}  # fmt: skip
+
+    fake = types.ModuleType("vllm.model_executor.model_loader.weight_checksum")
+    fake._iter_checksum_targets = own_targets
+    monkeypatch.setitem(sys.modules, "vllm.model_executor.model_loader.weight_checksum", fake)
+    cls = make_worker_class(with_builtin=True)
+    cls._weight_checksum_key_prefix = lambda self: "dp1:pp0:pcp0:tp1:ep3:"
+    worker.patch_worker_class(cls)
+    w = cls()
+    w.model_runner.model.register_buffer("scale", torch.tensor([2.0, 3.0]))
+    got = w.compute_weight_checksums()
+    assert got == {"dp1:pp0:pcp0:tp1:ep3:" + n: d for n, d in own_digests(w.model_runner.model).items()}
+    assert any(k.endswith(":scale") for k in got)
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps({"checksums": got}))
+    changed = dict(got, **{next(iter(got)): "0" * 64})
+    b.write_text(json.dumps({"checksums": changed}))
+    r = subprocess.run([sys.executable, "-m", "weight_checker.cli", "compare", str(a), str(b), "--json"],
+                       capture_output=True, text=True)  # fmt: skip
+    assert r.returncode == 1 and json.loads(r.stdout)["mismatches"] == [next(iter(got))], r.stdout + r.stderr
+
+
+def test_both_key_forms_split_into_rank_and_name():
+    from weight_checker.keys import key_name, split_rank
+    from weight_checker.verify.classes import classify_expected
+
+    assert split_rank("dp0:pp1:pcp0:tp2:model.w") == ("dp0:pp1:pcp0:tp2", "model.w")
+    assert split_rank("dp0:pp1:pcp0:tp2:ep5:lora:a:m.lora_a") == ("dp0:pp1:pcp0:tp2:ep5", "lora:a:m.lora_a")
+    assert key_name("dp0:pp0:pcp0:tp0:ep0:buffer:x") == "buffer:x" and split_rank("model.w") == ("", "model.w")
+    # Every rank holding tp0's shard is "wrong-shard" in the five-field form too (a dense model's ep is 0).
+    expected = {f"dp0:pp0:pcp0:tp{t}:ep0:w": f"{t}" * 64 for t in range(2)}
+    after = {k: "0" * 64 for k in expected}
+    classes, details = classify_expected(expected, after, after)
+    assert classes == {"dp0:pp0:pcp0:tp1:ep0:w": "wrong-shard"} and "tp0" in details["dp0:pp0:pcp0:tp1:ep0:w"]

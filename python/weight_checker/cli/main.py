@@ -119,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--draft", metavar="DIR", help="the draft model of draft-model speculative decoding")
     e.add_argument("--num-speculative-tokens", type=positive, help="the engine's (default 2)")
     e.add_argument("--weight-version", metavar="V", help="the weight version the engine must claim with these weights")
+    e.add_argument("--buffers", action="store_true", help="the target's persistent buffers too (keys ...:buffer:NAME)")
     e.add_argument("-o", "--output", metavar="FILE", help="write here instead of stdout")
     e.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     e.set_defaults(func=cmd_expect)

@@ -78,6 +78,7 @@ def cmd_expect(args: argparse.Namespace) -> int:
             num_speculative_tokens=args.num_speculative_tokens,
             weight_version=args.weight_version,
             like=args.server,
+            buffers=args.buffers,
             **lora_limits,
             **({"enable_expert_parallel": True} if args.enable_expert_parallel else {}),
         )

@@ -122,6 +122,7 @@ def expected_digests(
     num_speculative_tokens: int | None = None,
     weight_version: str | None = None,
     like: str | None = None,
+    buffers: bool = False,
     **engine_args: Any,
 ) -> ExpectedDigests:
     """``{key: hex}`` for every key an engine started with this model and
@@ -151,7 +152,8 @@ def expected_digests(
     speculative decoding; ``num_speculative_tokens``, default 2), its weights
     from ``draft_weights`` (as ``weights``) or its checkpoint; keys
     ``draft:{name}``. ``weight_version``: the version the engine must claim
-    with these weights (checked by ``verify``).
+    with the weights (checked by ``verify``). ``buffers``: the target's
+    persistent buffers too, keys ``buffer:{name}`` (the ``buffers`` scope).
 
     Raises :class:`ExpectedDigestsError` naming the tensor, the adapter or the
     reason, and, unless ``allow_unwritten``, when the weights leave a
@@ -177,7 +179,8 @@ def expected_digests(
             model, weights, tp=layout["tp"], pp=layout["pp"], dp=layout["dp"], dtype=args.pop("dtype", None),
             allow_unwritten=allow_unwritten, progress=progress, enable_lora=bool(args.pop("enable_lora", False)),
             loras=loras, draft=args.pop("draft", None), draft_weights=draft_weights,
-            num_speculative_tokens=args.pop("num_speculative_tokens", 2), weight_version=weight_version, **args,
+            num_speculative_tokens=args.pop("num_speculative_tokens", 2), weight_version=weight_version,
+            buffers=buffers, **args,
         )  # fmt: skip
     if like is not None:
         out.layout["server"] = like
@@ -200,6 +203,7 @@ def _expected_digests(
     draft_weights: Any,
     num_speculative_tokens: int,
     weight_version: str | None,
+    buffers: bool = False,
     **engine_args: Any,
 ) -> ExpectedDigests:
     for label, n in (("tp", tp), ("pp", pp), ("dp", dp)):
@@ -245,6 +249,8 @@ def _expected_digests(
         }
     if draft is not None:
         out.layout["draft"] = str(draft)
+    if buffers:
+        out.layout["buffers"] = True
     from weight_checker.expected.deferred import PendingDigests
 
     later = PendingDigests()
@@ -258,7 +264,9 @@ def _expected_digests(
                 rank = _Rank(pp_rank, tp_rank, dp_rank)
                 if progress is not None:
                     progress(rank.name)
-                _target_rank(config, source, rank, tp, pp, dp, adapters, enable_lora, allow_unwritten, out, later)
+                _target_rank(
+                    config, source, rank, tp, pp, dp, adapters, enable_lora, allow_unwritten, out, later, buffers
+                )
                 if eager:
                     later.finish()
                 if draft_source is not None:
@@ -360,6 +368,7 @@ def _target_rank(
     allow_unwritten: bool,
     out: ExpectedDigests,
     later: PendingDigests,
+    buffers: bool = False,
 ) -> None:
     from weight_checker.expected.default_dtype import thread_default_dtype
     from weight_checker.expected.lora import add_adapters
@@ -390,6 +399,13 @@ def _target_rank(
         from weight_checker.integrations.vllm.scope_walk import lora_pairs
 
         pairs, _ = lora_pairs(manager, rank.prefix)
+        keys = [k for k, _ in pairs]
+        rank.add("", dict(zip(keys, digest_tensors(keys, [t for _, t in pairs])[0], strict=True)), [])
+    if buffers:
+        from weight_checker.hashing.digests import digest_tensors
+        from weight_checker.hashing.walk import persistent_buffers
+
+        pairs = [(f"{rank.prefix}buffer:{n}", t) for n, t in persistent_buffers(rank_model)]
         keys = [k for k, _ in pairs]
         rank.add("", dict(zip(keys, digest_tensors(keys, [t for _, t in pairs])[0], strict=True)), [])
     out.seconds["load"] += loaded_at - started

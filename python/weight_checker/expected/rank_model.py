@@ -272,6 +272,7 @@ def build_and_load(
 
     if model is None:
         model = in_a_clean_thread(_build, vllm_config, model_config, build)
+    _restore_buffers(model)
     weights = source.read()
     if not weights.stable:
         params = arena.bind(model, zero=True)
@@ -308,8 +309,31 @@ def _build(vllm_config: Any, model_config: Any, build: dict[str, Any]) -> Any:
     except Exception as e:
         raise ExpectedDigestsError(f"vLLM cannot build {model_config.architecture}: {one_line(e)}") from e
     _refuse_byte_changing_post_load(model)
+    _keep_buffers(model)
     _tie_as_the_engine_started(model, model_config)
     return model
+
+
+#: A built model's persistent buffers as built: ``[(buffer, its value)]``.
+_INITIAL_BUFFERS = "_weight_checker_initial_buffers"
+
+
+def _keep_buffers(model: Any) -> None:
+    from weight_checker.hashing.walk import persistent_buffers
+
+    setattr(model, _INITIAL_BUFFERS, [(b, b.detach().clone()) for _, b in persistent_buffers(model)])
+
+
+def _restore_buffers(model: Any) -> None:
+    """The persistent buffers as the model was built, before each load: a
+    cached model must not carry what an earlier call's weights wrote into
+    them (a buffer the next weights do not write keeps its built value, as in
+    an engine loaded with them)."""
+    import torch
+
+    with torch.no_grad():
+        for buffer, value in getattr(model, _INITIAL_BUFFERS, ()):
+            buffer.copy_(value)
 
 
 def _tie_as_the_engine_started(model: Any, model_config: Any) -> None:

@@ -155,10 +155,16 @@ TRANSFER_MODULE = "vllm.distributed.weight_transfer.factory"
 
 def register_gloo_engine(module) -> None:
     """The tests' CPU transfer engine (``weight_checker.testing.gloo_engine``)
-    for servers started with ``--weight-transfer-config '{"backend": "gloo"}'``."""
-    from weight_checker.testing.gloo_engine import register
-
-    register()
+    for servers started with ``--weight-transfer-config '{"backend": "gloo"}'``:
+    registered by module path (imported when first used: that module imports
+    this factory's package itself)."""
+    where = "weight_checker.testing.gloo_engine"
+    for factory, cls in (
+        (module.WeightTransferEngineFactory, "GlooWeightTransferEngine"),
+        (module.WeightTransferTrainerFactory, "GlooTrainer"),
+    ):
+        if "gloo" not in factory._registry:
+            factory.register_engine("gloo", where, cls)
 
 
 PATCHES = {

@@ -81,8 +81,10 @@ def vllm_checksum_targets(model: Any) -> list[tuple[str, Any]] | None:
     where vLLM says (its main branch's ``_iter_checksum_targets``: parameters
     and persistent buffers); ``None`` where it walks the parameters as
     0.32/0.33 do (:mod:`weight_checker.hashing.walk`)."""
+    import importlib
+
     try:
-        from vllm.model_executor.model_loader import weight_checksum
+        weight_checksum = importlib.import_module("vllm.model_executor.model_loader.weight_checksum")
     except ImportError:
         return None
     targets = getattr(weight_checksum, "_iter_checksum_targets", None)
