@@ -143,8 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         cost = check.seconds - check.sync_seconds
         print(
             f"step {check.step}: {'match' if check.match else 'MISMATCH'} {check.keys - len(check.mismatches)}"
-            f"/{check.keys} keys; check {cost:.3f} s (expected digests {check.expected_seconds:.3f} s, "
-            f"checksums {cost - check.expected_seconds:.3f} s), sync {check.sync_seconds:.3f} s"
+            f"/{check.keys} keys; check {cost:.3f} s beyond the sync, sync {check.sync_seconds:.3f} s "
+            f"(expected digests {check.expected_seconds:.3f} s, computed while the sync ran)"
         )
     logged = [
         {k: v for k, v in entry.items() if k.startswith("weight_check/") or k == "step"}
