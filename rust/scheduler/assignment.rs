@@ -55,7 +55,9 @@ impl Scheduler {
             min_open: WIDE_LANES / 2,
             over_one_stream: 2.5,
         });
-        if lanes == 4 && self.fit_lanes {
+        // Calibrated lanes, not cut by a short run: the run may choose the
+        // wide kernel, or fewer narrow lanes for its largest message.
+        if self.fit_lanes && lanes >= 2 && lanes == self.effective_lanes() {
             match self.fit_wide(sizes[0], total, workers, sizes.len()) {
                 Some((min_open, over_one_stream)) => {
                     lanes = WIDE_LANES;
@@ -185,19 +187,7 @@ impl Scheduler {
     /// four or two narrow lanes as in [`Scheduler::fit_to_largest`].
     fn fit_wide(&self, largest: u64, total: u64, workers: usize, count: usize) -> Option<(usize, f64)> {
         let (rates, break_even) = self.model_rates()?;
-        if count < workers * break_even {
-            return None;
-        }
-        let Rates { one, two, four, wide } = rates;
-        let share = total as f64 / workers as f64 / 1e9;
-        let largest_gb = largest as f64 / 1e9;
-        let in_a_lane = largest_gb * WIDE_LANES as f64 / wide;
-        let alone_first = largest_gb / one + (share - largest_gb).max(0.0) / wide;
-        let end_wide = (share / wide).max(in_a_lane.min(alone_first));
-        let narrow = lanes_for_run(two, four, largest, total, workers);
-        let core = if narrow == 2 { two } else { four };
-        let end_narrow = (share / core).max(largest_gb * narrow as f64 / core);
-        (end_wide < end_narrow).then_some((break_even, wide / one))
+        wide_fits(rates, break_even, largest, total, workers, count)
     }
 
     /// This CPU's rates for the run model, where the wide kernel may run:
@@ -207,14 +197,9 @@ impl Scheduler {
     /// kernel, `16 x four / wide`.
     fn model_rates(&self) -> Option<(Rates, usize)> {
         let (wide, four) = self.wide_may_run()?;
-        let break_even = ((WIDE_LANES as f64 * four / wide).ceil() as usize).max(2);
         let rates = self.kernel.calibrated().1;
         let rate = |lanes: usize| rates.iter().find(|r| r.0 == lanes).map_or(0.0, |r| r.1);
-        if rate(4) <= 0.0 || rate(1) <= 0.0 {
-            return None;
-        }
-        let (one, two) = (rate(1) * four / rate(4), rate(2) * four / rate(4));
-        Some((Rates { one, two, four, wide }, break_even))
+        model_rates_from(wide, four, rate(1), rate(2), rate(4))
     }
 
     /// A mixed split by this CPU's rates (see [`model::best_mixed`]), with
@@ -225,6 +210,41 @@ impl Scheduler {
         let split = model::best_mixed(sizes, rates, workers, uniform, deal, break_even)?;
         Some((split, break_even, rates.wide / rates.one))
     }
+}
+
+/// See [`Scheduler::model_rates`]: from the streaming rates `(wide, four)`
+/// and the L2-hot lane calibration's 1, 2 and 4.
+fn model_rates_from(wide: f64, four: f64, hot_one: f64, hot_two: f64, hot_four: f64) -> Option<(Rates, usize)> {
+    let break_even = ((WIDE_LANES as f64 * four / wide).ceil() as usize).max(2);
+    if hot_four <= 0.0 || hot_one <= 0.0 {
+        return None;
+    }
+    let (one, two) = (hot_one * four / hot_four, hot_two * four / hot_four);
+    Some((Rates { one, two, four, wide }, break_even))
+}
+
+/// See [`Scheduler::fit_wide`], by `rates`.
+fn wide_fits(
+    rates: Rates,
+    break_even: usize,
+    largest: u64,
+    total: u64,
+    workers: usize,
+    count: usize,
+) -> Option<(usize, f64)> {
+    if count < workers * break_even {
+        return None;
+    }
+    let Rates { one, two, four, wide } = rates;
+    let share = total as f64 / workers as f64 / 1e9;
+    let largest_gb = largest as f64 / 1e9;
+    let in_a_lane = largest_gb * WIDE_LANES as f64 / wide;
+    let alone_first = largest_gb / one + (share - largest_gb).max(0.0) / wide;
+    let end_wide = (share / wide).max(in_a_lane.min(alone_first));
+    let narrow = lanes_for_run(two, four, largest, total, workers);
+    let core = if narrow == 2 { two } else { four };
+    let end_narrow = (share / core).max(largest_gb * narrow as f64 / core);
+    (end_wide < end_narrow).then_some((break_even, wide / one))
 }
 
 /// See [`Scheduler::fit_to_largest`]: 2 or 4, from a core's GB/s with two
@@ -247,6 +267,41 @@ fn lanes_for_run(two: f64, four: f64, largest: u64, total: u64, workers: usize) 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_scheduler_calibrated_to_two_lanes_may_choose_the_wide_kernel() {
+        // As on an Intel Xeon whose calibration chose two SHA-NI lanes: the
+        // wide kernel must stay in the running wherever it outruns four
+        // narrow lanes on this CPU (it used to need four lanes calibrated).
+        let mut s = Scheduler::new(crate::sha256::Kernel::active(), 2, 2);
+        s.fit_lanes = true;
+        let Some((wide, four)) = s.kernel.wide_stream_rates().filter(|_| s.wide().is_some()) else {
+            return; // no wide kernel on this CPU, or lanes fixed by the environment
+        };
+        if wide <= four {
+            return;
+        }
+        let (rates, break_even) = s.model_rates().expect("calibrated two lanes kept the wide kernel out");
+        let sizes = vec![16u64 << 20; 64];
+        let fits = wide_fits(rates, break_even, sizes[0], sizes.iter().sum(), 2, sizes.len()).is_some();
+        assert_eq!(s.assignment(&sizes, false).wide.is_some(), fits);
+    }
+
+    #[test]
+    fn the_wide_kernel_fits_where_two_narrow_lanes_won_the_calibration() {
+        // Intel Xeon (family 6 model 167, 2 vCPUs), as its calibration measured:
+        // L2-hot 1 / 2 / 4 lanes 1.76 / 2.27 / 2.21 GB/s (two lanes chosen),
+        // streaming wide 3.44, four narrow 2.21.
+        let (rates, break_even) = model_rates_from(3.44, 2.21, 1.76, 2.27, 2.21).unwrap();
+        assert_eq!(break_even, 11);
+        let mib16 = 16u64 << 20;
+        assert!(wide_fits(rates, break_even, mib16, 64 * mib16, 2, 64).is_some());
+        // Too few messages to fill the lanes: narrow.
+        assert!(wide_fits(rates, break_even, mib16, 8 * mib16, 2, 8).is_none());
+        // A 70B layer (one 448 MiB tensor among 9): the largest ends the run
+        // on a sixteenth of a core; narrow.
+        assert!(wide_fits(rates, break_even, 448 << 20, 1_710_000_000, 2, 9).is_none());
+    }
 
     #[test]
     fn two_lanes_only_where_the_largest_message_would_end_the_run() {
