@@ -1,5 +1,6 @@
-//! Safetensors checkpoints: header validation and per-tensor digests of
-//! memory-mapped files, without torch.
+//! Safetensors checkpoints: header validation and per-tensor digests,
+//! without torch: files in the page cache are hashed through their mapping,
+//! the others read with large sequential reads ([`cold`]).
 //!
 //! Format: an 8-byte little-endian header length N, N bytes of JSON
 //! (`{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}`),
@@ -15,8 +16,13 @@ use safetensors::SafeTensors;
 use serde_json::Value;
 
 use crate::error::Error;
-use crate::scheduler::{ChunkSource, Scheduler};
+use crate::scheduler::{ChunkSource, RunShape, Scheduler};
 use crate::sha256::Digest;
+
+#[path = "checkpoint_cold.rs"]
+mod cold;
+
+pub use cold::{cursors_for, BUFFER_BYTES};
 
 /// Headers larger than this are refused (as the safetensors crate does).
 const MAX_HEADER_BYTES: u64 = 100_000_000;
@@ -237,6 +243,8 @@ pub struct CheckpointFile {
     pub path: PathBuf,
     pub tensors: Vec<TensorEntry>,
     map: Mmap,
+    /// The file the mapping was made from, for the read path ([`cold`]).
+    file: File,
 }
 
 impl CheckpointFile {
@@ -271,7 +279,93 @@ impl CheckpointFile {
             path: path.to_path_buf(),
             tensors,
             map,
+            file,
         })
+    }
+
+    /// Bytes of tensor data (the file after its header).
+    pub fn data_bytes(&self) -> u64 {
+        self.tensors.iter().map(TensorEntry::nbytes).sum()
+    }
+
+    /// The fraction of the data's pages found in the page cache (1.0 for a
+    /// file without data): `mincore` over the mapping where it answers, and
+    /// where it finds less than [`CACHED_FRACTION`] (it counts only pages
+    /// this process has mapped for a file we could not write, kernel 5.2+),
+    /// a few non-blocking reads (`RWF_NOWAIT`) spread over the data.
+    pub fn resident_fraction(&self) -> f64 {
+        let Some(first) = self.tensors.first() else { return 1.0 };
+        let (start, end) = (first.start as usize, self.map.len());
+        if start >= end {
+            return 1.0;
+        }
+        let mapped = self.mincore_fraction(start, end);
+        if mapped.is_some_and(|f| f >= CACHED_FRACTION) {
+            return mapped.unwrap_or(0.0);
+        }
+        let probed = self.probe_fraction(start as u64, end as u64);
+        probed.max(mapped.unwrap_or(0.0))
+    }
+
+    /// `mincore` over bytes `[start, end)` of the mapping: the fraction of
+    /// their pages resident (`None` where the call fails).
+    #[cfg(target_os = "linux")]
+    fn mincore_fraction(&self, start: usize, end: usize) -> Option<f64> {
+        const WINDOW_PAGES: usize = 1 << 16;
+        let page = page_size();
+        let mut vec = vec![0u8; WINDOW_PAGES];
+        let (mut at, mut resident, mut pages) = (start / page * page, 0usize, 0usize);
+        while at < end {
+            let len = (end - at).min(WINDOW_PAGES * page);
+            let n = len.div_ceil(page);
+            // SAFETY: `[at, at + len)` lies inside the live mapping (`at` is
+            // page-aligned, as the mapping's base is, and `at + len <= end
+            // == map.len()`); mincore writes one byte for each of its `n`
+            // pages into `vec`, which holds `WINDOW_PAGES >= n`. It reads
+            // no byte of the mapping and changes nothing.
+            let rc = unsafe { libc::mincore(self.map.as_ptr().add(at) as *mut libc::c_void, len, vec.as_mut_ptr()) };
+            if rc != 0 {
+                return None;
+            }
+            resident += vec[..n].iter().filter(|&&b| b & 1 != 0).count();
+            pages += n;
+            at += len;
+        }
+        Some(resident as f64 / pages.max(1) as f64)
+    }
+
+    #[cfg(not(target_os = "linux"))]
+    fn mincore_fraction(&self, _start: usize, _end: usize) -> Option<f64> {
+        None
+    }
+
+    /// The fraction of [`PROBES`] pages spread over bytes `[start, end)` that
+    /// a non-blocking read (`preadv2(RWF_NOWAIT)`: data only from the page
+    /// cache, `EAGAIN` otherwise) finds cached.
+    #[cfg(target_os = "linux")]
+    fn probe_fraction(&self, start: u64, end: u64) -> f64 {
+        use std::os::fd::AsRawFd;
+        let mut byte = 0u8;
+        let mut hits = 0;
+        for i in 0..PROBES {
+            let at = start + (end - start) * (2 * i + 1) / (2 * PROBES);
+            let iov = libc::iovec {
+                iov_base: (&mut byte as *mut u8).cast(),
+                iov_len: 1,
+            };
+            // SAFETY: `iov` describes one writable byte (`byte`, alive for the
+            // call); the descriptor is open (borrowed from `self.file`).
+            let n = unsafe { libc::preadv2(self.file.as_raw_fd(), &iov, 1, at as libc::off_t, libc::RWF_NOWAIT) };
+            if n == 1 {
+                hits += 1;
+            }
+        }
+        f64::from(hits) / PROBES as f64
+    }
+
+    #[cfg(not(target_os = "linux"))]
+    fn probe_fraction(&self, _start: u64, _end: u64) -> f64 {
+        1.0
     }
 
     /// Drops the whole pages inside bytes `[start, end)` of the mapping from
@@ -297,6 +391,13 @@ impl CheckpointFile {
         let _ = self.map.advise_range(Advice::WillNeed, lo, end - lo);
     }
 }
+
+/// A file with at least this fraction of its data in the page cache is
+/// hashed through its mapping ([`ReadMode::Auto`]); one with less is read.
+pub const CACHED_FRACTION: f64 = 0.75;
+
+/// Pages probed by a non-blocking read where `mincore` cannot tell.
+const PROBES: u64 = 16;
 
 fn page_size() -> usize {
     static PAGE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
@@ -419,19 +520,65 @@ impl Windows {
     }
 }
 
+/// How [`checksum_files_with`] reads each file.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ReadMode {
+    /// Per file: through the mapping where at least [`CACHED_FRACTION`] of
+    /// its data is in the page cache, else with large sequential reads.
+    #[default]
+    Auto,
+    /// Every file through its mapping.
+    Mapped,
+    /// Every file with large sequential reads ([`cold`]).
+    Read,
+}
+
+/// How [`checksum_files_with`] reads: the mode, and for the read path the
+/// buffer size and the spans read side by side (0: the defaults,
+/// [`BUFFER_BYTES`] and [`cursors_for`] the scheduler's threads).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ReadOptions {
+    pub mode: ReadMode,
+    pub buffer_bytes: usize,
+    pub cursors: usize,
+}
+
+/// What [`checksum_files_with`] returns: every tensor's digest, keyed by
+/// name in file order; the files it read (not mapped); and the shape of its
+/// widest hashing run, counting every tensor.
+pub struct Checksums {
+    pub digests: Vec<(String, Digest)>,
+    pub read_files: usize,
+    pub shape: Option<RunShape>,
+}
+
 /// The digest of every tensor of `files`, keyed by tensor name, in file
-/// order. A tensor name found in two files is an error naming both.
-///
-/// Every tensor is one message of the scheduler's streaming feeder, so
-/// `threads x lanes` tensors are hashed at once whatever their sizes, each
-/// read through the mapping in windows of at most [`CHUNK_BYTES`] with read-ahead, its
-/// pages dropped once hashed. `progress(done, total)` is called on this
-/// thread about every 100 ms; it returns false to cancel (e.g. on Ctrl-C).
+/// order ([`checksum_files_with`], [`ReadMode::Auto`]).
 pub fn checksum_files(
     files: &[CheckpointFile],
     scheduler: &Scheduler,
     progress: Option<&mut dyn FnMut(u64, u64) -> bool>,
 ) -> Result<Vec<(String, Digest)>, Error> {
+    checksum_files_with(files, scheduler, ReadOptions::default(), progress).map(|c| c.digests)
+}
+
+/// The digest of every tensor of `files`, keyed by tensor name, in file
+/// order. A tensor name found in two files is an error naming both.
+///
+/// Files in the page cache (see [`ReadMode`]) are hashed through their
+/// mapping: every tensor is one message of the scheduler's streaming
+/// feeder, so `threads x lanes` tensors are hashed at once whatever their
+/// sizes, each read in windows of at most [`CHUNK_BYTES`] with read-ahead,
+/// its pages dropped once hashed. The others first, with large sequential
+/// reads hashed as they arrive ([`cold`]). `progress(done, total)` is
+/// called on this thread about every 100 ms and once at the end; it returns
+/// false to cancel (e.g. on Ctrl-C).
+pub fn checksum_files_with(
+    files: &[CheckpointFile],
+    scheduler: &Scheduler,
+    options: ReadOptions,
+    mut progress: Option<&mut dyn FnMut(u64, u64) -> bool>,
+) -> Result<Checksums, Error> {
     let mut owner: HashMap<&str, &Path> = HashMap::new();
     for f in files {
         for t in &f.tensors {
@@ -440,14 +587,78 @@ pub fn checksum_files(
             }
         }
     }
-    let all: Vec<(&CheckpointFile, &TensorEntry)> = files
+    let read: Vec<bool> = files
         .iter()
-        .flat_map(|f| f.tensors.iter().map(move |t| (f, t)))
+        .map(|f| match options.mode {
+            ReadMode::Mapped => false,
+            ReadMode::Read => true,
+            ReadMode::Auto => f.resident_fraction() < CACHED_FRACTION,
+        })
         .collect();
-    let windows = Windows::for_streams(scheduler.streams());
-    let sources: Vec<MappedTensor<'_>> = all.iter().map(|&(f, t)| MappedTensor::new(f, t, windows)).collect();
-    let digests = scheduler.hash_sources(sources, progress)?;
-    Ok(all.iter().zip(digests).map(|((_, t), d)| (t.name.clone(), d)).collect())
+    let total: u64 = files.iter().map(CheckpointFile::data_bytes).sum();
+    let (cold, warm): (Vec<_>, Vec<_>) = files.iter().zip(&read).partition(|(_, &r)| r);
+    let cold: Vec<&CheckpointFile> = cold.into_iter().map(|(f, _)| f).collect();
+    let warm: Vec<&CheckpointFile> = warm.into_iter().map(|(f, _)| f).collect();
+
+    let mut cold_digests = Vec::new().into_iter();
+    let mut shapes = Vec::new();
+    let mut cold_bytes = 0;
+    if !cold.is_empty() {
+        cold_bytes = cold.iter().map(|f| f.data_bytes()).sum();
+        let shape = cold::Shape {
+            buffer_bytes: if options.buffer_bytes == 0 {
+                BUFFER_BYTES
+            } else {
+                options.buffer_bytes
+            },
+            cursors: if options.cursors == 0 {
+                cursors_for(scheduler.effective_threads())
+            } else {
+                options.cursors
+            },
+            span_bytes: cold::SPAN_BYTES,
+        };
+        let mut report = |done: u64| progress.as_deref_mut().is_none_or(|p| p(done, total));
+        let (digests, shape) = cold::checksum_read(&cold, scheduler, shape, &mut report)?;
+        cold_digests = digests.into_iter();
+        shapes.extend(shape);
+    }
+    let mut warm_digests = Vec::new().into_iter();
+    if !warm.is_empty() || cold.is_empty() {
+        let windows = Windows::for_streams(scheduler.streams());
+        let sources: Vec<MappedTensor<'_>> = warm
+            .iter()
+            .flat_map(|f| f.tensors.iter().map(move |t| MappedTensor::new(f, t, windows)))
+            .collect();
+        let digests = match progress.as_deref_mut() {
+            Some(p) => {
+                let mut offset = |done: u64, _: u64| p(cold_bytes + done, total);
+                scheduler.hash_sources(sources, Some(&mut offset))
+            }
+            None => scheduler.hash_sources(sources, None),
+        };
+        warm_digests = digests?.into_iter();
+        shapes.extend(crate::scheduler::last_run());
+    } else if let Some(p) = progress {
+        if !p(total, total) {
+            return Err(Error::Cancelled);
+        }
+    }
+    let mut digests = Vec::with_capacity(owner.len());
+    for (f, &r) in files.iter().zip(&read) {
+        let from = if r { &mut cold_digests } else { &mut warm_digests };
+        digests.extend(f.tensors.iter().map(|t| t.name.clone()).zip(from.by_ref()));
+    }
+    let messages = digests.len();
+    let shape = shapes
+        .into_iter()
+        .max_by_key(|s| s.messages)
+        .map(|s| RunShape { messages, ..s });
+    Ok(Checksums {
+        digests,
+        read_files: cold.len(),
+        shape,
+    })
 }
 
 #[cfg(test)]

@@ -84,3 +84,124 @@ fn each_defect_names_file_and_tensor() {
         .contains("past the end of the file"));
     assert!(parse(&[1, 2, 3]).unwrap_err().to_string().contains("truncated"));
 }
+
+/// A safetensors file of U8 tensors of `sizes` (bytes from a fixed pattern),
+/// written under the system's temp directory; the expected digests by sha2.
+fn write_u8_file(tag: &str, sizes: &[usize]) -> (PathBuf, Vec<(String, [u8; 32])>) {
+    use sha2::Digest as _;
+    let mut header = String::from("{");
+    let (mut data, mut at, mut want) = (Vec::new(), 0usize, Vec::new());
+    for (i, &n) in sizes.iter().enumerate() {
+        let bytes: Vec<u8> = (0..n).map(|k| ((k * 131 + i * 17) % 251) as u8).collect();
+        let name = format!("t{i:03}");
+        if i > 0 {
+            header.push(',');
+        }
+        header.push_str(&format!(
+            r#""{name}":{{"dtype":"U8","shape":[{n}],"data_offsets":[{at},{}]}}"#,
+            at + n
+        ));
+        want.push((name, sha2::Sha256::digest(&bytes).into()));
+        data.extend_from_slice(&bytes);
+        at += n;
+    }
+    header.push('}');
+    let mut v = (header.len() as u64).to_le_bytes().to_vec();
+    v.extend_from_slice(header.as_bytes());
+    v.extend_from_slice(&data);
+    let path = std::env::temp_dir().join(format!("wc-cold-{}-{tag}.safetensors", std::process::id()));
+    std::fs::write(&path, v).unwrap();
+    (path, want)
+}
+
+fn read_options(buffer_bytes: usize, cursors: usize) -> ReadOptions {
+    ReadOptions {
+        mode: ReadMode::Read,
+        buffer_bytes,
+        cursors,
+    }
+}
+
+#[test]
+fn the_read_path_equals_sha2_whatever_the_buffers_and_cursors() {
+    // Tensors far larger than a buffer, runs of small ones that share a
+    // buffer, empty ones, more spans than cursors.
+    let mut sizes = vec![300_000, 0, 17, 5, 70_001, 0];
+    sizes.extend(std::iter::repeat_n(1000, 40));
+    sizes.extend([1 << 20, 123_457]);
+    let (path, want) = write_u8_file("mix", &sizes);
+    let files = [CheckpointFile::open(&path).unwrap()];
+    let scheduler = Scheduler::default();
+    for (buffer_bytes, cursors) in [(4096, 1), (4099, 2), (65_536, 3), (1 << 20, 8), (0, 0)] {
+        let out = checksum_files_with(&files, &scheduler, read_options(buffer_bytes, cursors), None).unwrap();
+        assert_eq!(out.read_files, 1);
+        let got: Vec<(String, [u8; 32])> = out.digests.iter().map(|(n, d)| (n.clone(), d.bytes)).collect();
+        assert_eq!(got, want, "buffer {buffer_bytes}, cursors {cursors}");
+    }
+    let mapped = checksum_files_with(
+        &files,
+        &scheduler,
+        ReadOptions {
+            mode: ReadMode::Mapped,
+            ..ReadOptions::default()
+        },
+        None,
+    )
+    .unwrap();
+    assert_eq!(mapped.read_files, 0);
+    assert_eq!(mapped.digests.len(), want.len());
+    std::fs::remove_file(path).unwrap();
+}
+
+#[test]
+fn a_file_cut_short_after_it_was_opened_is_an_error_naming_the_tensor() {
+    // The header was valid at open; the data ends early when the read path
+    // gets to it: an error naming the file and the tensor, never a digest
+    // of part of a tensor (the mapping would fault here instead).
+    let (path, _) = write_u8_file("cut", &[100_000, 200_000, 50_000]);
+    let files = [CheckpointFile::open(&path).unwrap()];
+    let len = std::fs::metadata(&path).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .set_len(len - 60_000)
+        .unwrap();
+    let err = checksum_files_with(&files, &Scheduler::default(), read_options(4096, 2), None)
+        .err()
+        .expect("a truncated file hashed");
+    let text = err.to_string();
+    assert!(text.contains("t001") && text.contains("wc-cold-"), "{text}");
+    assert!(text.contains("truncated"), "{text}");
+    std::fs::remove_file(path).unwrap();
+}
+
+#[test]
+fn a_cancel_from_progress_stops_the_read_path() {
+    let (path, _) = write_u8_file("cancel", &[4 << 20, 4 << 20]);
+    let files = [CheckpointFile::open(&path).unwrap()];
+    let mut calls = 0;
+    let mut progress = |_: u64, _: u64| {
+        calls += 1;
+        false
+    };
+    let out = checksum_files_with(
+        &files,
+        &Scheduler::default(),
+        read_options(4096, 1),
+        Some(&mut progress),
+    );
+    assert!(matches!(out, Err(Error::Cancelled)), "{:?}", out.err());
+    assert!(calls >= 1);
+    std::fs::remove_file(path).unwrap();
+}
+
+#[test]
+fn spans_keep_large_tensors_alone_and_pack_small_ones_largest_first() {
+    let (path, _) = write_u8_file("spans", &[10, 20, 1000, 5, 5]);
+    let f = CheckpointFile::open(&path).unwrap();
+    let spans = cold::spans(&[&f], 100);
+    let shape: Vec<(usize, usize, u64)> = spans.iter().map(|s| (s.first, s.count, s.end - s.start)).collect();
+    assert_eq!(shape, vec![(2, 1, 1000), (0, 2, 30), (3, 2, 10)]);
+    std::fs::remove_file(path).unwrap();
+}

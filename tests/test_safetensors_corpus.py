@@ -5,7 +5,8 @@ accepted file digests equal to hashlib over the tensors safe_open loads.
 The corpus covers every dtype the safetensors crate knows, zero-size and 0-d
 tensors, metadata, and the defects: gaps, overlaps, sub-byte sizes that are
 not whole bytes, unknown dtypes, data not covering the file, truncation,
-reversed and out-of-range offsets, a header past the end, bad JSON.
+reversed and out-of-range offsets, a header past the end, bad JSON. Each file
+goes through both read paths (the mapping and the cold path's reads).
 """
 
 from __future__ import annotations
@@ -96,13 +97,16 @@ def safe_open_verdict(path: Path) -> dict[str, bytes] | None:
 CORPUS = corpus()
 
 
+@pytest.mark.parametrize("mode", ["map", "read"])
 @pytest.mark.parametrize("name", list(CORPUS))
-def test_same_verdict_as_safe_open_and_digests_equal_hashlib(tmp_path, name):
+def test_same_verdict_as_safe_open_and_digests_equal_hashlib(tmp_path, name, mode):
+    """On both read paths: through the mapping (files in the page cache) and
+    with large sequential reads (cold files)."""
     path = tmp_path / f"{name}.safetensors"
     path.write_bytes(CORPUS[name])
     expected = safe_open_verdict(path)
     try:
-        got = _core.checksum_safetensors([str(path)])
+        got = _core.checksum_safetensors([str(path)], mode=mode)
     except _core.SafetensorsError as e:
         assert expected is None, f"we refuse what safe_open accepts: {e}"
         assert path.name in str(e)

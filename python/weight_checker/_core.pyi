@@ -34,6 +34,7 @@ __all__ = [
     "kernel",
     "lanes",
     "last_run",
+    "safetensors_cached_fraction",
     "safetensors_tensors",
     "set_threads",
     "sha256_many",
@@ -176,17 +177,31 @@ def copy_into(dst: Any, *srcs: Any) -> None:
     with the GIL released."""
 
 def checksum_safetensors(
-    paths: Sequence[str], progress: Callable[[int, int], object] | None = None
+    paths: Sequence[str],
+    progress: Callable[[int, int], object] | None = None,
+    *,
+    mode: str = "auto",
+    buffer_bytes: int = 0,
 ) -> list[tuple[str, str, bool]]:
     """``[(name, hex, all_zero)]`` of every tensor of the files, in file order.
 
-    Every tensor is a stream of the scheduler (memory-mapped, read ahead,
-    pages dropped once hashed). ``progress(done, total)`` is called about
-    every 100 ms; an exception from it (or a signal) stops the run.
+    ``mode="auto"`` chooses per file: one with at least 3/4 of its data in
+    the page cache is hashed through its mapping (every tensor a stream of
+    the scheduler, read ahead, pages dropped once hashed); the others are
+    read with large sequential reads on a reader thread and hashed while the
+    next buffers are read. ``"map"`` and ``"read"`` force one path;
+    ``buffer_bytes`` sets the read path's buffer size (0: 8 MiB). The digests
+    and errors are the same on both paths. ``progress(done, total)`` is
+    called about every 100 ms; an exception from it (or a signal) stops the
+    run.
     """
 
 def safetensors_tensors(path: str) -> list[tuple[str, str, list[int], int]]:
     """``[(name, dtype, shape, nbytes)]`` of one file, after validating its header."""
+
+def safetensors_cached_fraction(path: str) -> float:
+    """The fraction of one file's tensor data in the page cache, as
+    :func:`checksum_safetensors` measures it to choose its path."""
 
 @final
 class MultiHasher:

@@ -1,33 +1,56 @@
-//! `_core.checksum_safetensors` and `_core.safetensors_tensors`: checkpoints
-//! hashed and listed by the pure-Rust `checkpoint` module.
+//! `_core.checksum_safetensors`, `_core.safetensors_tensors` and
+//! `_core.safetensors_cached_fraction`: checkpoints hashed (mapped or read),
+//! listed and probed by the pure-Rust `checkpoint` module.
 
 use std::path::PathBuf;
 
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use super::runs::recorded;
 use super::to_py_err;
-use crate::checkpoint::{self, CheckpointFile};
+use crate::checkpoint::{self, CheckpointFile, ReadMode, ReadOptions};
 use crate::error::Error;
-use crate::scheduler::{self as scheduler_mod, RunSummary, Scheduler};
+use crate::scheduler::{RunSummary, Scheduler};
 
 /// `(name, hex digest, all zero)` of one checkpoint tensor.
 type TensorDigest = (String, String, bool);
 
-/// Per-tensor digests of safetensors files (memory-mapped, every tensor a
-/// stream of the scheduler, pages dropped once hashed): `[(name, hex,
-/// all_zero)]` in file order. `progress(done_bytes, total_bytes)` is called
-/// about every 100 ms with the GIL held; an exception from it (or a signal
-/// such as Ctrl-C) stops the run. Each file must not be modified or
-/// truncated while it is read (see `CheckpointFile::open`).
+/// Per-tensor digests of safetensors files: `[(name, hex, all_zero)]` in
+/// file order. Files in the page cache are hashed through their mapping
+/// (every tensor a stream of the scheduler, pages dropped once hashed), the
+/// others read with large sequential reads, hashed as they arrive; `mode`
+/// forces one (`"map"`, `"read"`; `"auto"` chooses per file) and
+/// `buffer_bytes` sets the read path's buffer size (0: the default).
+/// `progress(done_bytes, total_bytes)` is called about every 100 ms with
+/// the GIL held; an exception from it (or a signal such as Ctrl-C) stops the
+/// run. Each file must not be modified or truncated while it is read (see
+/// `CheckpointFile::open`).
 #[pyfunction]
-#[pyo3(signature = (paths, progress=None))]
+#[pyo3(signature = (paths, progress=None, *, mode="auto", buffer_bytes=0))]
 pub(super) fn checksum_safetensors(
     py: Python<'_>,
     paths: Vec<PathBuf>,
     progress: Option<Py<PyAny>>,
+    mode: &str,
+    buffer_bytes: usize,
 ) -> PyResult<Vec<TensorDigest>> {
-    recorded(|| hash_files(py, paths, progress))
+    let mode = match mode {
+        "auto" => ReadMode::Auto,
+        "map" => ReadMode::Mapped,
+        "read" => ReadMode::Read,
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "mode={other:?}: expected \"auto\", \"map\" or \"read\""
+            )))
+        }
+    };
+    let options = ReadOptions {
+        mode,
+        buffer_bytes,
+        cursors: 0,
+    };
+    recorded(|| hash_files(py, paths, progress, options))
 }
 
 /// `checksum_safetensors`' work, and how the run went.
@@ -35,6 +58,7 @@ fn hash_files(
     py: Python<'_>,
     paths: Vec<PathBuf>,
     progress: Option<Py<PyAny>>,
+    options: ReadOptions,
 ) -> PyResult<(Vec<TensorDigest>, Option<RunSummary>)> {
     let scheduler = Scheduler::default();
     let mut callback_error: Option<PyErr> = None;
@@ -58,20 +82,21 @@ fn hash_files(
                 }
             })
         };
-        let digests = checkpoint::checksum_files(&files, &scheduler, Some(&mut report))?;
-        // The run was started on this thread (the closure runs on it).
-        Ok((digests, scheduler_mod::last_run()))
+        checkpoint::checksum_files_with(&files, &scheduler, options, Some(&mut report))
     });
     if let Some(e) = callback_error {
         return Err(e);
     }
-    let (out, streamed) = result.map_err(to_py_err)?;
+    let out = result.map_err(to_py_err)?;
     let ran = RunSummary {
-        streamed,
+        streamed: out.shape,
         ..RunSummary::default()
     };
     Ok((
-        out.into_iter().map(|(name, d)| (name, d.hex(), d.all_zero)).collect(),
+        out.digests
+            .into_iter()
+            .map(|(name, d)| (name, d.hex(), d.all_zero))
+            .collect(),
         Some(ran),
     ))
 }
@@ -88,4 +113,13 @@ pub(super) fn safetensors_tensors(path: PathBuf) -> PyResult<Vec<TensorInfo>> {
         .iter()
         .map(|t| (t.name.clone(), t.dtype.clone(), t.shape.clone(), t.nbytes()))
         .collect())
+}
+
+/// The fraction of one file's tensor data found in the page cache (as
+/// `checksum_safetensors(mode="auto")` measures it to choose between the
+/// mapping and the read path), after validating its header.
+#[pyfunction]
+pub(super) fn safetensors_cached_fraction(path: PathBuf) -> PyResult<f64> {
+    let f = CheckpointFile::open(&path).map_err(to_py_err)?;
+    Ok(f.resident_fraction())
 }

@@ -226,7 +226,7 @@ fn tensor_impl_offset(py: Python<'_>) -> Option<usize> {
 #[pymodule]
 #[pyo3(name = "_core")]
 fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    use checkpoints::{checksum_safetensors, safetensors_tensors};
+    use checkpoints::{checksum_safetensors, safetensors_cached_fraction, safetensors_tensors};
     use copy::copy_into;
     use diagnostics::{
         calibrate, calibrate_small, calibrate_wide, describe_assignment, hash_floor, kernel, lanes, set_threads,
@@ -253,6 +253,7 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(set_threads, m)?)?;
     m.add_function(wrap_pyfunction!(checksum_safetensors, m)?)?;
     m.add_function(wrap_pyfunction!(safetensors_tensors, m)?)?;
+    m.add_function(wrap_pyfunction!(safetensors_cached_fraction, m)?)?;
     m.add_function(wrap_pyfunction!(check_settings, m)?)?;
     m.add_function(wrap_pyfunction!(last_run, m)?)?;
     m.add_function(wrap_pyfunction!(wide_kernel_available, m)?)?;

@@ -85,6 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-prefix", action="store_true", help="bare tensor names as keys")
     c.add_argument("-o", "--output", metavar="FILE", help="write here instead of stdout")
     c.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    c.add_argument(
+        "--io", choices=("auto", "map", "read"), default="auto", help="how files are read: auto (default) maps "
+        "files in the page cache and reads the others with large sequential reads; map or read forces one"
+    )  # fmt: skip
     c.set_defaults(func=cmd_checksum)
 
     e = sub.add_parser(

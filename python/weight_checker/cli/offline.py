@@ -23,7 +23,7 @@ def cmd_checksum(args: argparse.Namespace) -> int:
     prefix = "" if args.no_prefix else (args.prefix if args.prefix is not None else DEFAULT_PREFIX)
     progress = Progress("checksum", enabled=False if args.no_progress else None)
     try:
-        digests = checksum_checkpoint(args.paths, prefix=prefix, progress=progress)
+        digests = checksum_checkpoint(args.paths, prefix=prefix, progress=progress, io=args.io)
     except CheckpointError as e:
         raise UsageError(str(e)) from e
     finally:

@@ -1,8 +1,11 @@
 """Per-tensor digests of safetensors checkpoints, without torch.
 
 A checkpoint is given as ``.safetensors`` files, a directory of them, or a
-``model.safetensors.index.json``. The Rust core validates each header, maps
-each file and hashes every tensor's byte range in parallel; a tensor's digest
+``model.safetensors.index.json``. The Rust core validates each header and
+hashes every tensor's byte range in parallel: through the file's mapping where
+the file is in the page cache, else with large sequential reads hashed as they
+arrive (cold pages of a mapping fault in small pieces: a cold checkpoint read
+through its mapping runs at half the disk's speed or less); a tensor's digest
 equals ``weight_checker.checksum`` of the same tensor loaded by torch. An
 engine fuses and shards tensors, so its keys are not a checkpoint's: the
 digests an engine must hold come from :mod:`weight_checker.expected`.
@@ -16,11 +19,18 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Literal
 
 from weight_checker import _core
 from weight_checker.errors import CheckpointError
 
 INDEX_SUFFIX = ".safetensors.index.json"
+
+#: How :func:`checksum_checkpoint` reads each file: ``"auto"`` (the mapping
+#: where at least 3/4 of the file's data is in the page cache, else large
+#: sequential reads), ``"map"`` or ``"read"`` (forced).
+ReadMode = Literal["auto", "map", "read"]
+READ_MODES: tuple[str, ...] = ("auto", "map", "read")
 
 
 def _index_shards(index: Path) -> tuple[list[Path], dict[str, Path]]:
@@ -82,11 +92,19 @@ def checksum_checkpoint(
     paths: Iterable[str | Path],
     prefix: str = "",
     progress: Callable[[int, int], None] | None = None,
+    *,
+    io: ReadMode = "auto",
 ) -> dict[str, str]:
-    """``{prefix + tensor name: sha256 hex}`` of every tensor of the checkpoint."""
+    """``{prefix + tensor name: sha256 hex}`` of every tensor of the checkpoint.
+
+    ``progress(done_bytes, total_bytes)`` is called about every 100 ms. ``io``
+    chooses how files are read (:data:`ReadMode`); the digests are the same.
+    """
+    if io not in READ_MODES:
+        raise ValueError(f"io={io!r}: expected one of {', '.join(map(repr, READ_MODES))}")
     files, expected = resolve(paths)
     try:
-        digests = _core.checksum_safetensors([str(f) for f in files], progress)
+        digests = _core.checksum_safetensors([str(f) for f in files], progress, mode=io)
     except (_core.SafetensorsError, OSError) as e:
         raise CheckpointError(str(e)) from e
     if expected:
