@@ -22,7 +22,7 @@ use crate::sha256::Digest;
 #[path = "checkpoint_cold.rs"]
 mod cold;
 
-pub use cold::{cursors_for, BUFFER_BYTES};
+pub use cold::{cursors_for, BUFFER_BYTES, MAX_BUFFER_BYTES};
 
 /// Headers larger than this are refused (as the safetensors crate does).
 const MAX_HEADER_BYTES: u64 = 100_000_000;
@@ -243,8 +243,11 @@ pub struct CheckpointFile {
     pub path: PathBuf,
     pub tensors: Vec<TensorEntry>,
     map: Mmap,
-    /// The file the mapping was made from, for the read path ([`cold`]).
-    file: File,
+    /// `(st_dev, st_ino)` of the file the mapping was made from: the read
+    /// path ([`cold`]) opens it again by path and checks it is the same
+    /// file. No descriptor is kept open (a checkpoint of more shards than
+    /// the open-file limit maps as it always did).
+    identity: (u64, u64),
 }
 
 impl CheckpointFile {
@@ -260,7 +263,8 @@ impl CheckpointFile {
             source,
         };
         let file = File::open(path).map_err(io)?;
-        let len = file.metadata().map_err(io)?.len();
+        let meta = file.metadata().map_err(io)?;
+        let len = meta.len();
         if len == 0 {
             return Err(bad(path, None, "empty file"));
         }
@@ -279,8 +283,26 @@ impl CheckpointFile {
             path: path.to_path_buf(),
             tensors,
             map,
-            file,
+            identity: identity(&meta),
         })
+    }
+
+    /// The file opened again by path, for reading: an error if the path
+    /// now names another file than the one opened (replaced since).
+    pub(crate) fn reopen(&self) -> Result<File, Error> {
+        let io = |source| Error::Io {
+            path: self.path.clone(),
+            source,
+        };
+        let file = File::open(&self.path).map_err(io)?;
+        if identity(&file.metadata().map_err(io)?) != self.identity {
+            return Err(bad(
+                &self.path,
+                None,
+                "replaced by another file while it was read (it must not change until the checksum ends)",
+            ));
+        }
+        Ok(file)
     }
 
     /// Bytes of tensor data (the file after its header).
@@ -289,22 +311,80 @@ impl CheckpointFile {
     }
 
     /// The fraction of the data's pages found in the page cache (1.0 for a
-    /// file without data): `mincore` over the mapping where it answers, and
-    /// where it finds less than [`CACHED_FRACTION`] (it counts only pages
-    /// this process has mapped for a file we could not write, kernel 5.2+),
-    /// a few non-blocking reads (`RWF_NOWAIT`) spread over the data.
+    /// file without data), asked without reading a byte: `cachestat(2)`
+    /// (Linux 6.5+), else `mincore` over the mapping (which, on Linux 5.2 to
+    /// 6.4, counts only pages this process has mapped for a file it could
+    /// not write: such a file, even cached, then takes the read path, slower
+    /// but the same digests), else a few non-blocking reads
+    /// (`RWF_NOWAIT`). The probes are the last resort because a probe that
+    /// misses still starts read-ahead of its page: probed again, a cold file
+    /// would look cached.
     pub fn resident_fraction(&self) -> f64 {
         let Some(first) = self.tensors.first() else { return 1.0 };
         let (start, end) = (first.start as usize, self.map.len());
         if start >= end {
             return 1.0;
         }
-        let mapped = self.mincore_fraction(start, end);
-        if mapped.is_some_and(|f| f >= CACHED_FRACTION) {
-            return mapped.unwrap_or(0.0);
+        if let Some(f) = self.cachestat_fraction(start as u64, end as u64) {
+            return f;
         }
-        let probed = self.probe_fraction(start as u64, end as u64);
-        probed.max(mapped.unwrap_or(0.0))
+        if let Some(f) = self.mincore_fraction(start, end) {
+            return f;
+        }
+        self.probe_fraction(start as u64, end as u64)
+    }
+
+    /// `cachestat(2)` over bytes `[start, end)` of the file: the fraction of
+    /// their pages cached (`None` where the kernel has no such call).
+    #[cfg(target_os = "linux")]
+    fn cachestat_fraction(&self, start: u64, end: u64) -> Option<f64> {
+        use std::os::fd::AsRawFd;
+        /// `struct cachestat_range` and `struct cachestat` of
+        /// `<linux/mman.h>`; the syscall's number is the same on every
+        /// architecture (451, from the unified table).
+        #[repr(C)]
+        struct Range {
+            off: u64,
+            len: u64,
+        }
+        #[repr(C)]
+        #[derive(Default)]
+        struct Stat {
+            nr_cache: u64,
+            nr_dirty: u64,
+            nr_writeback: u64,
+            nr_evicted: u64,
+            nr_recently_evicted: u64,
+        }
+        const SYS_CACHESTAT: libc::c_long = 451;
+        let file = self.reopen().ok()?;
+        let page = page_size() as u64;
+        let off = start / page * page;
+        let range = Range { off, len: end - off };
+        let mut stat = Stat::default();
+        // SAFETY: `range` and `stat` are live, properly laid out (`repr(C)`,
+        // as the kernel's structs) for the call; the kernel reads `range`
+        // and writes `stat` only; the descriptor is open (borrowed from
+        // `file`); flags must be 0. An unknown syscall fails with ENOSYS.
+        let rc = unsafe {
+            libc::syscall(
+                SYS_CACHESTAT,
+                file.as_raw_fd(),
+                &range as *const Range,
+                &mut stat as *mut Stat,
+                0u32,
+            )
+        };
+        if rc != 0 {
+            return None;
+        }
+        let pages = (end - off).div_ceil(page).max(1);
+        Some((stat.nr_cache as f64 / pages as f64).min(1.0))
+    }
+
+    #[cfg(not(target_os = "linux"))]
+    fn cachestat_fraction(&self, _start: u64, _end: u64) -> Option<f64> {
+        None
     }
 
     /// `mincore` over bytes `[start, end)` of the mapping: the fraction of
@@ -345,6 +425,7 @@ impl CheckpointFile {
     #[cfg(target_os = "linux")]
     fn probe_fraction(&self, start: u64, end: u64) -> f64 {
         use std::os::fd::AsRawFd;
+        let Ok(file) = self.reopen() else { return 1.0 };
         let mut byte = 0u8;
         let mut hits = 0;
         for i in 0..PROBES {
@@ -354,8 +435,8 @@ impl CheckpointFile {
                 iov_len: 1,
             };
             // SAFETY: `iov` describes one writable byte (`byte`, alive for the
-            // call); the descriptor is open (borrowed from `self.file`).
-            let n = unsafe { libc::preadv2(self.file.as_raw_fd(), &iov, 1, at as libc::off_t, libc::RWF_NOWAIT) };
+            // call); the descriptor is open (borrowed from `file`).
+            let n = unsafe { libc::preadv2(file.as_raw_fd(), &iov, 1, at as libc::off_t, libc::RWF_NOWAIT) };
             if n == 1 {
                 hits += 1;
             }
@@ -396,8 +477,15 @@ impl CheckpointFile {
 /// hashed through its mapping ([`ReadMode::Auto`]); one with less is read.
 pub const CACHED_FRACTION: f64 = 0.75;
 
-/// Pages probed by a non-blocking read where `mincore` cannot tell.
+/// Pages probed by a non-blocking read where neither `cachestat` nor
+/// `mincore` can tell.
 const PROBES: u64 = 16;
+
+/// `(st_dev, st_ino)`: which file a path named when it was opened.
+fn identity(meta: &std::fs::Metadata) -> (u64, u64) {
+    use std::os::unix::fs::MetadataExt;
+    (meta.dev(), meta.ino())
+}
 
 fn page_size() -> usize {
     static PAGE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();

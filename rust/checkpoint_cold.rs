@@ -34,6 +34,9 @@ use crate::sha256::Digest;
 /// of 4-32 MiB at 1.3-1.6.
 pub const BUFFER_BYTES: usize = 8 << 20;
 
+/// The largest buffer a caller may ask for.
+pub const MAX_BUFFER_BYTES: usize = 1 << 30;
+
 /// Spans (what one cursor reads front to back) pack consecutive tensors up
 /// to this many bytes; a larger tensor is a span alone.
 pub(super) const SPAN_BYTES: u64 = 64 << 20;
@@ -139,15 +142,11 @@ pub(super) struct Shape {
 }
 
 /// A file opened again for one cursor: its own open file description, so
-/// that the kernel's read-ahead follows each cursor's sequential stream
-/// (a `dup` shares one read-ahead state between all cursors).
-fn reopen(f: &CheckpointFile) -> std::io::Result<File> {
-    use std::os::fd::AsRawFd;
-    let again = File::open(format!("/proc/self/fd/{}", f.file.as_raw_fd()));
-    let file = match again {
-        Ok(file) => file,
-        Err(_) => f.file.try_clone()?,
-    };
+/// that the kernel's read-ahead follows each cursor's sequential stream (a
+/// `dup` shares one read-ahead state between all cursors); an error if the
+/// path now names another file.
+fn reopen(f: &CheckpointFile) -> Result<File, Error> {
+    let file = f.reopen()?;
     advise_sequential(&file);
     Ok(file)
 }
@@ -219,10 +218,7 @@ fn read_spans(
     }
     let open = |span: usize| -> Result<Cursor, Error> {
         let f = files[spans[span].file];
-        let file = reopen(f).map_err(|source| Error::Io {
-            path: f.path.clone(),
-            source,
-        })?;
+        let file = reopen(f)?;
         Ok(Cursor {
             span,
             at: spans[span].start,
@@ -308,13 +304,19 @@ pub(super) fn checksum_read(
 ) -> Result<(Vec<Digest>, Option<RunShape>), Error> {
     let tensors: Vec<TensorEntry> = files.iter().flat_map(|f| f.tensors.iter().cloned()).collect();
     let spans = spans(files, shape.span_bytes);
-    let buffer_bytes = shape.buffer_bytes.max(1);
+    let largest = spans.first().map_or(0, |s| s.end - s.start);
+    // Never larger than the largest span needs (nor than MAX_BUFFER_BYTES):
+    // each buffer is allocated whole.
+    let buffer_bytes = shape.buffer_bytes.clamp(1, MAX_BUFFER_BYTES).min(
+        (largest.min(MAX_BUFFER_BYTES as u64) as usize)
+            .next_multiple_of(ALIGN)
+            .max(ALIGN),
+    );
     let shape = Shape {
         buffer_bytes,
         cursors: shape.cursors.max(1),
         ..shape
     };
-    let largest = spans.first().map_or(0, |s| s.end - s.start);
     // Two buffers a cursor (one hashed while the next is read), never more
     // than the data needs.
     let per_cursor = (largest.div_ceil(buffer_bytes as u64) as usize).clamp(1, 2);

@@ -205,3 +205,57 @@ fn spans_keep_large_tensors_alone_and_pack_small_ones_largest_first() {
     assert_eq!(shape, vec![(2, 1, 1000), (0, 2, 30), (3, 2, 10)]);
     std::fs::remove_file(path).unwrap();
 }
+
+#[test]
+fn a_buffer_larger_than_the_data_or_than_memory_is_cut_to_what_the_largest_span_needs() {
+    // A buffer of usize::MAX - 4096 bytes used to overflow its alignment
+    // slack and panic; one of 64 GiB to abort on allocation.
+    let (path, want) = write_u8_file("huge-buffer", &[100, 5000, 7]);
+    let files = [CheckpointFile::open(&path).unwrap()];
+    for buffer_bytes in [usize::MAX - 4096, 1 << 36, MAX_BUFFER_BYTES] {
+        let out = checksum_files_with(&files, &Scheduler::default(), read_options(buffer_bytes, 2), None).unwrap();
+        let got: Vec<(String, [u8; 32])> = out.digests.iter().map(|(n, d)| (n.clone(), d.bytes)).collect();
+        assert_eq!(got, want, "buffer {buffer_bytes}");
+    }
+    std::fs::remove_file(path).unwrap();
+}
+
+#[test]
+fn a_file_replaced_after_it_was_opened_is_an_error_not_another_files_digests() {
+    let (path, _) = write_u8_file("replaced", &[10_000, 20_000]);
+    let files = [CheckpointFile::open(&path).unwrap()];
+    let (other, _) = write_u8_file("replacement", &[10_000, 20_000]);
+    std::fs::rename(&other, &path).unwrap();
+    let err = checksum_files_with(&files, &Scheduler::default(), read_options(4096, 2), None)
+        .err()
+        .expect("a replaced file hashed");
+    assert!(err.to_string().contains("replaced"), "{err}");
+    std::fs::remove_file(path).unwrap();
+}
+
+#[test]
+fn asking_what_is_cached_reads_nothing() {
+    // The fraction is asked without reading (cachestat or mincore): a cold
+    // file asked twice is still cold. Evicting needs POSIX_FADV_DONTNEED to
+    // work here; where it leaves the file cached, nothing is checked.
+    let (path, _) = write_u8_file("cached", &[8 << 20; 4]);
+    let f = CheckpointFile::open(&path).unwrap();
+    assert!(f.resident_fraction() >= CACHED_FRACTION);
+    let file = std::fs::File::open(&path).unwrap();
+    file.sync_all().unwrap();
+    {
+        use std::os::fd::AsRawFd;
+        // SAFETY: integer arguments only; the descriptor is open.
+        unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+    }
+    // (Opening read the header through the mapping, and the page fault's
+    // read-ahead some MiB after it: the file is 32 MiB so that it stays
+    // mostly cold.)
+    let first = f.resident_fraction();
+    eprintln!("cached after eviction: {first:.2}");
+    if first < 0.5 {
+        assert!(f.resident_fraction() < 0.5, "asking made the file look cached");
+        assert!(f.resident_fraction() < 0.5, "asking made the file look cached");
+    }
+    std::fs::remove_file(path).unwrap();
+}

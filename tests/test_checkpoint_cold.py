@@ -100,6 +100,8 @@ def test_a_cold_file_is_read_and_a_cached_one_mapped(tmp_path):
     cold = _core.safetensors_cached_fraction(str(f))
     if cold >= 0.75:
         pytest.skip(f"this filesystem keeps the file cached after POSIX_FADV_DONTNEED ({cold:.0%})")
+    # Asking reads nothing: still cold when asked again.
+    assert _core.safetensors_cached_fraction(str(f)) < 0.75
     # The default (auto) takes the read path here and gives hashlib's digests.
     assert checksum_checkpoint([f]) == want
     assert digests([f], mode="auto") == want
@@ -152,11 +154,34 @@ def test_progress_counts_the_bytes_read_and_an_exception_cancels(tmp_path):
         _core.checksum_safetensors([str(f) for f in files], stop, mode="read")
 
 
+FD_LIMIT = r"""
+import resource, sys
+from weight_checker import _core
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+files = sys.argv[1:]
+print(len(_core.checksum_safetensors(files, mode="map")), len(_core.checksum_safetensors(files, mode="read")))
+"""
+
+
+def test_more_shards_than_open_files_allowed(tmp_path):
+    """A mapping needs no open descriptor: 100 shards under a limit of 64."""
+    import subprocess
+    import sys
+
+    write(tmp_path, [[5, 0, 300]] * 100, seed=17)
+    files = sorted(str(p) for p in tmp_path.glob("*.safetensors"))
+    out = subprocess.run([sys.executable, "-c", FD_LIMIT, *files], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["300", "300"]
+
+
 def test_unknown_mode_is_refused_before_any_read(tmp_path):
     with pytest.raises(ValueError, match="io='mmap'"):
         checksum_checkpoint([tmp_path / "missing.safetensors"], io="mmap")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="expected"):
         _core.checksum_safetensors([], mode="fast")
+    with pytest.raises(ValueError, match="buffer_bytes"):
+        _core.checksum_safetensors([], mode="read", buffer_bytes=1 << 36)
 
 
 def test_the_cli_reads_with_io_read_and_refuses_an_unknown_mode(tmp_path):

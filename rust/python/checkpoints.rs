@@ -45,6 +45,13 @@ pub(super) fn checksum_safetensors(
             )))
         }
     };
+    if buffer_bytes > checkpoint::MAX_BUFFER_BYTES {
+        return Err(PyValueError::new_err(format!(
+            "buffer_bytes={buffer_bytes}: at most {} (0: the default, {})",
+            checkpoint::MAX_BUFFER_BYTES,
+            checkpoint::BUFFER_BYTES
+        )));
+    }
     let options = ReadOptions {
         mode,
         buffer_bytes,
