@@ -30,7 +30,11 @@ from .cli import run_cli
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed")]
 
 #: layout -> (the shared server, its workers).
+#: The shared server of each layout (its config name, the lifecycle's
+#: parameter: conftest.py orders the tests by it and stops each server after
+#: its last test) and its workers.
 LAYOUTS = {"tp1": ("qwen2-tp1", 1), "tp2": ("qwen2-tp2", 2), "dp2": ("qwen2-dp2", 2)}
+CONFIG_LAYOUT = {config: layout for layout, (config, _) in LAYOUTS.items()}
 SKIPPED = "model.layers.0.mlp.down_proj.weight"
 
 
@@ -81,11 +85,12 @@ class Lifecycle:
         checks.reload_checkpoint(self.server)
 
 
-@pytest.fixture(params=list(LAYOUTS))
+@pytest.fixture(params=list(CONFIG_LAYOUT), ids=list(LAYOUTS))
 def lifecycle(request, vllm_servers):
-    name, workers = LAYOUTS[request.param]
+    layout = CONFIG_LAYOUT[request.param]
+    name, workers = LAYOUTS[layout]
     life = Lifecycle(vllm_servers.lease(name, request.node), workers)
-    life.layout = request.param
+    life.layout = layout
     yield life
     life.close()
 
@@ -264,8 +269,40 @@ def test_the_wrapper_raises_by_default_and_names_the_version(vllm_qwen2_tp1, tmp
         with pytest.raises(weight_checker.WeightMismatchError, match="stale") as err:
             trainer.send_weights(sent.items(), weight_version="v7", fault="zero-bytes")
         assert "claims weight version 'v7'" in str(err.value)
+        # vLLM's trainer engines finish with no version: weight_version= names
+        # it; the engine is finished with it and the expected digests get it.
+        asked: list = []
+
+        def expected_of(version):
+            asked.append(version)
+            return expected
+
+        client = verified(HTTPVLLMWeightSyncClient(life.server.url), expected_of, weight_version=lambda: "v7b")
+        life.trainer(client).send_weights(sent.items(), weight_version=None)
+        [check] = client.results
+        assert check.match and check.weight_version == "v7b" and asked == ["v7b"], check.mismatches
+        assert life.server.get("/weight_info")[1] == {"weight_version": "v7b"}
     finally:
         life.close()
+
+
+def test_the_wrapper_hashes_at_the_finish_every_scope_a_static_expected_holds():
+    """A manifest or mapping known up front: the finish hashes each scope it
+    holds keys of (a draft's, adapters', buffers'), as verify() does;
+    nothing is sent here (no server)."""
+    from types import SimpleNamespace
+
+    from weight_checker.integrations.weight_transfer import verified
+    from weight_checker.scope import parse_include
+
+    hexd = "0" * 64
+    client = SimpleNamespace(base_url="http://127.0.0.1:9")
+    target_only = verified(client, {"dp0:pp0:pcp0:tp0:w": hexd})
+    assert target_only.include is None and target_only.engines[0].include is None
+    with_draft = verified(client, {"dp0:pp0:pcp0:tp0:w": hexd, "dp0:pp0:pcp0:tp0:draft:w": hexd})
+    assert with_draft.engines[0].include == parse_include(["target", "draft"])
+    asked = verified(client, {"dp0:pp0:pcp0:tp0:draft:w": hexd}, include=["target"])
+    assert asked.engines[0].include == parse_include(["target"])
 
 
 def test_a_server_without_the_route_falls_back_to_a_checksum_and_says_so(vllm_qwen2_tp2_b, tmp_path):
@@ -280,7 +317,7 @@ def test_a_server_without_the_route_falls_back_to_a_checksum_and_says_so(vllm_qw
         [check] = client.results
         assert check.match, check.mismatches
         assert check.digests_from == {life.server.url: "checksum"}
-        assert any("does not return digests at finish" in w for w in check.warnings), check.warnings
+        assert any("returned no digests" in w for w in check.warnings), check.warnings
     finally:
         life.close()
 

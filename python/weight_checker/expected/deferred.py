@@ -334,7 +334,12 @@ class PendingDigests:
     """Digests of parameters whose bytes are the weights' own, hashed
     together once every rank is loaded: one scheduler run for all ranks'
     parameters, as one for the whole checkpoint would be. A weight written
-    in place since it was recorded is an error, never a wrong digest."""
+    in place through torch since it was recorded (its version counter moves:
+    any in-place op on it or a view of it) is an error, never a wrong digest.
+    Writes torch cannot see are the caller's to avoid, as for every digest
+    of memory in use: through ``.data``, a raw pointer (a C++ optimizer
+    step), a numpy view made before the call, or the checkpoint file under
+    its mapping (docs/python-api.md, the caller's precondition)."""
 
     def __init__(self) -> None:
         self._keys: list[str] = []

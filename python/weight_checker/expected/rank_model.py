@@ -371,14 +371,16 @@ def _tie_as_the_engine_started(model: Any, model_config: Any) -> None:
 def _load(
     model: Any, model_config: Any, weights: Pass, tracker: LoadTracker | None, deferred: DeferredWrites
 ) -> set[str] | None:
-    from vllm.model_executor.model_loader.weight_tying import maybe_retie_word_embeddings
-
     # Only a stable pass's tensors may be read after the loader moves on.
+    # No re-tie after the load: vLLM ties the word embeddings again only once,
+    # at the engine's start, from its own checkpoint (as the model was built
+    # here: _tie_as_the_engine_started); an update never re-ties them, so
+    # neither may these weights (equal embeddings and lm_head from a trainer
+    # would otherwise tie this cached model and drop lm_head's key).
     tracked = Tracked(weights.pairs, deferred.note_source if weights.stable else None)
     try:
         with tracker if tracker is not None else contextlib.nullcontext(), deferred:
             loaded = model.load_weights(iter(tracked))
-            maybe_retie_word_embeddings(model, model_config)  # reads the embeddings: under the mode
     except ExpectedDigestsError:
         raise
     except Exception as e:

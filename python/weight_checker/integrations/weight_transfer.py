@@ -112,6 +112,8 @@ class _Engine:
     name: str
     #: Whether the finish answers with the digests of what it committed.
     digests_at_finish = False
+    #: Why the last finish gave no digests where it was asked for them.
+    finish_note: str | None = None
 
     def __init__(self, client: Any, include: tuple[str, ...] | None):
         self.client = client
@@ -132,7 +134,8 @@ class _Engine:
         self.client.finish_weight_update(weight_version)
         return None
 
-    def checksum(self) -> dict[str, str]:
+    def checksum(self, include: tuple[str, ...] | None = None) -> dict[str, str]:
+        """One checksum of ``include`` (default: the wrapper's scope)."""
         raise NotImplementedError
 
     def weight_version(self) -> str | None:
@@ -163,14 +166,20 @@ class _HttpEngine(_Engine):
         answer = post_json(self.url, "/finish_weight_update", body, timeout=self.timeout, api_key=self.api_key)
         sums = answer.get("checksums") if isinstance(answer, dict) else None
         if isinstance(sums, dict) and all(isinstance(v, str) for v in sums.values()):
+            self.finish_note = None
             return sums
-        self.digests_at_finish = False  # vLLM's own route: it took no checksum flag
+        failed = answer.get("checksum_error") if isinstance(answer, dict) else None
+        if failed:
+            self.finish_note = f"the update committed but its digests at finish failed ({str(failed)[:300]})"
+        else:  # vLLM's own route, or this package's without a session in this process
+            self.finish_note = "the finish returned no digests (this package's endpoint plugin not loaded there?)"
         return None
 
-    def checksum(self) -> dict[str, str]:
+    def checksum(self, include: tuple[str, ...] | None = None) -> dict[str, str]:
+        include = include or self.include
         body: dict[str, Any] = {"action": "checksum"}
-        if self.include is not None:
-            body["include"] = list(self.include)
+        if include is not None:
+            body["include"] = list(include)
         answer = post_json(self.url, "/weight_checker", body, timeout=self.timeout, api_key=self.api_key)
         return dict(answer["checksums"])
 
@@ -198,10 +207,13 @@ class _LLMEngine(_Engine):
     def finish(self, weight_version: str | None) -> dict[str, str] | None:
         return finish_weight_update(self.client, weight_version, self.include)
 
-    def checksum(self) -> dict[str, str]:
+    def checksum(self, include: tuple[str, ...] | None = None) -> dict[str, str]:
         from weight_checker.verify.targets import target_for
 
-        return target_for(self.client, include=self.include or DEFAULT).per_engine("checksum")[self.name]
+        # One engine: its digests, whatever name the wrapper gave it (a
+        # fleet's engines are numbered).
+        per_engine = target_for(self.client, include=include or self.include or DEFAULT).per_engine("checksum")
+        return next(iter(per_engine.values()))
 
     def weight_version(self) -> str | None:
         version = self.client.get_weight_version()
@@ -217,11 +229,12 @@ class _OtherEngine(_Engine):
         self.checksum_from = checksum_from
         self.name = name
 
-    def checksum(self) -> dict[str, str]:
+    def checksum(self, include: tuple[str, ...] | None = None) -> dict[str, str]:
         from weight_checker.keys import merge_digests
         from weight_checker.verify.targets import target_for
 
-        per_engine = target_for(self.checksum_from, include=self.include or DEFAULT).per_engine("checksum")
+        scope = include or self.include or DEFAULT
+        per_engine = target_for(self.checksum_from, include=scope).per_engine("checksum")
         return merge_digests(per_engine.values(), per_engine)
 
 
@@ -250,7 +263,7 @@ def _engine_for(
             f"{type(client).__name__}: cannot tell where to take the engines' digests: pass checksum_from= "
             "(the servers' URLs, the engines, or their Ray actor handles)"
         )
-    handles = getattr(client, "_handles", None)
+    handles = getattr(client, "handles", None) or getattr(client, "_handles", None)
     return _OtherEngine(client, include, checksum_from, f"{type(client).__name__}" + (" (ray)" if handles else ""))
 
 
@@ -286,16 +299,29 @@ class VerifiedClient:
         api_key: str | None = None,
         timeout: float = 600.0,
         log: logging.Logger | None = None,
+        weight_version: Callable[[], str | None] | None = None,
     ):
         if on_mismatch not in ("raise", "warn"):
             raise InputError(f"on_mismatch must be 'raise' or 'warn', got {on_mismatch!r}")
+        if weight_version is not None and not callable(weight_version):
+            raise InputTypeError(
+                f"weight_version must be a callable returning the next update's version, got {weight_version!r:.80}"
+            )
+        self.next_version = weight_version
+        self.expected = _expected_source(expected)
         self.include = parse_include(include) if include is not None else None
+        if self.include is None and self.expected.static is not None:
+            # Expected digests known now: the finish hashes every scope they
+            # hold keys of (a draft, adapters, buffers), as verify() does.
+            from weight_checker.verify.workflow import scope_for
+
+            scope = scope_for(None, self.expected.static)
+            self.include = scope if scope != DEFAULT else None
         self.engines = [_engine_for(c, self.include, checksum_from, api_key, timeout) for c in clients]
         names = [e.name for e in self.engines]
         for i, engine in enumerate(self.engines):  # names must tell the engines apart
             if names.count(engine.name) > 1:
                 engine.name = f"{engine.name} #{i}"
-        self.expected = _expected_source(expected)
         self.on_mismatch = on_mismatch
         self.log = log or logger
         #: One verdict per update, in order.
@@ -305,8 +331,23 @@ class VerifiedClient:
         self._clients = clients
 
     def __getattr__(self, name: str) -> Any:
-        # Anything else of the client (shutdown_weight_transfer_engine...): the first one's.
-        return getattr(self._clients[0], name)
+        # Anything else of the client (shutdown_weight_transfer_engine,
+        # start_draft_weight_update...): a method is called on every client
+        # of a fleet at once (the first one's answer returned), an attribute
+        # is the first one's.
+        if name.startswith("__") or "_clients" not in self.__dict__:
+            raise AttributeError(name)
+        first = getattr(self._clients[0], name)
+        if not callable(first) or len(self._clients) == 1:
+            return first
+
+        def on_every_client(*args: Any, **kwargs: Any) -> Any:
+            with ThreadPoolExecutor(len(self._clients)) as pool:
+                futures = [pool.submit(getattr(c, name), *args, **kwargs) for c in self._clients]
+                answers = [f.result() for f in futures]
+            return answers[0]
+
+        return on_every_client
 
     def _each(self, fn: Callable[[_Engine], Any]) -> dict[str, Any]:
         """``fn`` on every engine at once (each may block in a collective until all have joined)."""
@@ -332,23 +373,39 @@ class VerifiedClient:
         self._each(lambda e: e.update(update_info))
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
+        if weight_version is None and self.next_version is not None:
+            # vLLM's trainer engines finish without a version: the one the
+            # caller's callable names is what the engines are finished with.
+            weight_version = self.next_version()
         transferred = time.perf_counter()
         at_finish = self._each(lambda e: e.finish(weight_version))
+        # This update's expected digests, now that the transfer is done; a
+        # scope they need that the finish did not hash is taken by checksum.
+        expected = self.expected(weight_version)
+        needed = self.include
+        if needed is None:
+            from weight_checker.verify.workflow import scope_for
+
+            scope = scope_for(None, expected)
+            needed = scope if scope != DEFAULT else None
         after: dict[str, dict[str, str]] = {}
         check = UpdateCheck(servers=[e.name for e in self.engines], weight_version=weight_version)
         for engine in self.engines:
             digests = at_finish[engine.name]
+            if digests is not None and needed != self.include:
+                check.warnings.append(
+                    f"{engine.name}: the expected digests cover {', '.join(needed or DEFAULT)}, more than the finish "
+                    "hashed: one checksum was taken after it (pass include= to hash them at the finish)"
+                )
+                digests = None
+            elif digests is None and engine.finish_note:
+                check.warnings.append(f"{engine.name}: {engine.finish_note}: one checksum was taken after it")
             check.digests_from[engine.name] = "finish" if digests is not None else "checksum"
             if digests is None:
-                if engine.digests_at_finish is False and isinstance(engine, _HttpEngine):
-                    check.warnings.append(
-                        f"{engine.name} does not return digests at finish (vLLM's own route: this package's "
-                        "endpoint plugin is not loaded): one checksum was taken after it"
-                    )
-                digests = engine.checksum()
+                digests = engine.checksum(needed)
             after[engine.name] = digests
         hashed = time.perf_counter()
-        self._verdict(check, after, weight_version)
+        self._verdict(check, after, weight_version, expected)
         check.seconds = {
             "update": transferred - self._started,
             "digests": hashed - transferred,
@@ -358,10 +415,11 @@ class VerifiedClient:
         self.results.append(check)
         self._report(check)
 
-    def _verdict(self, check: UpdateCheck, after: dict[str, dict[str, str]], weight_version: str | None) -> None:
+    def _verdict(
+        self, check: UpdateCheck, after: dict[str, dict[str, str]], weight_version: str | None, expected: Any
+    ) -> None:
         from weight_checker.verify.workflow import Checked
 
-        expected = self.expected(weight_version)
         if weight_version is not None and getattr(expected, "weight_version", None) is None:
             # The version this update was finished with is the one its weights must be held under.
             from weight_checker.expected.manifest import ExpectedDigests
@@ -404,8 +462,10 @@ class VerifiedClient:
 class _ExpectedSource:
     """This update's expected digests, from what the caller gave."""
 
-    def __init__(self, get: Callable[[str | None], Mapping[str, str]]):
+    def __init__(self, get: Callable[[str | None], Mapping[str, str]], static: Mapping[str, str] | None = None):
         self._get = get
+        #: The digests where they are the same for every update (a manifest, a mapping).
+        self.static = static
 
     def __call__(self, weight_version: str | None) -> Mapping[str, str]:
         from weight_checker.verify.workflow import _check_digest_map
@@ -421,9 +481,9 @@ def _expected_source(expected: Any) -> _ExpectedSource:
         from weight_checker.cli.files import load_expected
 
         manifest = load_expected(str(expected))
-        return _ExpectedSource(lambda version: manifest)
+        return _ExpectedSource(lambda version: manifest, manifest)
     if isinstance(expected, Mapping):
-        return _ExpectedSource(lambda version: expected)
+        return _ExpectedSource(lambda version: expected, expected)
     if callable(expected):
         takes_version = bool(inspect.signature(expected).parameters)
         return _ExpectedSource(lambda version: expected(version) if takes_version else expected())
@@ -442,6 +502,7 @@ def verified(
     checksum_from: Any = None,
     api_key: str | None = None,
     timeout: float = 600.0,
+    weight_version: Callable[[], str | None] | None = None,
 ) -> VerifiedClient:
     """``client`` (a ``VLLMWeightSyncClient``, an in-process ``vllm.LLM``, or
     a list of them: a fleet) wrapped so that every update is verified at its
@@ -451,13 +512,19 @@ def verified(
     ``TrainerWeightTransferEngine.trainer_init``. ``on_mismatch``: ``"raise"``
     (:class:`~weight_checker.WeightMismatchError` from
     ``finish_weight_update``) or ``"warn"``; ``include``: the checksum's scope
-    (default: what vLLM's own checksum covers); ``checksum_from``: where to
+    (default: every scope a manifest or mapping ``expected`` holds keys of,
+    else what vLLM's own checksum covers; a callable's digests that hold more
+    are checked by one checksum after the finish); ``checksum_from``: where to
     take the digests of a client that is neither vLLM's HTTP client nor an
-    engine (URLs, engines, Ray actor handles)."""
+    engine (URLs, engines, Ray actor handles); ``weight_version``: a callable
+    giving the version to finish each update with where the caller finishes
+    without one (vLLM's trainer engines call ``finish_weight_update()`` with
+    no argument): the engines are finished with it, ``expected`` is given it
+    and the verdict is tied to it."""
     clients = list(client) if isinstance(client, (list, tuple)) else [client]
     if not clients:
         raise InputError("no client given")
     return VerifiedClient(
         clients, expected, on_mismatch=on_mismatch, include=include, checksum_from=checksum_from,
-        api_key=api_key, timeout=timeout,
+        api_key=api_key, timeout=timeout, weight_version=weight_version,
     )  # fmt: skip

@@ -17,6 +17,11 @@ the committed weights' digests from ``/finish_weight_update``. This gives
   in between), sets the weight version as vLLM does, and answers
   ``{"message": "Weight update finished", "checksums": {key: hex}}`` (with
   ``"include"`` and ``"lora_slots"`` for a scope, as ``/weight_checker``).
+  The update is committed and its version set before the digests are
+  merged: digests that fail then are answered as ``"checksum_error"`` beside
+  the finish's message (the client takes a checksum), never as a failed
+  finish. Where the workers cannot run the combined call (the worker plugin
+  not loaded), vLLM's own finish answers instead.
 - Without the flag (and every other request), both routes are vLLM's own:
   the request goes to vLLM's original route, and its answer comes back byte
   for byte, headers included.
@@ -25,6 +30,7 @@ the committed weights' digests from ``/finish_weight_update``. This gives
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -37,6 +43,8 @@ from weight_checker.errors import DuplicateKeysError, InputError
 from weight_checker.keys import merge_digests
 from weight_checker.scope import SCOPES, parse_include
 from weight_checker.server.requests import error_response
+
+logger = logging.getLogger("weight_checker.server")
 
 UPDATE = "/update_weights"
 FINISH = "/finish_weight_update"
@@ -128,6 +136,7 @@ def create_weight_update_router(get_routes: Callable[[Request], WeightUpdateRout
         body = await request.body()
         parsed = _object(body)
         if parsed is None or not set(FIELDS) & parsed.keys():
+            routes.session = None  # an update without the flag: no digests at its finish
             return await delegate(routes.original[UPDATE], request, body)
         checksum = parsed.pop("checksum", False)
         if not isinstance(checksum, bool):
@@ -159,13 +168,28 @@ def create_weight_update_router(get_routes: Callable[[Request], WeightUpdateRout
             message = "the body must be a JSON object with an optional string 'weight_version'"
             return error_response(HTTPStatus.BAD_REQUEST, message, "body.weight_version")
         routes.session = None
-        answers = await routes.finish_and_hash(list(session.include) if session.include else None)
+        try:
+            answers = await routes.finish_and_hash(list(session.include) if session.include else None)
+        except Exception as e:  # the workers could not run it: vLLM's own finish instead
+            # The workers' method is missing (the worker plugin is not
+            # loaded) or the call failed before any worker finished: vLLM's
+            # own route finishes the update and answers as it always does
+            # (no digests: the client takes a checksum and says so).
+            logger.warning("weight_checker: finish with digests failed (%s); vLLM's own finish instead", e)
+            return await delegate(routes.original[FINISH], request, body)
+        # The update is committed on every worker: its version is set
+        # whatever the digests below do.
         if version is not None:
             await routes.set_weight_version(version)
+        failed = [a for a in answers if "checksums" not in a]
+        if failed:
+            reasons = "; ".join(f"{a.get('rank', '?')}: {a.get('error', 'no digests')}" for a in failed)
+            return JSONResponse({"message": "Weight update finished", "checksum_error": reasons})
         try:
             checksums = merge_digests(a["checksums"] for a in answers)
         except DuplicateKeysError as e:
-            return error_response(HTTPStatus.INTERNAL_SERVER_ERROR, f"Duplicate weight checksum keys: {e.keys}")
+            message = f"Duplicate weight checksum keys: {e.keys}"
+            return JSONResponse({"message": "Weight update finished", "checksum_error": message})
         out: dict[str, Any] = {"message": "Weight update finished", "checksums": checksums}
         if session.include:
             out["include"] = list(session.include)

@@ -184,11 +184,19 @@ def weight_checker_finish_weight_update(self: Any, include: Any = None) -> dict[
     weights it committed, in the same call: nothing else runs on the worker in
     between. ``{"checksums": {key: hex}, "rank": ...}`` (and ``include``,
     ``lora_slots`` for a scope, as :func:`weight_checker_scope_checksums`);
-    ``include`` ``None``: what vLLM's own checksum covers."""
+    ``include`` ``None``: what vLLM's own checksum covers.
+
+    The update is committed first, whatever the hash does: a hash that fails
+    after it answers ``{"error": message, "rank": ...}`` (the caller then
+    takes a checksum) rather than raising out of a finish that did happen."""
     self.finish_weight_update()
-    if include is not None:
-        return weight_checker_scope_checksums(self, include)
-    return {"checksums": weight_checker_checksums(self), "rank": worker_prefix(self).rstrip(":")}
+    try:
+        if include is not None:
+            return weight_checker_scope_checksums(self, include)
+        return {"checksums": weight_checker_checksums(self), "rank": worker_prefix(self).rstrip(":")}
+    except Exception as e:  # reported to the caller: the finish stands
+        logger.warning("weight_checker: the update committed, its digests failed: %s", e)
+        return {"error": f"{type(e).__name__}: {e}"[:500], "rank": worker_prefix(self).rstrip(":")}
 
 
 def weight_checker_dp_sharded(self: Any) -> list[str]:
