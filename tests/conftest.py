@@ -113,12 +113,21 @@ def pytest_configure(config):
 
 def _configs_of(item) -> list[str]:
     """The shared servers a collected test uses: through its fixtures, or a
-    ``vllm_config`` parameter (a test run once per configuration)."""
+    parameter of :data:`SERVER_PARAMS` (a test run once per configuration)."""
     names = [n for n in CONFIGS if fixture_name(n) in getattr(item, "fixturenames", ())]
-    param = getattr(getattr(item, "callspec", None), "params", {}).get("vllm_config")
-    if param in CONFIGS and param not in names:
-        names.append(param)
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    for key in SERVER_PARAMS:
+        param = params.get(key)
+        if isinstance(param, str) and param in CONFIGS and param not in names:
+            names.append(param)
     return names
+
+
+#: Parameters whose value names the shared server a test leases itself
+#: (``vllm_servers.lease(value, ...)``): ordered with that server's tests,
+#: which stop it after the last (a server leased by a test this does not know
+#: stays alive to the session's end).
+SERVER_PARAMS = ("vllm_config", "config", "lifecycle")
 
 
 def _jobs_of(item) -> list[str]:

@@ -46,6 +46,9 @@ class Jobs:
                     self._futures[name] = self._executor.submit(self._timed, name, fn)
 
     def _timed(self, name: str, fn: Callable[[], Any]) -> Any:
+        from .servers import wait_for_memory
+
+        wait_for_memory()  # an engine's start takes as much as a server's
         began = time.monotonic()
         try:
             return fn()

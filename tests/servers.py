@@ -242,6 +242,45 @@ class _Running:
 AHEAD = 2
 MAX_ALIVE = 3
 
+#: Memory a vLLM server or in-process engine may take at its start (GiB): a
+#: start waits until the machine has this much available, so that servers
+#: and background jobs together never run it out of memory (24 GiB machines:
+#: an OOM kill of a worker, seen on AMD EPYC fam 25 where the jobs and the
+#: servers overlapped longer than on faster CPUs).
+START_GIB = 5.0
+
+
+def available_gib() -> float:
+    """``MemAvailable`` of /proc/meminfo, in GiB (infinite where unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return float("inf")
+
+
+_GATE = threading.Lock()
+_last_admitted = [0.0]
+
+
+def wait_for_memory(gib: float = START_GIB, timeout: float = 600.0) -> float:
+    """Waits until ``gib`` GiB are available (at most ``timeout`` s, then
+    goes on: a test must not hang on it); the seconds waited. Starts are let
+    through one at a time, and within 20 s of the last one only with twice
+    that free: a start has not taken its memory yet when the next one looks."""
+    began = time.monotonic()
+    with _GATE:
+        while time.monotonic() - began < timeout:
+            recent = time.monotonic() - _last_admitted[0] < 20.0
+            if available_gib() >= (2 * gib if recent else gib):
+                break
+            time.sleep(1.0)
+        _last_admitted[0] = time.monotonic()
+    return time.monotonic() - began
+
 
 class ServerPool:
     """The session's shared servers (see the module docstring): each started
@@ -322,6 +361,7 @@ class ServerPool:
         """A server no other test shares (one started to show it fails, say),
         counted with the others; ``kwargs`` as :func:`start_server`'s."""
         assert self.root is not None
+        wait_for_memory(timeout=120.0)
         began = time.monotonic()
         server = start_server(model, self.root / f"{name}-{len(self.started)}.log", **kwargs)
         self.started.append((name, time.monotonic() - began, why))
@@ -342,6 +382,11 @@ class ServerPool:
         model = self.models.path(config.model)
         log = self.root / f"{name}-{len(self.started)}-{time.monotonic_ns()}.log"
         python = self.vllm031_python if config.vllm == "0.31" else None
+        # Ahead of its first test a start may wait for memory as long as it
+        # takes; one a test waits for, two minutes at most.
+        waited = wait_for_memory(timeout=600.0 if "ahead" in reason else 120.0)
+        if waited >= 1.0:
+            reason += f" (waited {waited:.0f} s for memory)"
         began = time.monotonic()
         server = start_server(
             model,

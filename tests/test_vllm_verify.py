@@ -135,16 +135,25 @@ def test_ctrl_c_during_transfer_resumes_and_exits_130(server):
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        text=True,
     )
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if server.get("/is_paused")[1] == {"is_paused": True}:
-            break
-        time.sleep(0.2)
-    time.sleep(1.0)  # let it reach the prompt
+    # Ctrl-C at the prompt (the transfer is the user's): wait for the prompt
+    # itself, not a fixed time (a loaded machine may still be hashing), and
+    # keep standard input open until the command has exited (communicate()
+    # closes it at once, and a command that reads EOF before the signal
+    # lands exits 2, "standard input closed").
+    import os
+    import select
+
+    prompt, deadline = b"", time.monotonic() + 180  # the prompt is on stderr
+    while b"press Enter" not in prompt and time.monotonic() < deadline and proc.poll() is None:
+        ready, _, _ = select.select([proc.stderr], [], [], 0.5)
+        if ready:
+            prompt += os.read(proc.stderr.fileno(), 65536)
+    assert server.get("/is_paused")[1] == {"is_paused": True}
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=120)
+    proc.wait(timeout=120)
+    out_bytes, rest = proc.communicate(timeout=30)
+    out, err = out_bytes.decode(), (prompt + rest).decode()
     assert proc.returncode == 130, (out, err)
     assert "resume" in out
     assert_resumed(server)

@@ -116,7 +116,11 @@ def check_rust_core_served(server: Server, answer: dict[str, str], workers: int)
         line = latest[rank]
         assert int(line["tensors"]) == count, (rank, line.group(0), count)
         assert int(line["bytes"]) > 0, line.group(0)
-        assert line["kernel"] == weight_checker.kernel(), line.group(0)
+        # The narrow kernel is the CPU's. Whether runs may also take the wide
+        # one is each process's own calibration: where the two kernels are
+        # close (AMD EPYC fam 25: 2.8 GB/s each), a loaded worker and this
+        # process may decide differently.
+        assert line["kernel"].split("+")[0] == weight_checker.kernel().split("+")[0], line.group(0)
         # What the run used, not the process's defaults: its own tensor count.
         assert line["run"].endswith(f"; {count} tensors"), line.group(0)
 

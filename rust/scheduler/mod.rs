@@ -145,8 +145,8 @@ impl Scheduler {
 
     /// `(wide, four)` streaming GB/s of a core where a calibrated run may
     /// choose the wide kernel: it exists here and outruns four narrow lanes.
-    /// Whichever narrow count the calibration chose (2 or 4): on Intel Xeon
-    /// (Sapphire Rapids, 2 vCPUs) two SHA-NI lanes win the L2-hot calibration
+    /// Whichever narrow count the calibration chose (2 or 4): on an Intel Xeon
+    /// (family 6 model 167, 2 vCPUs) two SHA-NI lanes win the L2-hot calibration
     /// (2.27 vs 2.21 GB/s) while the wide kernel streams 3.4 GB/s, and asking
     /// for four here kept every run of that CPU off the wide kernel (a
     /// Llama-shaped set 0.25 s where the wide kernel took 0.20).
