@@ -144,15 +144,20 @@ def test_ctrl_c_during_transfer_resumes_and_exits_130(server):
     import os
     import select
 
-    prompt, deadline = b"", time.monotonic() + 180  # the prompt is on stderr
-    while b"press Enter" not in prompt and time.monotonic() < deadline and proc.poll() is None:
-        ready, _, _ = select.select([proc.stderr], [], [], 0.5)
-        if ready:
-            prompt += os.read(proc.stderr.fileno(), 65536)
-    assert server.get("/is_paused")[1] == {"is_paused": True}
-    proc.send_signal(signal.SIGINT)
-    proc.wait(timeout=120)
-    out_bytes, rest = proc.communicate(timeout=30)
+    try:
+        prompt, deadline = b"", time.monotonic() + 180  # the prompt is on stderr
+        while b"press Enter" not in prompt and time.monotonic() < deadline and proc.poll() is None:
+            ready, _, _ = select.select([proc.stderr], [], [], 0.5)
+            if ready:
+                prompt += os.read(proc.stderr.fileno(), 65536)
+        assert b"press Enter" in prompt, prompt
+        assert server.get("/is_paused")[1] == {"is_paused": True}
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:  # never leave it holding the server paused
+            proc.send_signal(signal.SIGINT)
+    out_bytes, rest = proc.communicate(timeout=60)
     out, err = out_bytes.decode(), (prompt + rest).decode()
     assert proc.returncode == 130, (out, err)
     assert "resume" in out

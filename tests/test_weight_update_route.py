@@ -90,3 +90,19 @@ def test_an_update_without_the_flag_drops_an_abandoned_session(then_plain):
         assert engine.http.post(UPDATE, json={"update_info": {}}).status_code == 200
     body = engine.http.post(FINISH, json={"weight_version": "v2"}).json()
     assert ("checksums" in body) is not then_plain
+
+
+def test_a_finish_that_fails_otherwise_is_an_error_naming_it_not_vllms_finish_again():
+    """Some workers may have committed: vLLM's own finish would fail with a
+    misleading "no matching start"; the real error is answered instead."""
+    engine = Engine(RuntimeError("engine 1 died"))
+    answer = update_then_finish(engine)
+    assert answer.status_code == 500 and "engine 1 died" in answer.json()["error"]["message"]
+    assert not any(call[0] == "vllm finish" for call in engine.calls)
+
+
+def test_an_update_that_does_not_ask_for_digests_gets_vllms_own_finish():
+    engine = Engine([{"checksums": {"dp0:pp0:pcp0:tp0:w": "0" * 64}}])
+    assert engine.http.post(UPDATE, json={"update_info": {}, "checksum": True}).status_code == 200
+    assert engine.http.post(UPDATE, json={"update_info": {}, "checksum": False}).status_code == 200
+    assert engine.http.post(FINISH, json={"weight_version": "v3"}).json() == {"message": "Weight update finished"}

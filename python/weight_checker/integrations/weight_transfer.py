@@ -96,6 +96,10 @@ async def finish_weight_update_async(
 def _merged(answers: Any) -> dict[str, str]:
     from weight_checker.keys import merge_digests
 
+    if isinstance(answers, list) and all(isinstance(a, dict) for a in answers):
+        failed = [f"{a.get('rank', '?')}: {a['error']}" for a in answers if "error" in a]
+        if failed:  # the update committed; its digests did not
+            raise WeightCheckerError(f"the update committed but its digests failed: {'; '.join(failed)[:500]}")
     if not isinstance(answers, list) or not all(isinstance(a, dict) and "checksums" in a for a in answers):
         raise WeightCheckerError(f"unexpected answer from the workers' finish: {str(answers)[:200]}")
     return merge_digests(a["checksums"] for a in answers)
@@ -205,7 +209,13 @@ class _LLMEngine(_Engine):
         self.client.update_weights({"update_info": update_info})
 
     def finish(self, weight_version: str | None) -> dict[str, str] | None:
-        return finish_weight_update(self.client, weight_version, self.include)
+        try:
+            digests = finish_weight_update(self.client, weight_version, self.include)
+        except WeightCheckerError as e:  # committed (and versioned), its digests failed
+            self.finish_note = f"the update committed but its digests at finish failed ({e})"
+            return None
+        self.finish_note = None
+        return digests
 
     def checksum(self, include: tuple[str, ...] | None = None) -> dict[str, str]:
         from weight_checker.verify.targets import target_for
@@ -394,8 +404,8 @@ class VerifiedClient:
             digests = at_finish[engine.name]
             if digests is not None and needed != self.include:
                 check.warnings.append(
-                    f"{engine.name}: the expected digests cover {', '.join(needed or DEFAULT)}, more than the finish "
-                    "hashed: one checksum was taken after it (pass include= to hash them at the finish)"
+                    f"{engine.name}: the expected digests cover {', '.join(needed or DEFAULT)}, not what the finish "
+                    "hashed: one checksum of that scope was taken after it (pass include= to hash it at the finish)"
                 )
                 digests = None
             elif digests is None and engine.finish_note:

@@ -21,7 +21,9 @@ the committed weights' digests from ``/finish_weight_update``. This gives
   merged: digests that fail then are answered as ``"checksum_error"`` beside
   the finish's message (the client takes a checksum), never as a failed
   finish. Where the workers cannot run the combined call (the worker plugin
-  not loaded), vLLM's own finish answers instead.
+  not loaded), vLLM's own finish answers instead; any other failure of it is
+  a 500 naming it (some engines may have committed: vLLM's finish would only
+  say "no matching start").
 - Without the flag (and every other request), both routes are vLLM's own:
   the request goes to vLLM's original route, and its answer comes back byte
   for byte, headers included.
@@ -149,8 +151,8 @@ def create_weight_update_router(get_routes: Callable[[Request], WeightUpdateRout
             message = f"'include' must be a non-empty list of {', '.join(SCOPES)}; got {include!r:.80}"
             return error_response(HTTPStatus.BAD_REQUEST, message, "body.include")
         response = await delegate(routes.original[UPDATE], request, json.dumps(parsed).encode())
-        if response.status_code == HTTPStatus.OK and checksum:
-            routes.session = UpdateSession(scope)
+        # This update's finish hashes only if this update asked and was taken.
+        routes.session = UpdateSession(scope) if response.status_code == HTTPStatus.OK and checksum else None
         return response
 
     @router.post(FINISH, response_model=None)
@@ -170,13 +172,16 @@ def create_weight_update_router(get_routes: Callable[[Request], WeightUpdateRout
         routes.session = None
         try:
             answers = await routes.finish_and_hash(list(session.include) if session.include else None)
-        except Exception as e:  # the workers could not run it: vLLM's own finish instead
-            # The workers' method is missing (the worker plugin is not
-            # loaded) or the call failed before any worker finished: vLLM's
-            # own route finishes the update and answers as it always does
-            # (no digests: the client takes a checksum and says so).
-            logger.warning("weight_checker: finish with digests failed (%s); vLLM's own finish instead", e)
-            return await delegate(routes.original[FINISH], request, body)
+        except Exception as e:  # reported: the workers could not run it, or failed
+            if "weight_checker_finish_weight_update" in str(e):
+                # The workers' method is missing (the worker plugin is not
+                # loaded): no worker finished, so vLLM's own route finishes
+                # the update and answers as it always does (no digests: the
+                # client takes a checksum and says so).
+                logger.warning("weight_checker: the workers cannot finish with digests (%s); vLLM's own finish", e)
+                return await delegate(routes.original[FINISH], request, body)
+            message = f"finish_weight_update with digests failed: {type(e).__name__}: {e}"
+            return error_response(HTTPStatus.INTERNAL_SERVER_ERROR, message[:2000])
         # The update is committed on every worker: its version is set
         # whatever the digests below do.
         if version is not None:
