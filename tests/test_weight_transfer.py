@@ -16,6 +16,7 @@ trainer through vLLM's own HTTP sync client, at TP=1, TP=2 and DP=2.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -124,8 +125,13 @@ class FlaggedClient:
 def test_an_update_with_the_flag_returns_at_finish_what_expect_server_computes(lifecycle, tmp_path):
     client = FlaggedClient(lifecycle.server.url)
     sent = step(lifecycle.state, 1)
+    log_start = len(lifecycle.server.log_text())
     lifecycle.trainer(client).send_weights(sent.items(), weight_version="step-1", per_rank=lifecycle.layout == "dp2")
     assert client.finished["message"] == "Weight update finished"
+    # Each worker hashed layers as they committed, during the transfer.
+    log = lifecycle.server.log_text()[log_start:]
+    early = re.findall(r"tensors at the finish on (\S+) in \S+ s, (\d+) of them", log)
+    assert len(early) == lifecycle.workers and all(int(n) > 0 for _, n in early), early
     got = client.finished["checksums"]
     r = run_cli("expect", as_checkpoint(sent, lifecycle.model, tmp_path / "step-1"), "--server", lifecycle.server.url)
     assert r.returncode == 0, r.stderr

@@ -23,7 +23,7 @@ class Engine:
     """What the routes reach: vLLM's own routes (recording what they got) and
     the workers' finish-and-hash (answers or a failure given by the test)."""
 
-    def __init__(self, answers: Any):
+    def __init__(self, answers: Any, begin_fails: bool = False):
         self.answers = answers
         self.calls: list[tuple[str, Any]] = []
         app = FastAPI()
@@ -50,7 +50,17 @@ class Engine:
         async def set_weight_version(version: str) -> None:
             self.calls.append(("version", version))
 
-        self.routes = WeightUpdateRoutes(originals, finish_and_hash, set_weight_version)
+        async def begin_digests() -> None:
+            self.calls.append(("begin", None))
+            if begin_fails:
+                raise RuntimeError("'CPUWorker' object has no attribute 'weight_checker_begin_update_digests'")
+
+        async def end_digests() -> None:
+            self.calls.append(("end", None))
+
+        self.routes = WeightUpdateRoutes(
+            originals, finish_and_hash, set_weight_version, begin_digests=begin_digests, end_digests=end_digests
+        )
         app.include_router(create_weight_update_router(lambda request: self.routes))
         self.http = TestClient(app)
 
@@ -106,3 +116,29 @@ def test_an_update_that_does_not_ask_for_digests_gets_vllms_own_finish():
     assert engine.http.post(UPDATE, json={"update_info": {}, "checksum": True}).status_code == 200
     assert engine.http.post(UPDATE, json={"update_info": {}, "checksum": False}).status_code == 200
     assert engine.http.post(FINISH, json={"weight_version": "v3"}).json() == {"message": "Weight update finished"}
+
+
+def test_workers_hash_as_layers_commit_from_the_flagged_update_and_drop_it_without_the_flag():
+    """A flagged update asks every worker to hash each layer as it commits
+    (before vLLM's update runs); an update or a finish without the flag after
+    such a session asks them to drop it; nothing is asked where no session
+    was begun (the routes stay vLLM's own)."""
+    engine = Engine([{"checksums": {"dp0:pp0:pcp0:tp0:w": "0" * 64}}])
+    update_then_finish(engine)
+    names = [c[0] for c in engine.calls]
+    assert names[:2] == ["begin", "vllm update"] and "end" not in names
+    engine.calls.clear()
+    assert engine.http.post(UPDATE, json={"update_info": {}}).status_code == 200
+    assert engine.http.post(FINISH, json={}).status_code == 200
+    assert [c[0] for c in engine.calls] == ["vllm update", "vllm finish"]  # no session: nothing to drop
+    engine.calls.clear()
+    assert engine.http.post(UPDATE, json={"update_info": {}, "checksum": True}).status_code == 200
+    assert engine.http.post(UPDATE, json={"update_info": {}}).status_code == 200
+    assert [c[0] for c in engine.calls] == ["begin", "vllm update", "end", "vllm update"]
+
+
+def test_workers_that_cannot_hash_as_layers_commit_still_give_digests_at_the_finish():
+    engine = Engine([{"checksums": {"dp0:pp0:pcp0:tp0:w": "0" * 64}}], begin_fails=True)
+    answer = update_then_finish(engine)
+    assert answer.status_code == 200 and answer.json()["checksums"] == {"dp0:pp0:pcp0:tp0:w": "0" * 64}
+    assert "end" not in [c[0] for c in engine.calls]

@@ -206,6 +206,10 @@ class _LLMEngine(_Engine):
         self.client.init_weight_transfer_engine({"init_info": init_info})
 
     def update(self, update_info: Any) -> None:
+        try:  # each worker hashes every layer as it commits (the finish takes those digests)
+            self.client.collective_rpc("weight_checker_begin_update_digests")
+        except Exception as e:  # only the overlap is lost: the finish hashes everything
+            logger.debug("weight_checker: no early digests on %s (%s)", self.name, e)
         self.client.update_weights({"update_info": update_info})
 
     def finish(self, weight_version: str | None) -> dict[str, str] | None:

@@ -10,7 +10,10 @@ the committed weights' digests from ``/finish_weight_update``. This gives
 - ``POST /update_weights`` takes ``"checksum": true`` and ``"include"`` (the
   checksum's scope, as ``/weight_checker``'s) beside ``update_info``. The
   update itself is vLLM's own route's, given the body without them; the
-  request is remembered for the session once that succeeds.
+  request is remembered for the session once that succeeds. Before it runs,
+  every worker is asked to hash each layer as it commits, while the rest is
+  transferred (:mod:`weight_checker.integrations.vllm.commit_digests`); an
+  update or finish without the flag after that asks them to drop it.
 - ``POST /finish_weight_update`` of such a session finishes the update and
   hashes the weights in one call to every worker of every engine (each
   worker finishes, then hashes what it now holds: nothing else can run on it
@@ -71,7 +74,34 @@ class WeightUpdateRoutes:
     original: dict[str, Any]
     finish_and_hash: Callable[[list[str] | None], Awaitable[list[dict[str, Any]]]]
     set_weight_version: Callable[[str], Awaitable[None]]
+    #: Every worker begins hashing each layer as it commits (before a
+    #: flagged update), or drops what it hashed so (before one without the
+    #: flag, where a session was begun). Optional: without them the finish
+    #: hashes everything.
+    begin_digests: Callable[[], Awaitable[None]] | None = None
+    end_digests: Callable[[], Awaitable[None]] | None = None
     session: UpdateSession | None = field(default=None)
+    #: Whether the workers may hold a session of early digests.
+    early: bool = False
+
+    async def begin(self) -> None:
+        """Workers begin hashing as layers commit; a failure only costs the
+        overlap (the finish then hashes everything)."""
+        if self.begin_digests is None:
+            return
+        self.early = True  # some workers may have begun even if others failed
+        try:
+            await self.begin_digests()
+        except Exception as e:
+            logger.warning("weight_checker: the workers cannot hash as layers commit (%s); digests at the finish", e)
+
+    async def end(self) -> None:
+        if self.early and self.end_digests is not None:
+            self.early = False
+            try:
+                await self.end_digests()
+            except Exception as e:
+                logger.warning("weight_checker: cannot drop the workers' early digests (%s)", e)
 
 
 def original_routes(app: FastAPI) -> dict[str, Any]:
@@ -139,6 +169,7 @@ def create_weight_update_router(get_routes: Callable[[Request], WeightUpdateRout
         parsed = _object(body)
         if parsed is None or not set(FIELDS) & parsed.keys():
             routes.session = None  # an update without the flag: no digests at its finish
+            await routes.end()
             return await delegate(routes.original[UPDATE], request, body)
         checksum = parsed.pop("checksum", False)
         if not isinstance(checksum, bool):
@@ -150,6 +181,13 @@ def create_weight_update_router(get_routes: Callable[[Request], WeightUpdateRout
         except InputError:
             message = f"'include' must be a non-empty list of {', '.join(SCOPES)}; got {include!r:.80}"
             return error_response(HTTPStatus.BAD_REQUEST, message, "body.include")
+        if checksum and routes.session is None:
+            # The first flagged update of this start: each worker hashes
+            # every layer as it commits, while the rest is transferred (a
+            # later update of the same start keeps the session).
+            await routes.begin()
+        elif not checksum:
+            await routes.end()
         response = await delegate(routes.original[UPDATE], request, json.dumps(parsed).encode())
         # This update's finish hashes only if this update asked and was taken.
         routes.session = UpdateSession(scope) if response.status_code == HTTPStatus.OK and checksum else None
@@ -163,6 +201,7 @@ def create_weight_update_router(get_routes: Callable[[Request], WeightUpdateRout
         body = await request.body()
         session = routes.session
         if session is None:
+            await routes.end()
             return await delegate(routes.original[FINISH], request, body)
         parsed = _object(body) if body.strip() else {}
         version = parsed.get("weight_version") if parsed is not None else None
@@ -182,6 +221,7 @@ def create_weight_update_router(get_routes: Callable[[Request], WeightUpdateRout
                 return await delegate(routes.original[FINISH], request, body)
             message = f"finish_weight_update with digests failed: {type(e).__name__}: {e}"
             return error_response(HTTPStatus.INTERNAL_SERVER_ERROR, message[:2000])
+        routes.early = False  # each worker's finish ended its session
         # The update is committed on every worker: its version is set
         # whatever the digests below do.
         if version is not None:

@@ -72,7 +72,19 @@ def weight_update_routes_for(app: Any, engine_client: Any) -> Any:
     async def set_weight_version(version: str) -> None:
         await engine_client.update_weight_version(version)
 
-    return WeightUpdateRoutes(app.state.weight_checker_original_routes, finish_and_hash, set_weight_version)
+    async def begin_digests() -> None:
+        await _all_engines(engine_client, "weight_checker_begin_update_digests")
+
+    async def end_digests() -> None:
+        await _all_engines(engine_client, "weight_checker_end_update_digests")
+
+    return WeightUpdateRoutes(
+        app.state.weight_checker_original_routes,
+        finish_and_hash,
+        set_weight_version,
+        begin_digests=begin_digests,
+        end_digests=end_digests,
+    )
 
 
 class WeightCheckerEndpoint:

@@ -155,7 +155,9 @@ def weight_checker_reset(self: Any, include: Any = None) -> None:
     """Zeroes every tensor the checksum of ``include`` covers, in place (the
     target model when ``include`` is ``None``, as vLLM's ``reset_weights``)."""
     import weight_checker
+    from weight_checker.integrations.vllm import commit_digests
 
+    commit_digests.end()  # what was hashed early no longer holds
     if include is None:
         weight_checker.reset(self.model_runner.get_model())
         scope: tuple[str, ...] = ("target",)
@@ -179,24 +181,97 @@ def weight_checker_vllm_reference(self: Any) -> dict[str, str]:
     return {prefix + n: d for n, d in compute_tensor_digests(self.model_runner.get_model()).items()}
 
 
+def weight_checker_begin_update_digests(self: Any) -> dict[str, Any]:
+    """Begins hashing each layer of the coming update as it commits, on a
+    background thread (:mod:`.commit_digests`), for
+    :func:`weight_checker_finish_weight_update` to use. ``{"early": bool,
+    "rank": ...}``: false where this vLLM gives nothing to follow (the
+    finish then hashes everything)."""
+    from weight_checker.integrations.vllm import commit_digests
+
+    _set_thread_budget(self)
+    return {"early": commit_digests.begin(), "rank": worker_prefix(self).rstrip(":")}
+
+
+def weight_checker_end_update_digests(self: Any) -> None:
+    """Drops this worker's early digests (an update without the flag follows)."""
+    from weight_checker.integrations.vllm import commit_digests
+
+    commit_digests.end()
+
+
 def weight_checker_finish_weight_update(self: Any, include: Any = None) -> dict[str, Any]:
     """vLLM's ``finish_weight_update`` on this worker, then the digests of the
     weights it committed, in the same call: nothing else runs on the worker in
     between. ``{"checksums": {key: hex}, "rank": ...}`` (and ``include``,
     ``lora_slots`` for a scope, as :func:`weight_checker_scope_checksums`);
-    ``include`` ``None``: what vLLM's own checksum covers.
+    ``include`` ``None``: what vLLM's own checksum covers. Tensors hashed as
+    their layer committed (:func:`weight_checker_begin_update_digests`) and
+    unwritten since are not hashed again.
 
     The update is committed first, whatever the hash does: a hash that fails
     after it answers ``{"error": message, "rank": ...}`` (the caller then
     takes a checksum) rather than raising out of a finish that did happen."""
-    self.finish_weight_update()
+    from weight_checker.integrations.vllm import commit_digests
+
+    session = commit_digests.current()
+    if session is not None:
+        session.stop_queueing()  # copies made by the finish are still counted
     try:
+        self.finish_weight_update()
+    finally:
+        commit_digests.end()
+    try:
+        if session is not None:
+            return _finish_digests(self, include, session)
         if include is not None:
             return weight_checker_scope_checksums(self, include)
         return {"checksums": weight_checker_checksums(self), "rank": worker_prefix(self).rstrip(":")}
     except Exception as e:  # reported to the caller: the finish stands
         logger.warning("weight_checker: the update committed, its digests failed: %s", e)
         return {"error": f"{type(e).__name__}: {e}"[:500], "rank": worker_prefix(self).rstrip(":")}
+
+
+def _finish_digests(self: Any, include: Any, session: Any) -> dict[str, Any]:
+    """The answer of :func:`weight_checker_finish_weight_update`, from the
+    same walk as a checksum of ``include``, with the session's early digests
+    where they still hold and the rest hashed now."""
+    from weight_checker.hashing.digests import digest_tensors
+    from weight_checker.hashing.walk import collect
+
+    _set_thread_budget(self)
+    prefix = worker_prefix(self)
+    start = time.perf_counter()
+    extra: dict[str, Any] = {}
+    if include is None:
+        model = self.model_runner.get_model()
+        targets = vllm_checksum_targets(model)
+        names, tensors = collect(model if targets is None else targets)
+        keys = [prefix + n for n in names]
+    else:
+        from weight_checker.integrations.vllm.scope_walk import scoped_pairs
+        from weight_checker.scope import parse_include
+
+        scope = parse_include(include)
+        pairs, more = scoped_pairs(self, scope, prefix)
+        keys, tensors = [k for k, _ in pairs], [t for _, t in pairs]
+        extra = {"include": list(scope), **more}
+    early = session.take(tensors)
+    late = [i for i, d in enumerate(early) if d is None]
+    digests, _ = digest_tensors([keys[i] for i in late], [tensors[i] for i in late])
+    for i, d in zip(late, digests, strict=True):
+        early[i] = d
+    logger.info(
+        "weight_checker: %d tensors at the finish on %s in %.4f s, %d of them (%.2f GB) hashed as their layer "
+        "committed%s",
+        len(keys),
+        prefix.rstrip(":"),
+        time.perf_counter() - start,
+        len(keys) - len(late),
+        session.hashed_bytes / 1e9,
+        f" (early hashing failed: {session.failed})" if session.failed else "",
+    )
+    return {"checksums": dict(zip(keys, early, strict=True)), "rank": prefix.rstrip(":"), **extra}
 
 
 def weight_checker_dp_sharded(self: Any) -> list[str]:
@@ -229,6 +304,16 @@ def patch_worker_class(worker_cls: type) -> None:
     setattr(worker_cls, "weight_checker_vllm_reference", weight_checker_vllm_reference)  # noqa: B010
     setattr(worker_cls, "weight_checker_dp_sharded", weight_checker_dp_sharded)  # noqa: B010
     setattr(worker_cls, "weight_checker_finish_weight_update", weight_checker_finish_weight_update)  # noqa: B010
+    setattr(worker_cls, "weight_checker_begin_update_digests", weight_checker_begin_update_digests)  # noqa: B010
+    setattr(worker_cls, "weight_checker_end_update_digests", weight_checker_end_update_digests)  # noqa: B010
+    from weight_checker.integrations.vllm.commit_digests import ends_session
+
+    # Early digests never outlive the update they were taken in.
+    for name in ("_start_weight_update", "start_weight_update", "start_draft_weight_update", "reload_weights",
+                 "load_model"):  # fmt: skip
+        method = worker_cls.__dict__.get(name)
+        if callable(method):
+            setattr(worker_cls, name, ends_session(method))
     missing = [m for m in ("compute_weight_checksums", "reset_weights") if not hasattr(worker_cls, m)]
     if missing:
         logger.info(

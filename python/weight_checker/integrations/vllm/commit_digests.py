@@ -1,0 +1,286 @@
+"""Digests as each layer commits, hashed while the update goes on.
+
+vLLM's weight-update lifecycle reloads layer by layer
+(``vllm.model_executor.model_loader.reload.layerwise``): a layer's new
+weights are buffered until all of them have arrived, then processed and
+copied into the layer's kernel tensors (``_copy_and_restore_kernel_tensors``),
+and later loads into that layer are dropped until the finish. So once that
+copy returns, the layer's tensors hold what the update commits, while the
+transfer goes on with the next layers. (A tensor of that layer sent again
+in the same start, or one vLLM never moves to the meta device, such as a MoE
+gate's ``e_score_correction_bias``, is then loaded in place by its own
+weight loader: the committed tensors get a loader that counts those writes.)
+
+A :class:`CommitDigests` session, begun on a worker before an update sent
+with ``"checksum": true``, hashes each layer's host tensors on a background
+thread right after that copy (the Rust core releases the GIL), so that the
+hashing overlaps the rest of the transfer. At the finish the worker walks its
+model as for any checksum and takes an early digest only for the very
+tensor object that was hashed, with the same layout, whose storage no copy
+has written since (every copy vLLM's reload makes into a kernel tensor goes
+through the wrapped function and every later load through the counting
+loader, so a storage shared by two layers, written by the second after the
+first was hashed, is seen); every other tensor (a layer
+finished only at the finish, attention layers, device tensors, anything the
+walk expands) is hashed then, as before. The digests are therefore the
+same as a checksum taken after the finish, byte for byte; the early ones
+only save time.
+
+A session lives from the first flagged update after a start to that
+start's finish; a start, a reload, a load or a reset of the weights ends it
+(:func:`ends_session`), so digests are never carried from one update to
+the next. Where the running vLLM has no layerwise reload (or names it
+otherwise), and for engines that write the weights in place (no layerwise
+commit), nothing is hashed early and the finish hashes everything. Device
+tensors are hashed at the finish too: the overlap for them needs a GPU to
+build and measure.
+"""
+
+from __future__ import annotations
+
+import functools
+import queue
+import threading
+import weakref
+from typing import Any
+
+from weight_checker.integrations.vllm import logger
+
+#: The session of the update in progress on this worker, if any.
+_session: CommitDigests | None = None
+_session_lock = threading.Lock()
+_install_lock = threading.Lock()
+
+LAYERWISE = "vllm.model_executor.model_loader.reload.layerwise"
+COPY = "_copy_and_restore_kernel_tensors"
+
+
+def _storage_key(t: Any) -> int:
+    return int(t.untyped_storage().data_ptr())
+
+
+def _layout(t: Any) -> tuple[Any, ...]:
+    return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
+
+
+class CommitDigests:
+    """Early digests of one update on one worker (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        #: Copies seen into each storage (by its address) during the session.
+        self._writes: dict[int, int] = {}
+        #: id(tensor) -> (a weak reference to it, digest, the storage's writes
+        #: when it was queued, layout). Weak: a session never keeps a model alive.
+        self._digests: dict[int, tuple[Any, str, int, tuple[Any, ...]]] = {}
+        self._queue: queue.SimpleQueue[list[tuple[Any, int]] | None] = queue.SimpleQueue()
+        #: Batches queued and not yet hashed (see :meth:`wait_hashed`).
+        self._pending = 0
+        self._idle = threading.Condition(self._lock)
+        self._accepting = True
+        self.hashed_bytes = 0
+        self.failed: str | None = None
+        self._thread = threading.Thread(target=self._run, name="weight-checker-commit-digests", daemon=True)
+        self._thread.start()
+
+    def written(self, tensors: list[Any]) -> None:
+        """Counts a write into each of ``tensors``' storages (a weight loader
+        that wrote a committed tensor in place: see :func:`_count_loads`)."""
+        with self._lock:
+            for t in tensors:
+                try:
+                    key = _storage_key(t)
+                except Exception:  # no storage to write (meta): nothing committed there
+                    continue
+                self._writes[key] = self._writes.get(key, 0) + 1
+
+    def committed(self, tensors: list[Any]) -> None:
+        """Called on the worker's thread right after vLLM copied a layer's
+        processed weights into ``tensors``: counts the write to each storage
+        and, while the update is in progress, queues their hashing."""
+        marks = []
+        with self._lock:
+            for t in tensors:
+                key = _storage_key(t)
+                self._writes[key] = self._writes.get(key, 0) + 1
+                marks.append((t, self._writes[key]))
+            accepting = self._accepting
+        host = [(t, mark) for t, mark in marks if t.device.type == "cpu"]
+        if accepting and host:
+            with self._lock:
+                self._pending += 1
+            self._queue.put(host)
+
+    def stop_queueing(self) -> None:
+        """No more hashing is queued (the finish begins); writes are still counted."""
+        with self._lock:
+            self._accepting = False
+        self._queue.put(None)
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            try:
+                self._hash(item)
+            finally:
+                del item  # nothing of a batch is held while the next is awaited
+                with self._lock:
+                    self._pending -= 1
+                    self._idle.notify_all()
+
+    def wait_hashed(self, timeout: float | None = None) -> bool:
+        """Waits until every batch queued so far is hashed (the session stays
+        open); false on timeout."""
+        with self._lock:
+            return self._idle.wait_for(lambda: self._pending == 0, timeout)
+
+    def _hash(self, item: list[tuple[Any, int]]) -> None:
+        from weight_checker import _core
+
+        tensors = [t for t, _ in item]
+        try:
+            digests, _ = _core.digest_many(tensors, [f"tensor {i}" for i in range(len(tensors))])
+        except Exception as e:  # those tensors are hashed at the finish
+            self.failed = f"{type(e).__name__}: {e}"[:300]
+            return
+        with self._lock:
+            for (t, mark), digest in zip(item, digests, strict=True):
+                self._digests[id(t)] = (weakref.ref(t), digest, mark, _layout(t))
+                self.hashed_bytes += t.numel() * t.element_size()
+
+    def take(self, tensors: list[Any]) -> list[str | None]:
+        """Waits for the queued hashing to end; then, for each tensor, its
+        early digest where it is still valid (the same object and layout, no
+        copy into its storage since it was queued), else ``None``."""
+        self._thread.join()
+        out: list[str | None] = []
+        with self._lock:
+            for t in tensors:
+                entry = self._digests.get(id(t))
+                valid = (
+                    entry is not None
+                    and entry[0]() is t
+                    and entry[3] == _layout(t)
+                    and self._writes.get(_storage_key(t)) == entry[2]
+                )
+                out.append(entry[1] if valid and entry is not None else None)
+        return out
+
+
+def install() -> bool:
+    """Wraps vLLM's layerwise copy into kernel tensors (once a process) so
+    that a session sees every layer as it commits. False where this vLLM has
+    no such function: then nothing is hashed early."""
+    import importlib
+
+    try:
+        layerwise = importlib.import_module(LAYERWISE)
+    except ImportError:
+        return False
+    with _install_lock:
+        original = getattr(layerwise, COPY, None)
+        if not callable(original):
+            return False
+        if getattr(original, "_weight_checker_wrapped", False):
+            return True
+
+        @functools.wraps(original)
+        def copy_and_restore_kernel_tensors(layer: Any, info: Any, *args: Any, **kwargs: Any) -> Any:
+            kernel = getattr(info, "kernel_tensors", None)
+            result = original(layer, info, *args, **kwargs)
+            session = _session
+            if session is not None and kernel is not None:
+                try:
+                    parameters, buffers = kernel
+                    tensors = [*parameters.values(), *buffers.values()]
+                    # Once committed, a layer's own tensors are loaded in place
+                    # by their original loaders (a tensor sent again, one vLLM
+                    # never moves to meta): those writes are counted too.
+                    for t in tensors:
+                        _count_loads(t)
+                    session.committed(tensors)
+                except Exception:  # the update must never fail because of us
+                    logger.exception("weight_checker: cannot follow a layer's commit; its digests come at the finish")
+            return result
+
+        copy_and_restore_kernel_tensors._weight_checker_wrapped = True  # type: ignore[attr-defined]
+        setattr(layerwise, COPY, copy_and_restore_kernel_tensors)
+        return True
+
+
+def _count_loads(tensor: Any) -> None:
+    """Gives ``tensor`` a weight loader that counts, in the session of the
+    moment, a write into its storage (and into the ``param`` it is given),
+    then calls the loader it had (vLLM's ``default_weight_loader`` where it
+    had none: vLLM's models fall back to that one). Once per tensor; a no-op
+    count outside a session."""
+    loader = getattr(tensor, "weight_loader", None)
+    if getattr(loader, "_weight_checker_counts", False):
+        return
+    if loader is None:
+        from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+        loader = default_weight_loader
+    target = weakref.ref(tensor)
+
+    @functools.wraps(loader)
+    def counted_loader(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return loader(*args, **kwargs)
+        finally:
+            session = _session
+            if session is not None:
+                written = [t for t in (target(), kwargs.get("param", args[0] if args else None)) if t is not None]
+                session.written([t for t in written if hasattr(t, "untyped_storage")])
+
+    counted_loader._weight_checker_counts = True  # type: ignore[attr-defined]
+    try:
+        tensor.weight_loader = counted_loader
+    except (AttributeError, TypeError):  # cannot take an attribute: its loads are not seen
+        pass
+
+
+def begin() -> bool:
+    """Begins a session on this worker, or keeps the one begun by an
+    earlier update of the same start (every start, reload, load and reset
+    ends a session: :func:`ends_session`). False where nothing can be hashed
+    early (see :func:`install`)."""
+    global _session
+    if not install():
+        end()
+        return False
+    with _session_lock:
+        if _session is None:
+            _session = CommitDigests()
+    return True
+
+
+def ends_session(method: Any) -> Any:
+    """``method`` (a worker method that starts an update, reloads, loads or
+    resets weights) ending this worker's session first: early digests are
+    only ever taken within one start and its finish, where every copy into
+    the model's tensors goes through vLLM's layerwise commit."""
+    if getattr(method, "_weight_checker_ends_session", False):
+        return method
+
+    @functools.wraps(method)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        end()
+        return method(*args, **kwargs)
+
+    wrapper._weight_checker_ends_session = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+def end() -> CommitDigests | None:
+    """Ends this worker's session, if any, and returns it (no more hashing
+    is queued; copies are no longer counted once it is dropped)."""
+    global _session
+    with _session_lock:
+        session, _session = _session, None
+    if session is not None:
+        session.stop_queueing()
+    return session
+
+
+def current() -> CommitDigests | None:
+    return _session
