@@ -135,6 +135,11 @@ def test_ctrl_c_during_transfer_resumes_and_exits_130(server):
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
+        # A suite started as a background job of a non-interactive shell
+        # (`make test &`) inherits SIGINT ignored, and Python then leaves it
+        # ignored: the command would never see this Ctrl-C. Give it the
+        # default disposition, as a terminal's foreground job has.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     # Ctrl-C at the prompt (the transfer is the user's): wait for the prompt
     # itself, not a fixed time (a loaded machine may still be hashing), and
