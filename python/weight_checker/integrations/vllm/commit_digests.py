@@ -3,13 +3,13 @@
 vLLM's weight-update lifecycle reloads layer by layer
 (``vllm.model_executor.model_loader.reload.layerwise``): a layer's new
 weights are buffered until all of them have arrived, then processed and
-copied into the layer's kernel tensors (``_copy_and_restore_kernel_tensors``),
-and later loads into that layer are dropped until the finish. So once that
-copy returns, the layer's tensors hold what the update commits, while the
-transfer goes on with the next layers. (A tensor of that layer sent again
-in the same start, or one vLLM never moves to the meta device, such as a MoE
-gate's ``e_score_correction_bias``, is then loaded in place by its own
-weight loader: the committed tensors get a loader that counts those writes.)
+copied into the layer's kernel tensors (``_copy_and_restore_kernel_tensors``).
+So once that copy returns, the layer's tensors hold what the update commits,
+while the transfer goes on with the next layers, unless a later load writes
+them again: a tensor of that layer sent again in the same start, or one vLLM
+never moves to the meta device (a MoE gate's ``e_score_correction_bias``),
+is loaded in place by its own weight loader, so the committed tensors get a
+loader that counts those writes.
 
 A :class:`CommitDigests` session, begun on a worker before an update sent
 with ``"checksum": true``, hashes each layer's host tensors on a background
@@ -83,16 +83,22 @@ class CommitDigests:
         self._thread = threading.Thread(target=self._run, name="weight-checker-commit-digests", daemon=True)
         self._thread.start()
 
+    def _count_write(self, t: Any) -> int | None:
+        """Counts a write into ``t``'s storage (the lock held); the count, or
+        ``None`` where it has no storage to write (meta, a subclass)."""
+        try:
+            key = _storage_key(t)
+        except Exception:
+            return None
+        self._writes[key] = self._writes.get(key, 0) + 1
+        return self._writes[key]
+
     def written(self, tensors: list[Any]) -> None:
         """Counts a write into each of ``tensors``' storages (a weight loader
         that wrote a committed tensor in place: see :func:`_count_loads`)."""
         with self._lock:
             for t in tensors:
-                try:
-                    key = _storage_key(t)
-                except Exception:  # no storage to write (meta): nothing committed there
-                    continue
-                self._writes[key] = self._writes.get(key, 0) + 1
+                self._count_write(t)
 
     def committed(self, tensors: list[Any]) -> None:
         """Called on the worker's thread right after vLLM copied a layer's
@@ -101,9 +107,9 @@ class CommitDigests:
         marks = []
         with self._lock:
             for t in tensors:
-                key = _storage_key(t)
-                self._writes[key] = self._writes.get(key, 0) + 1
-                marks.append((t, self._writes[key]))
+                mark = self._count_write(t)
+                if mark is not None:
+                    marks.append((t, mark))
             accepting = self._accepting
         host = [(t, mark) for t, mark in marks if t.device.type == "cpu"]
         if accepting and host:
