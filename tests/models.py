@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from weight_checker.testing.models import TINY_LLAMA, write_tiny_llama
+from weight_checker.testing.models import TINY_LLAMA, seed_weights, write_tiny_llama
 
 #: name -> (transformers config class, model class, config fields)
 FAMILIES = {
@@ -65,12 +65,8 @@ def write_model(path: Path, family: str, seed: int = 0) -> Path:
     if (path / "model.safetensors").exists():
         return path
     config_cls, model_cls, fields = FAMILIES[family]
-    torch.manual_seed(seed)
     cfg = getattr(transformers, config_cls)(**(TINY_LLAMA | fields))
-    model = getattr(transformers, model_cls)(cfg).to(torch.bfloat16)
-    with torch.no_grad():  # biases start at zero; make them tell shards apart
-        for name, p in model.named_parameters():
-            if name.endswith(".bias"):
-                p.normal_()
-    model.save_pretrained(path)
+    model = getattr(transformers, model_cls)(cfg)
+    seed_weights(model, seed, biases=True)  # biases start at zero; random ones tell shards apart
+    model.to(torch.bfloat16).save_pretrained(path)
     return path

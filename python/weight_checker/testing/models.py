@@ -38,11 +38,33 @@ def write_tiny_llama(path: Path, seed: int = 0, **config: Any) -> Path:
 
     if (path / "model.safetensors").exists():
         return path
-    torch.manual_seed(seed)
     cfg = transformers.LlamaConfig(**(TINY_LLAMA | config))
     model: Any = transformers.LlamaForCausalLM(cfg)
+    seed_weights(model, seed)
     model.to(torch.bfloat16).save_pretrained(path)
     return path
+
+
+def seed_weights(model: Any, seed: int, biases: bool = False) -> None:
+    """Give every matrix of ``model`` values drawn from its own generator
+    (normal, std 0.02, as transformers initialises them), and with ``biases``
+    every ``.bias`` standard-normal values; norms keep their ones.
+
+    Not ``torch.manual_seed``: the global generator is shared by every thread
+    of the process, and the test session writes checkpoints on background
+    threads while tests draw from it, so a seeded initialisation came out
+    different from one writing to the next (two copies of one checkpoint once
+    differed in their embedding and head: a fleet of two servers looked
+    inconsistent). Tied parameters appear once in ``named_parameters``."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+            elif biases and name.endswith(".bias"):
+                p.copy_(torch.randn(p.shape, generator=g))
 
 
 def write_tiny_draft(path: Path, seed: int = 1) -> Path:
@@ -120,7 +142,6 @@ def write_tiny_policy(path: Path, seed: int = 0) -> Path:
         tokenizer_object=tokenizer, pad_token="<pad>", unk_token="<unk>", bos_token="<s>", eos_token="</s>"
     )
     fast.save_pretrained(path)
-    torch.manual_seed(seed)
     config = transformers.LlamaConfig(
         **(TINY_LLAMA | {"vocab_size": len(vocab), "max_position_embeddings": 128}),
         pad_token_id=0,
@@ -128,5 +149,6 @@ def write_tiny_policy(path: Path, seed: int = 0) -> Path:
         eos_token_id=3,
     )
     model: Any = transformers.LlamaForCausalLM(config)
+    seed_weights(model, seed)
     model.to(torch.bfloat16).save_pretrained(path)
     return path
