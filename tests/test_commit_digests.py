@@ -70,7 +70,6 @@ def load(model: torch.nn.Module, name: str, value: torch.Tensor) -> None:
 
 @pytest.fixture
 def model():
-    torch.manual_seed(0)
     m = torch.nn.ModuleDict({f"layer{i}": Scaled() for i in range(4)})
     layerwise.record_metadata_for_reloading(m)
     yield m
@@ -206,6 +205,53 @@ def test_a_committed_tensor_loaded_again_in_the_same_start_is_hashed_at_the_fini
     assert float(model["layer0"].weight[0, 0]) == 2.0
     assert answer["checksums"] == oracle(model)
     commit_digests.end()
+
+
+def test_a_tensor_whose_loader_cannot_count_is_hashed_at_the_finish(monkeypatch):
+    """A committed tensor that cannot take the counting loader (an object
+    that refuses the attribute) is not hashed early: its later in-place
+    load would go unseen."""
+    monkeypatch.setattr(commit_digests, "_count_loads", lambda tensor: False)
+    model = torch.nn.ModuleDict({f"layer{i}": torch.nn.Linear(16, 8, bias=False) for i in range(2)})
+    model.requires_grad_(False)
+    layerwise.record_metadata_for_reloading(model)
+    worker = Worker(model)
+    start(model)
+    weight_checker_begin_update_digests(worker)
+    load_weights(model, [("layer0.weight", torch.full((8, 16), 1.0))])  # commits
+    commit_digests.current().wait_hashed(60)
+    load_weights(model, [("layer0.weight", torch.full((8, 16), 2.0)), ("layer1.weight", torch.ones(8, 16))])
+    answer = weight_checker_finish_weight_update(worker)
+    assert float(model["layer0"].weight[0, 0]) == 2.0
+    assert answer["checksums"] == oracle(model)
+
+
+def test_a_commit_that_cannot_be_followed_leaves_every_digest_to_the_finish(monkeypatch):
+    """layer0 and layer1 share one weight. layer0 commits and is hashed;
+    following layer1's commit fails (here: giving its weight the counting
+    loader raises), so its write into the shared storage is not counted:
+    the session then takes no early digest at all."""
+    model = torch.nn.ModuleDict({"layer0": torch.nn.Linear(16, 8, bias=False)})
+    model["layer1"] = torch.nn.Linear(16, 8, bias=False)
+    model["layer1"].weight = model["layer0"].weight
+    model.requires_grad_(False)
+    layerwise.record_metadata_for_reloading(model)
+    worker = Worker(model)
+    start(model)
+    weight_checker_begin_update_digests(worker)
+    load_weights(model, [("layer0.weight", torch.full((8, 16), 1.0))])  # commits: hashed
+    session = commit_digests.current()
+    session.wait_hashed(60)
+
+    def fails(tensor: Any) -> bool:
+        raise RuntimeError("cannot wrap")
+
+    monkeypatch.setattr(commit_digests, "_count_loads", fails)
+    load_weights(model, [("layer1.weight", torch.full((8, 16), 3.0))])  # commits into the shared storage
+    answer = weight_checker_finish_weight_update(worker)
+    assert float(model["layer0"].weight[0, 0]) == 3.0
+    assert answer["checksums"] == oracle(model)
+    assert session.broken
 
 
 class Gate(torch.nn.Module):

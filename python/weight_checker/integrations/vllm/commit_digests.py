@@ -78,6 +78,10 @@ class CommitDigests:
         self._pending = 0
         self._idle = threading.Condition(self._lock)
         self._accepting = True
+        #: Set where a commit could not be followed: then no early digest is
+        #: taken at all (a write may have gone uncounted).
+        self.broken = False
+        #: Bytes hashed in the background (some may be written again later).
         self.hashed_bytes = 0
         self.failed: str | None = None
         self._thread = threading.Thread(target=self._run, name="weight-checker-commit-digests", daemon=True)
@@ -100,26 +104,33 @@ class CommitDigests:
             for t in tensors:
                 self._count_write(t)
 
-    def committed(self, tensors: list[Any]) -> None:
+    def committed(self, tensors: list[Any], followed: list[bool] | None = None) -> None:
         """Called on the worker's thread right after vLLM copied a layer's
         processed weights into ``tensors``: counts the write to each storage
-        and, while the update is in progress, queues their hashing."""
-        marks = []
+        and, while the update is in progress, queues the hashing of those
+        whose later loads are ``followed`` (their loader counts: see
+        :func:`_count_loads`)."""
         with self._lock:
-            for t in tensors:
+            host = []
+            for t, seen in zip(tensors, followed or [True] * len(tensors), strict=True):
                 mark = self._count_write(t)
-                if mark is not None:
-                    marks.append((t, mark))
-            accepting = self._accepting
-        host = [(t, mark) for t, mark in marks if t.device.type == "cpu"]
-        if accepting and host:
-            with self._lock:
-                self._pending += 1
+                if mark is not None and seen and t.device.type == "cpu":
+                    host.append((t, mark))
+            if not (self._accepting and host):
+                return
+            self._pending += 1
             self._queue.put(host)
+
+    def give_up(self) -> None:
+        """A commit could not be followed: no early digest is taken."""
+        with self._lock:
+            self.broken = True
 
     def stop_queueing(self) -> None:
         """No more hashing is queued (the finish begins); writes are still counted."""
         with self._lock:
+            if not self._accepting:
+                return
             self._accepting = False
         self._queue.put(None)
 
@@ -160,6 +171,8 @@ class CommitDigests:
         self._thread.join()
         out: list[str | None] = []
         with self._lock:
+            if self.broken:
+                return [None] * len(tensors)
             for t in tensors:
                 entry = self._digests.get(id(t))
                 valid = (
@@ -200,12 +213,13 @@ def install() -> bool:
                     tensors = [*parameters.values(), *buffers.values()]
                     # Once committed, a layer's own tensors are loaded in place
                     # by their original loaders (a tensor sent again, one vLLM
-                    # never moves to meta): those writes are counted too.
-                    for t in tensors:
-                        _count_loads(t)
-                    session.committed(tensors)
+                    # never moves to meta): those writes are counted too, and
+                    # a tensor whose loader cannot count is hashed at the finish.
+                    session.committed(tensors, [_count_loads(t) for t in tensors])
                 except Exception:  # the update must never fail because of us
-                    logger.exception("weight_checker: cannot follow a layer's commit; its digests come at the finish")
+                    # A write may have gone uncounted: no early digest at all.
+                    session.give_up()
+                    logger.exception("weight_checker: cannot follow a layer's commit; every digest comes at the finish")
             return result
 
         copy_and_restore_kernel_tensors._weight_checker_wrapped = True  # type: ignore[attr-defined]
@@ -213,15 +227,16 @@ def install() -> bool:
         return True
 
 
-def _count_loads(tensor: Any) -> None:
+def _count_loads(tensor: Any) -> bool:
     """Gives ``tensor`` a weight loader that counts, in the session of the
     moment, a write into its storage (and into the ``param`` it is given),
     then calls the loader it had (vLLM's ``default_weight_loader`` where it
     had none: vLLM's models fall back to that one). Once per tensor; a no-op
-    count outside a session."""
+    count outside a session. False where ``tensor`` cannot take it (its
+    later loads would not be seen)."""
     loader = getattr(tensor, "weight_loader", None)
     if getattr(loader, "_weight_checker_counts", False):
-        return
+        return True
     if loader is None:
         from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
@@ -242,7 +257,8 @@ def _count_loads(tensor: Any) -> None:
     try:
         tensor.weight_loader = counted_loader
     except (AttributeError, TypeError):  # cannot take an attribute: its loads are not seen
-        pass
+        return False
+    return getattr(tensor, "weight_loader", None) is counted_loader
 
 
 def begin() -> bool:

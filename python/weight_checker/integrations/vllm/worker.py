@@ -259,6 +259,8 @@ def _finish_digests(self: Any, include: Any, session: Any) -> dict[str, Any]:
     early = session.take(tensors)
     late = [i for i, d in enumerate(early) if d is None]
     digests, _ = digest_tensors([keys[i] for i in late], [tensors[i] for i in late])
+    taken = set(range(len(tensors))) - set(late)
+    taken_bytes = sum(tensors[i].numel() * tensors[i].element_size() for i in taken)
     for i, d in zip(late, digests, strict=True):
         early[i] = d
     logger.info(
@@ -267,8 +269,8 @@ def _finish_digests(self: Any, include: Any, session: Any) -> dict[str, Any]:
         len(keys),
         prefix.rstrip(":"),
         time.perf_counter() - start,
-        len(keys) - len(late),
-        session.hashed_bytes / 1e9,
+        len(taken),
+        taken_bytes / 1e9,
         f" (early hashing failed: {session.failed})" if session.failed else "",
     )
     return {"checksums": dict(zip(keys, early, strict=True)), "rank": prefix.rstrip(":"), **extra}
