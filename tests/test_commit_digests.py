@@ -254,6 +254,29 @@ def test_a_commit_that_cannot_be_followed_leaves_every_digest_to_the_finish(monk
     assert session.broken
 
 
+@pytest.mark.parametrize("swap", ["old-kept", "old-freed"])
+def test_a_data_swap_while_the_layer_is_hashed_is_hashed_again_at_the_finish(swap):
+    """``p.data = ...`` right after a layer commits, while its 64 MiB weight
+    is still being hashed: the layout is the one taken when it was queued,
+    so the finish sees the swap; and the bytes being read stay allocated
+    (once a use after free in the hashing thread)."""
+    model = torch.nn.ModuleDict({f"layer{i}": torch.nn.Linear(4096, 4096, bias=False) for i in range(2)})
+    model.requires_grad_(False)
+    layerwise.record_metadata_for_reloading(model)
+    worker = Worker(model)
+    start(model)
+    weight_checker_begin_update_digests(worker)
+    load_weights(model, [("layer0.weight", torch.full((4096, 4096), 1.0))])  # commits: queued
+    p0 = model["layer0"].weight
+    kept = p0.data
+    p0.data = torch.full((4096, 4096), 5.0)
+    if swap == "old-freed":
+        del kept  # the hashing thread's alias still holds those bytes
+    load_weights(model, [("layer1.weight", torch.full((4096, 4096), 2.0))])
+    answer = weight_checker_finish_weight_update(worker)
+    assert answer["checksums"] == oracle(model)
+
+
 class Gate(torch.nn.Module):
     """A MoE gate as DeepSeek-V3's: ``e_score_correction_bias`` is one of the
     tensors vLLM's reload never moves to meta nor waits for."""

@@ -63,6 +63,9 @@ def _layout(t: Any) -> tuple[Any, ...]:
     return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
 
 
+_Queued = tuple[Any, Any, int, tuple[Any, ...]]
+
+
 class CommitDigests:
     """Early digests of one update on one worker (see the module docstring)."""
 
@@ -73,7 +76,9 @@ class CommitDigests:
         #: id(tensor) -> (a weak reference to it, digest, the storage's writes
         #: when it was queued, layout). Weak: a session never keeps a model alive.
         self._digests: dict[int, tuple[Any, str, int, tuple[Any, ...]]] = {}
-        self._queue: queue.SimpleQueue[list[tuple[Any, int]] | None] = queue.SimpleQueue()
+        #: Batches of (tensor, an alias of it, the storage's writes, layout),
+        #: all taken when the batch is queued.
+        self._queue: queue.SimpleQueue[list[_Queued] | None] = queue.SimpleQueue()
         #: Batches queued and not yet hashed (see :meth:`wait_hashed`).
         self._pending = 0
         self._idle = threading.Condition(self._lock)
@@ -115,7 +120,10 @@ class CommitDigests:
             for t, seen in zip(tensors, followed or [True] * len(tensors), strict=True):
                 mark = self._count_write(t)
                 if mark is not None and seen and t.device.type == "cpu":
-                    host.append((t, mark))
+                    # The alias (``detach``) holds the storage: a ``.data``
+                    # swap while it is hashed can neither free the bytes
+                    # being read nor pass for the layout that was hashed.
+                    host.append((t, t.detach(), mark, _layout(t)))
             if not (self._accepting and host):
                 return
             self._pending += 1
@@ -150,18 +158,18 @@ class CommitDigests:
         with self._lock:
             return self._idle.wait_for(lambda: self._pending == 0, timeout)
 
-    def _hash(self, item: list[tuple[Any, int]]) -> None:
+    def _hash(self, item: list[_Queued]) -> None:
         from weight_checker import _core
 
-        tensors = [t for t, _ in item]
+        tensors = [alias for _, alias, _, _ in item]
         try:
             digests, _ = _core.digest_many(tensors, [f"tensor {i}" for i in range(len(tensors))])
         except Exception as e:  # those tensors are hashed at the finish
             self.failed = f"{type(e).__name__}: {e}"[:300]
             return
         with self._lock:
-            for (t, mark), digest in zip(item, digests, strict=True):
-                self._digests[id(t)] = (weakref.ref(t), digest, mark, _layout(t))
+            for (t, _, mark, layout), digest in zip(item, digests, strict=True):
+                self._digests[id(t)] = (weakref.ref(t), digest, mark, layout)
                 self.hashed_bytes += t.numel() * t.element_size()
 
     def take(self, tensors: list[Any]) -> list[str | None]:
