@@ -16,6 +16,7 @@ use safetensors::SafeTensors;
 use serde_json::Value;
 
 use crate::error::Error;
+use crate::fault_guard::{self, Registration};
 use crate::scheduler::{ChunkSource, RunShape, Scheduler};
 use crate::sha256::Digest;
 
@@ -242,12 +243,21 @@ fn diagnose(path: &Path, file: &[u8]) -> Result<(), Error> {
 pub struct CheckpointFile {
     pub path: PathBuf,
     pub tensors: Vec<TensorEntry>,
+    /// Faults of reads past a truncated end, recorded instead of SIGBUS
+    /// (see [`fault_guard`]). Declared before `map`: dropped before the
+    /// mapping is unmapped.
+    guard: Registration,
     map: Mmap,
     /// `(st_dev, st_ino)` of the file the mapping was made from: the read
     /// path ([`cold`]) opens it again by path and checks it is the same
     /// file. No descriptor is kept open (a checkpoint of more shards than
     /// the open-file limit maps as it always did).
     identity: (u64, u64),
+    /// Size and modification and change times when it was opened: a file
+    /// still named by its path but changed since (rewritten in place, or
+    /// truncated and written again) is refused at the end of the run
+    /// ([`CheckpointFile::unchanged`]).
+    stamp: Stamp,
 }
 
 impl CheckpointFile {
@@ -270,21 +280,103 @@ impl CheckpointFile {
         }
         // SAFETY: `Mmap::map` maps the file read-only and shared (PROT_READ,
         // MAP_SHARED), and the mapping derefs to a `&[u8]` that must not
-        // change while it is borrowed. We never write it; the precondition
-        // is the caller's: nobody modifies or truncates the file while it is
-        // mapped and read. A write by another process shows through a
-        // shared mapping (a data race on what Rust reads as `&[u8]`, and a
-        // digest mixing old and new bytes); a truncation makes reads past
-        // the new end fault (SIGBUS). The same hazard as every mmap-based
-        // safetensors reader, documented in the CLI's README section.
+        // change while it is borrowed. We never write it. Another process
+        // may: a write shows through a shared mapping (bytes that change
+        // under a `&[u8]`, read as plain integers by the hashing, so a
+        // digest of mixed bytes, never undefined behaviour of ours in
+        // practice), and a truncation unbacks the pages past the new end.
+        // Neither gives a wrong answer: a read of an unbacked page is
+        // caught by the fault guard (zeros and a recorded fault, not
+        // SIGBUS; registered below before any read), and a file changed
+        // in any way during the run is refused at its end
+        // ([`CheckpointFile::unchanged`]).
         let map = unsafe { Mmap::map(&file) }.map_err(io)?;
-        let tensors = parse_header(path, &map)?;
+        let guard = Registration::new(map.as_ptr(), map.len()).ok_or_else(|| {
+            bad(
+                path,
+                None,
+                format!(
+                    "cannot guard its mapping: more than {} checkpoint files open at once",
+                    fault_guard::SLOTS
+                ),
+            )
+        })?;
+        let parsed = parse_header(path, &map);
+        if let Some(offset) = guard.fault() {
+            return Err(truncated(path, None, offset as u64));
+        }
         Ok(CheckpointFile {
             path: path.to_path_buf(),
-            tensors,
+            tensors: parsed?,
+            guard,
             map,
             identity: identity(&meta),
+            stamp: Stamp::of(&meta),
         })
+    }
+
+    /// The tensor that holds byte `offset` of the file, if any.
+    fn tensor_at(&self, offset: u64) -> Option<&str> {
+        let i = self.tensors.partition_point(|t| t.end <= offset);
+        self.tensors
+            .get(i)
+            .filter(|t| t.start <= offset)
+            .map(|t| t.name.as_str())
+    }
+
+    /// An error if a read of the mapping faulted (the file was truncated
+    /// while it was read), naming the tensor it was in.
+    fn fault_error(&self) -> Option<Error> {
+        let offset = self.guard.fault()? as u64;
+        Some(truncated(&self.path, self.tensor_at(offset), offset))
+    }
+
+    /// The error of a path that names another file now (or none): the
+    /// digests may be of either file, from the first tensor on.
+    fn gone(&self, how: &str) -> Error {
+        bad(
+            &self.path,
+            self.tensors.first().map(|t| t.name.as_str()),
+            format!(
+                "{how} while it was read: this tensor and those after it may be of either file; checksum it \
+                 once nothing writes it"
+            ),
+        )
+    }
+
+    /// Whether the file is, at the end of a run, what was opened: no read of
+    /// its mapping faulted, its path names the same file, of the same size,
+    /// not modified or changed since. Otherwise the error names the file
+    /// and the first tensor that may hold bytes of another version.
+    pub(crate) fn unchanged(&self) -> Result<(), Error> {
+        if let Some(e) = self.fault_error() {
+            return Err(e);
+        }
+        let meta = match std::fs::metadata(&self.path) {
+            Ok(meta) => meta,
+            Err(e) => return Err(self.gone(&format!("removed or renamed ({e})"))),
+        };
+        if identity(&meta) != self.identity {
+            return Err(self.gone("replaced by another file"));
+        }
+        let now = Stamp::of(&meta);
+        if now == self.stamp {
+            return Ok(());
+        }
+        let (was, is) = (self.stamp.len, now.len);
+        let first = match is < was {
+            true => self.tensors.iter().find(|t| t.end > is),
+            false => self.tensors.first(),
+        };
+        Err(bad(
+            &self.path,
+            first.map(|t| t.name.as_str()),
+            format!(
+                "the file changed while it was read ({was} bytes when opened, {is} now, modified since): \
+                 this tensor and those after it may mix bytes of two versions; checksum it once nothing \
+                 writes it"
+            ),
+        ))
     }
 
     /// The file opened again by path, for reading: an error if the path
@@ -296,11 +388,7 @@ impl CheckpointFile {
         };
         let file = File::open(&self.path).map_err(io)?;
         if identity(&file.metadata().map_err(io)?) != self.identity {
-            return Err(bad(
-                &self.path,
-                None,
-                "replaced by another file while it was read (it must not change until the checksum ends)",
-            ));
+            return Err(self.gone("replaced by another file"));
         }
         Ok(file)
     }
@@ -481,6 +569,42 @@ pub const CACHED_FRACTION: f64 = 0.75;
 /// `mincore` can tell.
 const PROBES: u64 = 16;
 
+/// What tells a file changed under the same name: its size and its
+/// modification and change times (nanoseconds: a truncation or a write
+/// sets both; Linux gives a changed file a later time than any it reported
+/// before, even within one clock tick, on filesystems with multigrain
+/// timestamps).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Stamp {
+    len: u64,
+    modified: (i64, i64),
+    changed: (i64, i64),
+}
+
+impl Stamp {
+    fn of(meta: &std::fs::Metadata) -> Stamp {
+        use std::os::unix::fs::MetadataExt;
+        Stamp {
+            len: meta.len(),
+            modified: (meta.mtime(), meta.mtime_nsec()),
+            changed: (meta.ctime(), meta.ctime_nsec()),
+        }
+    }
+}
+
+/// The error of a read that faulted at `offset`: the file was truncated
+/// below it while it was read.
+fn truncated(path: &Path, tensor: Option<&str>, offset: u64) -> Error {
+    bad(
+        path,
+        tensor,
+        format!(
+            "truncated while it was read (no byte at offset {offset} any more): it must not change until \
+             the checksum ends"
+        ),
+    )
+}
+
 /// `(st_dev, st_ino)`: which file a path named when it was opened.
 fn identity(meta: &std::fs::Metadata) -> (u64, u64) {
     use std::os::unix::fs::MetadataExt;
@@ -568,6 +692,11 @@ impl ChunkSource for MappedTensor<'_> {
     }
 
     fn next_chunk(&mut self) -> Result<bool, Error> {
+        // A fault anywhere in the file (one atomic load a window): stop now,
+        // nothing hashed of zeros is returned.
+        if let Some(e) = self.file.fault_error() {
+            return Err(e);
+        }
         if self.window_end > self.pos {
             self.file.release(self.pos, self.window_end);
         }
@@ -731,6 +860,11 @@ pub fn checksum_files_with(
         if !p(total, total) {
             return Err(Error::Cancelled);
         }
+    }
+    // Every file as it was opened, else no digest of it is returned: a
+    // truncation, a rewrite or a replacement during the run is an error.
+    for f in files {
+        f.unchanged()?;
     }
     let mut digests = Vec::with_capacity(owner.len());
     for (f, &r) in files.iter().zip(&read) {

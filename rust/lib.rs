@@ -5,6 +5,7 @@
 
 pub mod checkpoint;
 pub mod error;
+mod fault_guard;
 mod prefetch;
 pub mod scheduler;
 pub mod settings;

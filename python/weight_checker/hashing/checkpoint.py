@@ -104,15 +104,32 @@ def checksum_checkpoint(
         raise ValueError(f"io={io!r}: expected one of {', '.join(map(repr, READ_MODES))}")
     files, expected = resolve(paths)
     try:
+        if expected:
+            _check_index(files, expected)
         digests = _core.checksum_safetensors([str(f) for f in files], progress, mode=io)
     except (_core.SafetensorsError, OSError) as e:
         raise CheckpointError(str(e)) from e
-    if expected:
-        found = {name for name, _, _ in digests}
-        for name, shard in expected.items():
-            if name not in found:
-                raise CheckpointError(f"{shard}: tensor '{name}': named by the index but not in the shard")
-        for name, _, _ in digests:
-            if name not in expected:
-                raise CheckpointError(f"tensor '{name}': in a shard but not in the index")
     return {prefix + name: hexd for name, hexd, _ in sorted(digests)}
+
+
+def _check_index(files: list[Path], expected: dict[str, Path]) -> None:
+    """Every tensor an index names is in the shard it names, and every
+    tensor of its shards is named (what a loader that follows the index
+    finds), checked from the headers before anything is hashed."""
+    holder: dict[str, Path] = {}
+    for f in files:
+        for name, _, _, _ in _core.safetensors_tensors(str(f)):
+            if name in holder:
+                raise CheckpointError(f"{f}: tensor '{name}': also in {holder[name]}")
+            holder[name] = f
+    for name, shard in expected.items():
+        found = holder.get(name)
+        if found is None:
+            raise CheckpointError(f"{shard}: tensor '{name}': named by the index but not in the shard")
+        if found.resolve() != shard.resolve():
+            raise CheckpointError(
+                f"{shard}: tensor '{name}': the index names {shard.name} for it, but it is in {found.name}"
+            )
+    for name, f in holder.items():
+        if name not in expected:
+            raise CheckpointError(f"{f}: tensor '{name}': in a shard but not in the index")

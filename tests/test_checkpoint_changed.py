@@ -1,0 +1,154 @@
+"""A checkpoint changed while it is hashed (issue 42): truncated, shrunk,
+rewritten in place ("wb", as ``save_file`` does) or replaced by a rename, at
+a random point of the run, with every ``io`` mode. The process never dies
+of a signal (a truncated mapping used to raise SIGBUS); each run either
+raises a ``CheckpointError`` naming the file (and, for a change during the
+run, the tensor) or returns the digests of one whole version of the file,
+checked against hashlib. The races run in a child process, so that a
+signal fails the test instead of killing pytest.
+
+Also: an index that names the wrong shard for a tensor is refused, naming it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import save, save_file
+from weight_checker.checkpoint import checksum_checkpoint
+from weight_checker.errors import CheckpointError
+
+from .cli import run_cli
+
+REPO = Path(__file__).resolve().parent.parent
+ACTIONS = ("truncate", "shrink", "rewrite", "rename")
+RUNS = 20
+TENSORS, TENSOR_BYTES = 8, 4 << 20
+
+
+def _version(seed: int) -> tuple[bytes, dict[str, str]]:
+    """A checkpoint's bytes and hashlib's digest of each of its tensors."""
+    rng = np.random.default_rng(seed)
+    tensors = {f"t{i}": rng.integers(0, 256, TENSOR_BYTES, dtype=np.uint8) for i in range(TENSORS)}
+    return save(tensors), {n: hashlib.sha256(a.tobytes()).hexdigest() for n, a in tensors.items()}
+
+
+def race(mode: str, runs: int, root: str, seed: int) -> None:
+    """``runs`` checksums of a checkpoint that a writer thread changes at a
+    random point of each (every action in turn); prints a JSON summary and
+    exits non-zero on a wrong answer. Run in a child process."""
+    rng = random.Random(seed)
+    path, new_path = Path(root) / "model.safetensors", Path(root) / "next.safetensors"
+    old, old_digests = _version(seed)
+    new, new_digests = _version(seed + 1)
+    path.write_bytes(old)
+    took = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        assert checksum_checkpoint([path], io=mode) == old_digests
+        took = min(took, time.perf_counter() - start)
+    outcomes: dict[str, dict[str, int]] = {a: {"error": 0, "old": 0, "new": 0} for a in ACTIONS}
+    kinds: dict[str, int] = {}
+    for run in range(runs):
+        action = ACTIONS[run % len(ACTIONS)]
+        path.write_bytes(old)
+        if action == "rename":
+            new_path.write_bytes(new)
+        delay = rng.uniform(0, took * 0.8)
+        cut = rng.randrange(1, len(old))
+
+        def change(action: str = action, delay: float = delay, cut: int = cut) -> None:
+            time.sleep(delay)
+            if action == "truncate":
+                os.truncate(path, 0)
+            elif action == "shrink":
+                os.truncate(path, cut)
+            elif action == "rewrite":
+                with open(path, "wb") as f:  # truncates first, as save_file does
+                    f.write(new)
+            else:
+                os.replace(new_path, path)
+
+        writer = threading.Thread(target=change)
+        writer.start()
+        try:
+            got = checksum_checkpoint([path], io=mode)
+        except CheckpointError as e:
+            message = str(e)
+            assert str(path) in message, message
+            if "while it was read" in message:
+                assert "tensor 't" in message, message
+            outcomes[action]["error"] += 1
+            kind = message.split(": ")[-2 if "tensor '" in message else -1].split(" (")[0][:60]
+            kinds[kind] = kinds.get(kind, 0) + 1
+        else:
+            if got == old_digests:
+                outcomes[action]["old"] += 1
+            elif got == new_digests and action in ("rewrite", "rename"):
+                outcomes[action]["new"] += 1
+            else:
+                raise AssertionError(f"{mode} {action} run {run}: digests of neither version: {got}")
+        finally:
+            writer.join()
+    print(json.dumps({"mode": mode, "seconds_per_run": took, "outcomes": outcomes, "errors": kinds}))
+
+
+@pytest.mark.parametrize("mode", ["auto", "map", "read"])
+def test_a_checkpoint_changed_while_it_is_hashed_is_an_error_or_one_whole_version_never_a_signal(mode, tmp_path):
+    code = f"from tests.test_checkpoint_changed import race; race({mode!r}, {RUNS}, {str(tmp_path)!r}, 42)"
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"rc {done.returncode} (a negative rc is the signal)\n{done.stdout}\n{done.stderr}"
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    outcomes = summary["outcomes"]
+    assert sum(o["error"] for o in outcomes.values()) + sum(o["old"] + o["new"] for o in outcomes.values()) == RUNS
+    # The writer acted during the runs: some were refused.
+    assert sum(o["error"] for o in outcomes.values()) > 0, summary
+
+
+def test_a_file_truncated_during_a_mapped_run_names_the_file_and_a_tensor(tmp_path):
+    """Truncated from the progress callback, once the run has begun: a
+    ``CheckpointError`` naming the file and a tensor (the fault of a read
+    past the new end, or the change seen at the end of the run)."""
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(_version(7)[0])
+    calls = []
+
+    def truncate_once(done: int, total: int) -> None:
+        if not calls:
+            os.truncate(path, 4096)
+        calls.append(done)
+
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: tensor 't\d': .*while it was read"):
+        checksum_checkpoint([path], progress=truncate_once, io="map")
+
+
+def test_an_index_that_names_the_wrong_shard_for_a_tensor_is_refused_naming_it(tmp_path):
+    a = {"a.weight": np.zeros(4, np.float32)}
+    b = {"b.weight": np.ones(4, np.float32)}
+    save_file(a, str(tmp_path / "model-00001-of-00002.safetensors"))
+    save_file(b, str(tmp_path / "model-00002-of-00002.safetensors"))
+    index = tmp_path / "model.safetensors.index.json"
+    # Both shards named, each tensor under the other's: every name is found
+    # somewhere, so only the shard each is in tells.
+    weight_map = {"a.weight": "model-00002-of-00002.safetensors", "b.weight": "model-00001-of-00002.safetensors"}
+    index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    with pytest.raises(CheckpointError, match=r"tensor 'a\.weight': the index names model-00002-of-00002"):
+        checksum_checkpoint([tmp_path])
+    done = run_cli("checksum", str(tmp_path))
+    code, err = done.returncode, done.stderr
+    assert code == 2 and "a.weight" in err and len(err.strip().splitlines()) == 1, (code, err)
+    # Named right, the same files pass.
+    weight_map["a.weight"] = "model-00001-of-00002.safetensors"
+    weight_map["b.weight"] = "model-00002-of-00002.safetensors"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    assert len(checksum_checkpoint([tmp_path])) == 2
