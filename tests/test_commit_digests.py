@@ -332,3 +332,62 @@ def test_a_session_never_keeps_a_dropped_model_alive():
     assert without() is None  # the control
     assert commit_digests.current() is not None and within() is None
     commit_digests.end()
+
+
+def _write_in_place(kind: str, p: torch.Tensor) -> None:
+    """An in-place write torch counts (the tensor's version counter), made
+    the ways a user's code or a framework's hook makes them."""
+    with torch.no_grad():
+        if kind == "add_":
+            p.add_(1)
+        elif kind == "copy_-through-a-view":
+            p.view(-1)[:5].copy_(torch.full((5,), 9.0))
+        elif kind == "index_put_":
+            p.index_put_((torch.tensor([0, 3]),), torch.full((2, p.shape[1]), -4.0))
+        elif kind == "slice-assign-of-a-detached-alias":
+            p.detach()[1] = 7.0
+        elif kind == "another-thread":
+            import threading
+
+            writer = threading.Thread(target=lambda: p.mul_(2).add_(0.5))
+            writer.start()
+            writer.join()
+        else:
+            raise AssertionError(kind)
+
+
+@pytest.mark.parametrize(
+    "kind", ["add_", "copy_-through-a-view", "index_put_", "slice-assign-of-a-detached-alias", "another-thread"]
+)
+def test_an_in_place_write_after_a_layers_early_digest_is_hashed_again_at_the_finish(kind):
+    """Issue 42: a layer hashed as it committed, then written in place by a
+    plain torch op before the finish (outside vLLM's copy and the weight
+    loaders): torch's version counter sends it to be hashed at the finish,
+    so the finish equals a checksum taken after it and hashlib of the bytes
+    held (it kept the early, stale digest before)."""
+    from weight_checker.integrations.vllm.worker import weight_checker_checksums
+
+    model = torch.nn.ModuleDict({f"layer{i}": torch.nn.Linear(16, 8, bias=False) for i in range(2)})
+    model.requires_grad_(False)
+    layerwise.record_metadata_for_reloading(model)
+    worker = Worker(model)
+    start(model)
+    weight_checker_begin_update_digests(worker)
+    load_weights(model, [("layer0.weight", torch.full((8, 16), 1.0))])  # commits: hashed early
+    session = commit_digests.current()
+    assert session is not None and session.wait_hashed(60) and session.hashed_bytes > 0
+    _write_in_place(kind, model["layer0"].weight)
+    load_weights(model, [("layer1.weight", torch.ones(8, 16))])
+    answer = weight_checker_finish_weight_update(worker)
+    assert not torch.equal(model["layer0"].weight, torch.full((8, 16), 1.0))  # the write is held
+    assert answer["checksums"] == oracle(model)
+    assert answer["checksums"] == weight_checker_checksums(worker)
+
+
+def test_an_inference_tensor_is_never_hashed_early():
+    """An inference tensor keeps no version counter: its writes could not be
+    seen, so it is hashed at the finish."""
+    with torch.inference_mode():
+        t = torch.ones(4)
+    assert commit_digests._version(t) is None
+    assert commit_digests._version(torch.ones(4)) == 0

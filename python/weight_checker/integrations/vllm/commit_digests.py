@@ -16,8 +16,11 @@ with ``"checksum": true``, hashes each layer's host tensors on a background
 thread right after that copy (the Rust core releases the GIL), so that the
 hashing overlaps the rest of the transfer. At the finish the worker walks its
 model as for any checksum and takes an early digest only for the very
-tensor object that was hashed, with the same layout, whose storage no copy
-has written since (every copy vLLM's reload makes into a kernel tensor goes
+tensor object that was hashed, with the same layout, that nothing has
+written since: torch's version counter of the tensor is unchanged (every
+in-place op on it or a view of it, from any thread, bumps it), and no copy
+was counted into its storage (vLLM writes through ``.data``, which torch
+does not count; every copy its reload makes into a kernel tensor goes
 through the wrapped function and every later load through the counting
 loader, so a storage shared by two layers, written by the second after the
 first was hashed, is seen); every other tensor (a layer
@@ -63,7 +66,20 @@ def _layout(t: Any) -> tuple[Any, ...]:
     return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
 
 
-_Queued = tuple[Any, Any, int, tuple[Any, ...]]
+def _version(t: Any) -> int | None:
+    """torch's count of in-place writes into ``t`` (shared by its views and
+    ``detach()`` aliases, bumped by every in-place op, ``copy_`` and indexed
+    write through any of them); ``None`` where it keeps none (an inference
+    tensor): such a tensor is hashed at the finish."""
+    try:
+        return int(t._version)
+    except (AttributeError, RuntimeError):
+        return None
+
+
+#: (tensor, its alias, the storage's writes, layout, torch's version counter),
+#: all taken when it is queued.
+_Queued = tuple[Any, Any, int, tuple[Any, ...], int]
 
 
 class CommitDigests:
@@ -74,10 +90,10 @@ class CommitDigests:
         #: Copies seen into each storage (by its address) during the session.
         self._writes: dict[int, int] = {}
         #: id(tensor) -> (a weak reference to it, digest, the storage's writes
-        #: when it was queued, layout). Weak: a session never keeps a model alive.
-        self._digests: dict[int, tuple[Any, str, int, tuple[Any, ...]]] = {}
-        #: Batches of (tensor, an alias of it, the storage's writes, layout),
-        #: all taken when the batch is queued.
+        #: when it was queued, layout, torch's version counter then). Weak: a
+        #: session never keeps a model alive.
+        self._digests: dict[int, tuple[Any, str, int, tuple[Any, ...], int]] = {}
+        #: Batches of :data:`_Queued`, all taken when the batch is queued.
         self._queue: queue.SimpleQueue[list[_Queued] | None] = queue.SimpleQueue()
         #: Batches queued and not yet hashed (see :meth:`wait_hashed`).
         self._pending = 0
@@ -119,11 +135,15 @@ class CommitDigests:
             host = []
             for t, seen in zip(tensors, followed or [True] * len(tensors), strict=True):
                 mark = self._count_write(t)
-                if mark is not None and seen and t.device.type == "cpu":
+                version = _version(t)
+                if mark is not None and version is not None and seen and t.device.type == "cpu":
                     # The alias (``detach``) holds the storage: a ``.data``
                     # swap while it is hashed can neither free the bytes
                     # being read nor pass for the layout that was hashed.
-                    host.append((t, t.detach(), mark, _layout(t)))
+                    # The version is read before the hash: a write during
+                    # it, or any time before the finish, sends the tensor
+                    # to be hashed again.
+                    host.append((t, t.detach(), mark, _layout(t), version))
             if not (self._accepting and host):
                 return
             self._pending += 1
@@ -161,21 +181,22 @@ class CommitDigests:
     def _hash(self, item: list[_Queued]) -> None:
         from weight_checker import _core
 
-        tensors = [alias for _, alias, _, _ in item]
+        tensors = [alias for _, alias, _, _, _ in item]
         try:
             digests, _ = _core.digest_many(tensors, [f"tensor {i}" for i in range(len(tensors))])
         except Exception as e:  # those tensors are hashed at the finish
             self.failed = f"{type(e).__name__}: {e}"[:300]
             return
         with self._lock:
-            for (t, _, mark, layout), digest in zip(item, digests, strict=True):
-                self._digests[id(t)] = (weakref.ref(t), digest, mark, layout)
+            for (t, _, mark, layout, version), digest in zip(item, digests, strict=True):
+                self._digests[id(t)] = (weakref.ref(t), digest, mark, layout, version)
                 self.hashed_bytes += t.numel() * t.element_size()
 
     def take(self, tensors: list[Any]) -> list[str | None]:
         """Waits for the queued hashing to end; then, for each tensor, its
         early digest where it is still valid (the same object and layout, no
-        copy into its storage since it was queued), else ``None``."""
+        copy into its storage since it was queued and no in-place write torch
+        counted: its version counter unchanged), else ``None``."""
         self._thread.join()
         out: list[str | None] = []
         with self._lock:
@@ -188,6 +209,7 @@ class CommitDigests:
                     and entry[0]() is t
                     and entry[3] == _layout(t)
                     and self._writes.get(_storage_key(t)) == entry[2]
+                    and _version(t) == entry[4]
                 )
                 out.append(entry[1] if valid and entry is not None else None)
         return out
