@@ -266,3 +266,58 @@ def test_a_moe_engines_dp_ranks_are_not_replicas_but_two_engines_are(says):
         two[1].weights = dict(two[1].loaded)
         two[0].weights["dp1:pp0:pcp0:tp0:w0"] = "0" * 64  # a dense weight: compared across DP ranks too
         assert list(weight_checker.replicas([s.url for s in two]).inconsistent) == ["pp0:pcp0:tp0:w0"]
+
+
+@pytest.mark.parametrize("when", ["always", "after-the-transfer"])
+def test_an_engine_that_answers_no_digests_is_an_error_naming_it_never_skipped(when):
+    """Issue 42: a fleet engine answering an empty digest map (an engine
+    serving no model, a checksum that covered nothing) proves nothing: every
+    entry point fails naming it, instead of a match over the others' keys."""
+    with fake_fleet(2, independent=True) as fleet:
+        empty = fleet[1]
+        expected = dict(fleet[0].loaded)
+
+        def transfer() -> None:
+            reload_all(fleet)()
+            empty.weights = {}
+
+        if when == "always":
+            empty.weights, empty.loaded = {}, {}
+        urls = [s.url for s in fleet]
+        for kw in ({"expected": expected}, {}):
+            with pytest.raises(weight_checker.VerifyError, match=f"on {empty.url}: answered no digests"):
+                weight_checker.verify(urls, transfer=transfer, **kw)
+            assert not any(s.paused for s in fleet)  # every server resumed
+            empty.weights = {} if when == "always" else dict(empty.loaded)
+        if when == "always":
+            with pytest.raises(weight_checker.VerifyError, match=f"on {empty.url}: answered no digests"):
+                weight_checker.replicas(urls)
+            args = [a for u in urls for a in ("--url", u)]
+            done = subprocess.run([*CLI, "replicas", *args], capture_output=True, text=True, timeout=120)
+            assert done.returncode == 2 and empty.url in done.stderr and "answered no digests" in done.stderr, done
+            assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
+
+
+def test_a_weight_transfer_client_whose_engine_answers_no_digests_fails_naming_it():
+    """``verified()`` over a sync client whose digests come from a checksum of
+    ``checksum_from``: an empty answer is an error naming that engine."""
+    from weight_checker.integrations.weight_transfer import verified
+
+    class Client:
+        def init_weight_transfer_engine(self, init_info):
+            pass
+
+        def start_weight_update(self):
+            pass
+
+        def update_weights(self, update_info):
+            pass
+
+        def finish_weight_update(self, weight_version=None):
+            pass
+
+    with fake_fleet(1) as fleet:
+        fleet[0].weights = {}
+        client = verified(Client(), dict(fleet[0].loaded), checksum_from=fleet[0].url)
+        with pytest.raises(weight_checker.VerifyError, match=f"on {fleet[0].url}: answered no digests"):
+            client.start_weight_update()

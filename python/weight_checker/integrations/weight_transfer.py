@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from weight_checker.errors import InputError, InputTypeError, WeightCheckerError, WeightMismatchError
+from weight_checker.errors import InputError, InputTypeError, VerifyError, WeightCheckerError, WeightMismatchError
 from weight_checker.scope import DEFAULT, parse_include
 from weight_checker.verify.compare import compare
 from weight_checker.verify.engine_digests import EngineDigests, decide_layout
@@ -417,6 +417,10 @@ class VerifiedClient:
             check.digests_from[engine.name] = "finish" if digests is not None else "checksum"
             if digests is None:
                 digests = engine.checksum(needed)
+            if not digests:  # an engine that proves nothing never passes
+                from weight_checker.verify.fanout import no_digests
+
+                raise VerifyError("finish", engine.name, no_digests(needed))
             after[engine.name] = digests
         hashed = time.perf_counter()
         self._verdict(check, after, weight_version, expected)

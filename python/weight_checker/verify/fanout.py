@@ -102,6 +102,14 @@ def fan_out(
     return results, failures
 
 
+def no_digests(include: Any) -> str:
+    """Why an engine that answered an empty digest map fails the check: it
+    proves nothing (an engine serving no model, or a scope it holds nothing
+    of), and must never pass for an engine whose keys all match."""
+    scope = ", ".join(include) if include else "the target model"
+    return f"answered no digests at all (scope: {scope}): nothing it holds can be checked"
+
+
 def first_failure(step: str, names: list[str], failures: dict[str, BaseException]) -> VerifyError:
     """One error for a step that failed on some engines: the first one named,
     the others listed; the first one's exception is its cause."""
@@ -190,6 +198,9 @@ class EngineSet:
     def per_engine(self, step: str) -> dict[str, dict[str, str]]:
         """Every engine's ``{key: hex}``, as they are (no layout decided)."""
         done = self.each("checksum", step)
+        for name in self.names:
+            if isinstance(done[name], dict) and not done[name]:
+                raise VerifyError(step, name, no_digests(self.include))
         return {n: done[n] for n in self.names}
 
     def checksums(self, step: str) -> EngineDigests:
