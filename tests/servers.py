@@ -50,6 +50,8 @@ DP2 = ("-dp", "2")
 #: The scope servers: LoRA (two slots of rank 8) and a draft model.
 LORA_ARGS = ("--enable-lora", "--max-lora-rank", "8", "--max-loras", "2")
 ALL_SCOPES = ["target", "draft", "lora"]
+#: LoRA settings that change the slots' bytes (their dtype) and which layers are wrapped.
+LORA_SETTINGS = ("--lora-dtype", "float16", "--lora-target-modules", "o_proj")
 
 
 @dataclass(frozen=True)
@@ -179,6 +181,15 @@ CONFIGS: dict[str, Config] = {
         setup=_load_scope_adapter,
         purpose="the same at TP=2",
     ),
+    "lora-tp2": Config(
+        "scope-target",
+        (*TP2, *HOOKS, *LORA_ARGS, *LORA_SETTINGS),
+        _SCOPE_ENV,
+        include=("target", "lora"),
+        setup=_load_scope_adapter,
+        purpose="LoRA settings that change the tensors (float16 slots, o_proj only) at TP=2, adapter 'a' (v1), "
+        "GPU layout: expect --server reads them",
+    ),
 }
 
 
@@ -199,6 +210,14 @@ class Models:
     def path(self, name: str) -> Path:
         with self._lock:
             return self._path(name)
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """No checkpoint is written meanwhile: for a test's own first import
+        of vLLM or transformers (a server started ahead writes its model in
+        another thread, and transformers' lazy imports are not thread-safe)."""
+        with self._lock:
+            yield
 
     def _path(self, name: str) -> Path:
         from weight_checker.testing.models import (

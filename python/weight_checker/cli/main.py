@@ -56,6 +56,18 @@ def named_dir(text: str) -> tuple[str, str]:
     return name, path
 
 
+def json_object(text: str) -> dict:
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}") from e
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
 def _server_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", action="append", required=True, help="API server (repeat for several)")
     p.add_argument(
@@ -100,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     e.add_argument(
         "--server", metavar="URL", help="the engine of this running (dev-mode) vLLM server: its model, dtype, layout, "
-        "LoRA limits and draft read from its /server_info (a flag that contradicts it is an error)"
+        "config overrides, LoRA settings and draft read from its /server_info (a flag that contradicts it is an error)"
     )  # fmt: skip
     e.add_argument("--api-key", metavar="KEY", help="the server's API key, with --server (default: $VLLM_API_KEY)")
     e.add_argument("--tp", type=positive, help="tensor-parallel size (default 1)")
@@ -108,10 +120,23 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--dp", type=positive, help="data-parallel size (default 1)")
     e.add_argument("--enable-expert-parallel", action="store_true", help="the engine's --enable-expert-parallel")
     e.add_argument("--dtype", help="the engine's --dtype (default: vLLM's choice for the config)")
+    e.add_argument(
+        "--hf-overrides", type=json_object, metavar="JSON", help="the engine's --hf-overrides (a JSON object: "
+        "the model's config fields it overrides)"
+    )  # fmt: skip
     e.add_argument("--allow-unwritten", action="store_true", help="leave out parameters the checkpoint never writes")
     e.add_argument("--enable-lora", action="store_true", help="the engine runs with --enable-lora (.base_layer. names)")
     e.add_argument("--max-lora-rank", type=positive, help="the engine's --max-lora-rank (default: vLLM's)")
     e.add_argument("--max-loras", type=positive, help="the engine's --max-loras (default: vLLM's)")
+    e.add_argument(
+        "--lora-dtype", choices=("auto", "float16", "bfloat16"), help="the engine's --lora-dtype (default auto: the "
+        "model's dtype)"
+    )  # fmt: skip
+    e.add_argument(
+        "--lora-target-modules", nargs="+", action="extend", metavar="MODULE", help="the engine's "
+        "--lora-target-modules: only these layers carry LoRA (default: every supported one)"
+    )  # fmt: skip
+    e.add_argument("--fully-sharded-loras", action="store_true", help="the engine's --fully-sharded-loras")
     e.add_argument(
         "--lora",
         action="append",

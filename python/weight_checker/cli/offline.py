@@ -50,12 +50,21 @@ def cmd_expect(args: argparse.Namespace) -> int:
             sys.stderr.write(f"\rexpect: loading and hashing {rank} ({done[0]}/{ranks})   ")
             sys.stderr.flush()
 
-    lora_limits = {k: v for k, v in (("max_lora_rank", args.max_lora_rank), ("max_loras", args.max_loras)) if v}
+    # The engine's LoRA settings given (vLLM's engine arguments), and the flags that gave them.
+    lora_flags = {
+        "max_lora_rank": (args.max_lora_rank, "--max-lora-rank"),
+        "max_loras": (args.max_loras, "--max-loras"),
+        "lora_dtype": (args.lora_dtype, "--lora-dtype"),
+        "lora_target_modules": (args.lora_target_modules, "--lora-target-modules"),
+        "fully_sharded_loras": (args.fully_sharded_loras or None, "--fully-sharded-loras"),
+    }
+    lora_settings = {k: v for k, (v, _) in lora_flags.items() if v}
     names = [name for name, _ in args.lora]
     if len(set(names)) != len(names):
         raise UsageError(f"--lora: adapter {next(n for n in names if names.count(n) > 1)!r} given twice")
-    if lora_limits and not (args.enable_lora or args.lora or args.server):
-        raise UsageError("--max-lora-rank / --max-loras need --enable-lora (or --lora)")
+    if lora_settings and not (args.enable_lora or args.lora or args.server):
+        flags = " / ".join(flag for k, (_, flag) in lora_flags.items() if k in lora_settings)
+        raise UsageError(f"{flags}: LoRA settings of the engine, they need --enable-lora (or --lora)")
     if args.api_key and not args.server:
         raise UsageError("--api-key is the --server's")
     if args.api_key:
@@ -79,8 +88,9 @@ def cmd_expect(args: argparse.Namespace) -> int:
             weight_version=args.weight_version,
             like=args.server,
             buffers=args.buffers,
-            **lora_limits,
+            **lora_settings,
             **({"enable_expert_parallel": True} if args.enable_expert_parallel else {}),
+            **({"hf_overrides": args.hf_overrides} if args.hf_overrides is not None else {}),
         )
     except ExpectedDigestsError as e:
         raise UsageError(str(e)) from e

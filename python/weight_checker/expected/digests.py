@@ -140,12 +140,16 @@ def expected_digests(
 
     ``like``: the URL of a running (dev-mode) vLLM server whose engine these
     digests are for: its model (when ``model`` is ``None``), dtype, layout,
-    expert parallelism, LoRA limits and draft model are read from its
-    ``/server_info`` (:mod:`.server_config`); an argument given here that
-    contradicts it is an error.
+    expert parallelism, model config overrides, LoRA settings and draft model
+    are read from its ``/server_info`` (:mod:`.server_config`, which lists
+    them, and what it refuses); an argument given here that contradicts it is
+    an error.
 
     ``enable_lora`` (implied by ``loras``): the engine runs with LoRA, so its
-    target keys carry vLLM's ``.base_layer.`` names. ``loras``: adapter name
+    target keys carry vLLM's ``.base_layer.`` names; its settings are vLLM's
+    engine arguments: ``max_lora_rank``, ``max_loras``, ``lora_dtype``
+    (``"float16"``...), ``lora_target_modules`` (e.g. ``["o_proj"]``: only
+    those layers are wrapped), ``fully_sharded_loras``. ``loras``: adapter name
     -> PEFT directory or the trainer's ``(tensors, adapter_config)``; each
     adapter's slot contents on every rank, keys ``lora:{name}:{module}.lora_a``
     / ``.lora_b``. ``draft``: the draft model's directory (draft-model
@@ -173,6 +177,10 @@ def expected_digests(
     elif model is None:
         raise ExpectedDigestsError("no model given (a checkpoint directory, engine arguments, or like=URL)")
     args = {k: v for k, v in given.items() if v is not None}
+    if "lora_dtype" in args or "lora_target_modules" in args:
+        from weight_checker.expected.lora import lora_engine_arguments
+
+        args = lora_engine_arguments(args)
     layout = {name: args.pop(name, 1) for name in ("tp", "pp", "dp")}
     with _LOCK:
         out = _expected_digests(
@@ -243,10 +251,16 @@ def _expected_digests(
         "architecture": model_config.architecture,
     }  # fmt: skip
     if enable_lora:
+        lora_config = config.lora_config
         out.layout["lora"] = {
-            "max_lora_rank": config.lora_config.max_lora_rank,
-            "max_loras": config.lora_config.max_loras,
+            "max_lora_rank": lora_config.max_lora_rank,
+            "max_loras": lora_config.max_loras,
+            "lora_dtype": str(lora_config.lora_dtype).removeprefix("torch."),
         }
+        if lora_config.fully_sharded_loras:
+            out.layout["lora"]["fully_sharded_loras"] = True
+        if lora_config.target_modules is not None:
+            out.layout["lora"]["target_modules"] = sorted(lora_config.target_modules)
     if draft is not None:
         out.layout["draft"] = str(draft)
     if buffers:

@@ -27,6 +27,40 @@ from weight_checker.expected.rank_model import one_line
 Adapters = Mapping[str, Any]
 
 
+#: ``lora_dtype`` values vLLM's LoRA config takes by name; any other dtype it takes as a ``torch.dtype``.
+_NAMED_LORA_DTYPES = ("auto", "float16", "bfloat16")
+
+
+def lora_engine_arguments(args: Mapping[str, Any]) -> dict[str, Any]:
+    """``args`` with the engine's LoRA settings in the form vLLM's
+    ``EngineArgs`` takes, checked before any model is built:
+    ``lora_dtype`` (``"float16"``, ``"torch.float16"``, ``"auto"`` or a
+    ``torch.dtype``; a server states ``float32`` for ``auto`` on a float32
+    model, which vLLM takes only as ``torch.float32``) and
+    ``lora_target_modules`` (module names, vLLM's ``--lora-target-modules``;
+    a single name may be a string)."""
+    out = dict(args)
+    dtype = out.get("lora_dtype")
+    if isinstance(dtype, str):
+        name = dtype.removeprefix("torch.")
+        if name in _NAMED_LORA_DTYPES:
+            out["lora_dtype"] = name
+        else:
+            import torch
+
+            value = getattr(torch, name, None)
+            if not isinstance(value, torch.dtype) or not value.is_floating_point:
+                raise ExpectedDigestsError(f"lora_dtype {dtype!r}: not a floating-point dtype")
+            out["lora_dtype"] = value
+    modules = out.get("lora_target_modules")
+    if modules is not None:
+        modules = [modules] if isinstance(modules, str) else modules
+        if not isinstance(modules, (list, tuple)) or not modules or not all(isinstance(m, str) and m for m in modules):
+            raise ExpectedDigestsError(f"lora_target_modules must be module names (e.g. ['o_proj']), got {modules!r}")
+        out["lora_target_modules"] = list(modules)
+    return out
+
+
 def check_adapters(loras: Adapters | None, max_loras: int) -> list[tuple[str, int, Any]]:
     """``[(name, lora_int_id, adapter)]``, each adapter checked before any
     model is built: a directory must be a PEFT LoRA adapter, trainer

@@ -5,6 +5,7 @@ result exact (quantized layers, post-load processing that changes bytes)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import threading
 from collections.abc import Callable, Mapping
@@ -32,7 +33,17 @@ def _engine_args(model: Any, tp: int, pp: int, dtype: str | None, engine_args: M
     args = {**defaults, **engine_args, "tensor_parallel_size": tp, "pipeline_parallel_size": pp}
     if dtype is not None:
         args["dtype"] = dtype
+    # A server of another vLLM states settings this one may not have: one
+    # left at its default changes nothing (any other is vLLM's error).
+    if dataclasses.is_dataclass(EngineArgs):
+        known = {f.name for f in dataclasses.fields(EngineArgs)}
+        args = {k: v for k, v in args.items() if k in known or not isinstance(v, _SCALAR) or v not in _UNSET}
     return EngineArgs(**args)
+
+
+#: Values that leave an engine argument at vLLM's default (``False`` == 0 too).
+_UNSET: tuple[Any, ...] = (None, False, "auto", "linear", {}, [])
+_SCALAR = (type(None), bool, int, str, dict, list)
 
 
 class _Arena:

@@ -6,17 +6,22 @@ repeating its flags by hand (a server with ``--max-lora-rank 8 --max-loras 2``
 checked with vLLM's defaults showed 15 of 47 keys equal: every adapter key
 "differed", a false alarm that looks like a sync bug). A dev-mode server
 (``VLLM_SERVER_DEV_MODE=1``) states its resolved configuration at
-``GET /server_info?config_format=json`` (TRL reads it too); this takes from it
-the model, the dtype, TP / PP / DP, expert parallelism, the LoRA limits and
-a draft model's speculative config, and refuses what expected digests
-cannot be computed for (quantization, speculative methods other than a
-draft model). A value the caller passed that contradicts the server is an
-error naming both.
+``GET /server_info?config_format=json`` (vLLM's pydantic dump of its
+``VllmConfig``; TRL reads it too). Every field of it that changes which
+tensors the engine holds, or their bytes, is read here and becomes the
+engine argument of the same meaning (:data:`MODEL_FIELDS`,
+:data:`LORA_FIELDS`, the layout, a draft model's speculative config); a
+field whose effect expected digests cannot reproduce is refused by name
+(quantization, class overrides, context parallelism, expert load balancing,
+speculative methods other than a draft model, a draft with its own TP size).
+A value the caller passed that contradicts the server is an error naming both.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from weight_checker.errors import ExpectedDigestsError, HttpError
@@ -33,7 +38,8 @@ class ServerEngine:
     tp: int
     pp: int
     dp: int
-    #: ``expected_digests``' other arguments: dtype, LoRA, draft, EP...
+    #: ``expected_digests``' other arguments (engine arguments): dtype, LoRA, draft, EP...
+    #: A field the server states as unset is ``None`` here (vLLM's default is used).
     arguments: dict[str, Any] = field(default_factory=dict)
 
 
@@ -43,6 +49,47 @@ def _get(mapping: Any, *path: str) -> Any:
             return None
         mapping = mapping.get(part)
     return mapping
+
+
+#: ``model_config`` fields that change what the model is built from, passed on
+#: as the engine argument of the same name: the checkpoint's revision, the
+#: config (overrides, its path and format), the implementation, the runner and
+#: its conversion (pooling heads), and the context length (some models size
+#: their rotary caches by it: ``deepseek_v2``, ``plamo3``, ``minimax_m2``).
+MODEL_FIELDS = (
+    "max_model_len",
+    "revision",
+    "code_revision",
+    "trust_remote_code",
+    "hf_overrides",
+    "hf_config_path",
+    "config_format",
+    "model_impl",
+    "runner",
+    "convert",
+)
+
+#: ``lora_config`` field -> the engine argument: every one that changes the
+#: slots' tensors (their shapes: rank, slots, sharding, classifier labels;
+#: their dtype; which layers are wrapped, and so which base weights carry
+#: ``.base_layer.`` names: target modules, tower/connector; the MoE layouts).
+#: Not read, as they change no tensor: ``max_cpu_loras`` (the CPU cache),
+#: ``specialize_active_lora`` (kernel grids), ``default_mm_loras`` (adapters
+#: chosen per request, held in the same slots as any other).
+LORA_FIELDS = {
+    "max_lora_rank": "max_lora_rank",
+    "max_loras": "max_loras",
+    "fully_sharded_loras": "fully_sharded_loras",
+    "lora_dtype": "lora_dtype",
+    "target_modules": "lora_target_modules",
+    "enable_tower_connector_lora": "enable_tower_connector_lora",
+    "enable_mixed_moe_lora_format": "enable_mixed_moe_lora_format",
+    "enable_moe_shared_loras": "enable_moe_shared_loras",
+    "max_lora_cls_labels": "max_lora_cls_labels",
+}
+
+#: ``multimodal_config`` fields that leave a tower or the language model unbuilt.
+MULTIMODAL_FIELDS = ("language_model_only", "mm_encoder_only")
 
 
 def server_engine(url: str, *, api_key: str | None = None, timeout: float = 60.0) -> ServerEngine:
@@ -67,50 +114,125 @@ def server_engine(url: str, *, api_key: str | None = None, timeout: float = 60.0
     model = _get(config, "model_config", "model")
     if not isinstance(model, str) or not model:
         raise ExpectedDigestsError(f"{url}: /server_info names no model")
-    quantization = _get(config, "model_config", "quantization")
-    if quantization:
-        raise ExpectedDigestsError(
-            f"{url} runs a quantized model ({quantization}): its post-load processing changes bytes; not supported"
-        )
     parallel = _get(config, "parallel_config") or {}
+    tp = int(parallel.get("tensor_parallel_size") or 1)
     args: dict[str, Any] = {}
-    dtype = _get(config, "model_config", "dtype")
-    if isinstance(dtype, str) and dtype:
-        args["dtype"] = dtype.removeprefix("torch.")
-    for name in ("max_model_len", "revision", "trust_remote_code"):
-        value = _get(config, "model_config", name)
-        if value is not None:
-            args[name] = value
-    if parallel.get("enable_expert_parallel"):
-        args["enable_expert_parallel"] = True
+    _model_arguments(url, config.get("model_config") or {}, args)
+    _parallel_arguments(url, parallel, args)
     lora = config.get("lora_config")
     if isinstance(lora, dict):
         args["enable_lora"] = True
-        for name in ("max_lora_rank", "max_loras"):
-            if lora.get(name) is not None:
-                args[name] = lora[name]
-        if lora.get("fully_sharded_loras"):
-            args["fully_sharded_loras"] = True
+        _lora_arguments(url, lora, args)
     spec = config.get("speculative_config")
     if isinstance(spec, dict):
-        method = spec.get("method")
-        if method == "draft_model":
-            args["draft"] = spec.get("model")
-            if spec.get("num_speculative_tokens") is not None:
-                args["num_speculative_tokens"] = spec["num_speculative_tokens"]
-        elif method not in (None, "ngram", "suffix"):  # n-gram and suffix methods hold no weights
-            raise ExpectedDigestsError(
-                f"{url} decodes speculatively with {method!r}: its heads are hashed, but expected digests are "
-                "computed for draft models only"
-            )
+        _draft_arguments(url, spec, tp, args)
     return ServerEngine(
         url,
         model,
-        int(parallel.get("tensor_parallel_size") or 1),
+        tp,
         int(parallel.get("pipeline_parallel_size") or 1),
         int(parallel.get("data_parallel_size") or 1),
         args,
     )
+
+
+def _refuse(url: str, name: str, value: Any, why: str) -> ExpectedDigestsError:
+    return ExpectedDigestsError(
+        f"{url} runs with {name} = {value!r}: {why}; expected digests cannot be computed for it"
+    )
+
+
+def _model_arguments(url: str, model: dict[str, Any], args: dict[str, Any]) -> None:
+    for name in ("quantization", "quantization_config"):
+        if model.get(name):
+            raise _refuse(url, name, model[name], "a quantized model's post-load processing changes bytes")
+    if model.get("model_class_overrides"):
+        raise _refuse(
+            url,
+            "model_class_overrides",
+            model["model_class_overrides"],
+            "model classes registered in the server's process, not in this one",
+        )
+    overrides = model.get("hf_overrides")
+    if overrides is not None and not isinstance(overrides, dict):
+        raise _refuse(
+            url, "hf_overrides", overrides, "a function changed the model's config (only a mapping is stated)"
+        )
+    dtype = model.get("dtype")
+    if isinstance(dtype, str) and dtype:
+        args["dtype"] = dtype.removeprefix("torch.")
+    for name in MODEL_FIELDS:
+        if name in model:
+            args[name] = model[name]
+    multimodal = model.get("multimodal_config")
+    if isinstance(multimodal, dict):
+        for name in MULTIMODAL_FIELDS:
+            if name in multimodal:
+                args[name] = bool(multimodal[name])
+
+
+def _parallel_arguments(url: str, parallel: dict[str, Any], args: dict[str, Any]) -> None:
+    pcp = parallel.get("prefill_context_parallel_size")
+    if isinstance(pcp, int) and pcp > 1:
+        raise _refuse(
+            url, "prefill_context_parallel_size", pcp, "expected digests are computed for context-parallel rank 0 only"
+        )
+    if parallel.get("enable_eplb"):
+        raise _refuse(url, "enable_eplb", True, "expert load balancing moves experts between ranks as it runs")
+    if "enable_expert_parallel" in parallel:
+        args["enable_expert_parallel"] = bool(parallel["enable_expert_parallel"])
+    strategy = parallel.get("expert_placement_strategy")
+    if isinstance(strategy, str) and strategy != "linear":
+        args["expert_placement_strategy"] = strategy
+
+
+def _lora_arguments(url: str, lora: dict[str, Any], args: dict[str, Any]) -> None:
+    extra_vocab = lora.get("lora_extra_vocab_size")
+    if extra_vocab:  # earlier vLLMs: extra embedding rows per slot
+        from importlib.util import find_spec
+
+        if find_spec("vllm") is None or not hasattr(_engine_args_class(), "lora_extra_vocab_size"):
+            raise _refuse(url, "lora_extra_vocab_size", extra_vocab, "this vLLM has no extra LoRA vocabulary")
+        args["lora_extra_vocab_size"] = extra_vocab
+    for name, argument in LORA_FIELDS.items():
+        if name not in lora:
+            continue
+        value = lora[name]
+        if isinstance(value, bool) or name.startswith(("enable_", "fully_")):
+            value = bool(value)
+        elif name == "lora_dtype" and isinstance(value, str):
+            value = value.removeprefix("torch.")
+        args[argument] = value
+
+
+def _engine_args_class() -> Any:
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs
+
+
+def _draft_arguments(url: str, spec: dict[str, Any], tp: int, args: dict[str, Any]) -> None:
+    method = spec.get("method")
+    if method in (None, "ngram", "suffix"):  # n-gram and suffix methods hold no weights
+        return
+    if method != "draft_model":
+        raise ExpectedDigestsError(
+            f"{url} decodes speculatively with {method!r}: its heads are hashed, but expected digests are "
+            "computed for draft models only"
+        )
+    if spec.get("quantization"):
+        raise _refuse(url, "speculative_config.quantization", spec["quantization"], "a quantized draft")
+    draft_tp = spec.get("draft_tensor_parallel_size")
+    if draft_tp is not None and draft_tp != tp:
+        raise _refuse(
+            url,
+            "speculative_config.draft_tensor_parallel_size",
+            draft_tp,
+            f"a draft sharded otherwise than the target (TP {tp})",
+        )
+    args["draft"] = spec.get("model")
+    if spec.get("num_speculative_tokens") is not None:
+        args["num_speculative_tokens"] = spec["num_speculative_tokens"]
 
 
 #: expected_digests' arguments a server states, and what the CLI calls them.
@@ -121,10 +243,53 @@ FLAGS = {
     "dtype": "--dtype",
     "max_lora_rank": "--max-lora-rank",
     "max_loras": "--max-loras",
+    "lora_dtype": "--lora-dtype",
+    "lora_target_modules": "--lora-target-modules",
+    "fully_sharded_loras": "--fully-sharded-loras",
+    "hf_overrides": "--hf-overrides",
     "draft": "--draft",
     "num_speculative_tokens": "--num-speculative-tokens",
     "enable_expert_parallel": "--enable-expert-parallel",
 }
+
+#: The LoRA arguments: given to an engine without LoRA, an error.
+LORA_ARGUMENTS = frozenset(LORA_FIELDS.values()) | {"lora_extra_vocab_size"}
+
+
+def _dtype_name(value: Any) -> str:
+    return str(value).removeprefix("torch.")
+
+
+def _same_modules(given: Any, stated: Any) -> bool:
+    if stated is None or given is None:
+        return given is stated
+    given = [given] if isinstance(given, str) else given
+    return sorted(set(given)) == sorted(set(stated))
+
+
+def _same_path(given: Any, stated: Any) -> bool:
+    return Path(str(given)).resolve() == Path(str(stated)).resolve()
+
+
+_SAME: dict[str, Callable[[Any, Any], bool]] = {
+    "dtype": lambda given, stated: _dtype_name(given) == _dtype_name(stated),
+    "draft": _same_path,
+    "lora_target_modules": _same_modules,
+}
+
+
+def _shown(name: str, value: Any) -> str:
+    """How the CLI would have been given ``value``: ``--flag value``."""
+    flag = FLAGS.get(name, name)
+    if value is True:
+        return flag
+    if isinstance(value, (list, tuple)):
+        return " ".join([flag, *map(str, value)])
+    if isinstance(value, dict):
+        import json
+
+        return f"{flag} {json.dumps(value)}"
+    return f"{flag} {value}"
 
 
 def reconcile(server: ServerEngine, given: dict[str, Any]) -> dict[str, Any]:
@@ -136,15 +301,20 @@ def reconcile(server: ServerEngine, given: dict[str, Any]) -> dict[str, Any]:
         if value is None or name not in stated:
             continue
         want = stated[name]
-        same = str(value).removeprefix("torch.") == str(want) if name in ("dtype", "draft") else value == want
-        if name == "draft":
-            from pathlib import Path
-
-            same = Path(str(value)).resolve() == Path(str(want)).resolve()
+        if name == "lora_dtype" and _dtype_name(value) == "auto":
+            # vLLM's "auto": the model's dtype.
+            same = _dtype_name(want) in ("auto", _dtype_name(stated.get("dtype")))
+        elif name == "lora_dtype":
+            same = _dtype_name(value) == _dtype_name(want)
+        else:
+            same = _SAME.get(name, lambda a, b: bool(a == b))(value, want)
         if not same:
             raise ExpectedDigestsError(
-                f"{FLAGS.get(name, name)} {value} contradicts {server.url}, which runs with {name} = {want!r}"
+                f"{_shown(name, value)} contradicts {server.url}, which runs with {name} = {want!r}"
             )
-    if given.get("enable_lora") and not stated.get("enable_lora"):
-        raise ExpectedDigestsError(f"LoRA was asked for, but {server.url} runs without --enable-lora")
+    if not stated.get("enable_lora"):
+        asked = [n for n in ("enable_lora", *sorted(LORA_ARGUMENTS)) if given.get(n) not in (None, False)]
+        if asked:
+            what = "LoRA" if asked[0] == "enable_lora" else _shown(asked[0], given[asked[0]])
+            raise ExpectedDigestsError(f"{what} was asked for, but {server.url} runs without --enable-lora")
     return {**{k: v for k, v in given.items() if v is not None}, **stated}
