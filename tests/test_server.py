@@ -208,7 +208,7 @@ def test_route_exists_only_in_dev_mode(workers, monkeypatch):
         assert ("/weight_checker" in {r.path for r in app.routes}) is present
 
 
-def test_openapi_documents_the_three_actions(client):
+def test_openapi_documents_vllms_three_actions_and_block_digests(client):
     spec = client.get("/openapi.json").json()
     op = spec["paths"]["/weight_checker"]["post"]
     variants = op["requestBody"]["content"]["application/json"]["schema"]["oneOf"]
@@ -216,6 +216,7 @@ def test_openapi_documents_the_three_actions(client):
         "checksum",
         "reset",
         "compare",
+        "block_digests",  # this package's own (issue 43)
     }
     assert {"200", "400", "500"} <= set(op["responses"])
 

@@ -50,6 +50,23 @@ OPENAPI: dict[str, Any] = {
                             "properties": {"action": {"const": "compare"}, "baseline": _DIGEST_MAP},
                             "required": ["action", "baseline"],
                         },
+                        {
+                            "title": "block_digests",
+                            "description": "this package's action (not vLLM's): each named tensor hashed in blocks",
+                            "type": "object",
+                            "properties": {
+                                "action": {"const": "block_digests"},
+                                "keys": {
+                                    "type": "array",
+                                    "items": {"type": "string", "minLength": 1},
+                                    "minItems": 1,
+                                    "maxItems": 64,
+                                    "uniqueItems": True,
+                                },
+                                "block_bytes": {"type": "integer", "minimum": 1},
+                            },
+                            "required": ["action", "keys", "block_bytes"],
+                        },
                     ]
                 }
             }
@@ -57,7 +74,8 @@ OPENAPI: dict[str, Any] = {
     },
     "responses": {
         "200": {
-            "description": "checksum: {checksums}; reset: {status}; compare: {match, mismatches}",
+            "description": "checksum: {checksums}; reset: {status}; compare: {match, mismatches}; "
+            "block_digests: {block_digests}",
             "content": {
                 "application/json": {
                     "schema": {
@@ -71,6 +89,25 @@ OPENAPI: dict[str, Any] = {
                                 "type": "object",
                                 "properties": {"status": {"const": "reset"}},
                                 "required": ["status"],
+                            },
+                            {
+                                "type": "object",
+                                "properties": {
+                                    "block_digests": {
+                                        "type": "object",
+                                        "additionalProperties": {
+                                            "type": "object",
+                                            "properties": {
+                                                "digests": {"type": "array", "items": {"type": "string"}},
+                                                "block_bytes": {"type": "integer"},
+                                                "nbytes": {"type": "integer"},
+                                                "shape": {"type": "array", "items": {"type": "integer"}},
+                                                "dtype": {"type": "string"},
+                                            },
+                                        },
+                                    }
+                                },
+                                "required": ["block_digests"],
                             },
                             {
                                 "type": "object",

@@ -14,7 +14,7 @@ from weight_checker.errors import InputError
 from weight_checker.keys import first_repeated
 from weight_checker.scope import SCOPES, parse_include
 
-ACTIONS = ("checksum", "reset", "compare")
+ACTIONS = ("checksum", "reset", "compare", "block_digests")
 
 
 class BadRequest(Exception):
@@ -53,6 +53,10 @@ class WeightCheckerRequest:
     action: str
     baseline: dict[str, str] | None = None
     include: tuple[str, ...] | None = None
+    #: ``block_digests`` (this package's action, not vLLM's): the keys whose
+    #: tensors are hashed in blocks of ``block_bytes``.
+    keys: tuple[str, ...] = ()
+    block_bytes: int = 0
 
 
 def parse_request(content_type: str | None, raw: bytes) -> WeightCheckerRequest:
@@ -105,4 +109,29 @@ def parse_request(content_type: str | None, raw: bytes) -> WeightCheckerRequest:
             raise BadRequest(
                 f"'include' must be a non-empty list of {', '.join(SCOPES)}; got {scope!r:.80}", "body.include"
             ) from e
-    return WeightCheckerRequest(action, baseline, include)
+    keys: tuple[str, ...] = ()
+    block_bytes = 0
+    if action == "block_digests":
+        keys, block_bytes = _block_request(body)
+    return WeightCheckerRequest(action, baseline, include, keys, block_bytes)
+
+
+def _block_request(body: dict[str, object]) -> tuple[tuple[str, ...], int]:
+    """``keys`` and ``block_bytes`` of a ``block_digests`` request: a
+    non-empty list of distinct keys (at most :data:`MAX_KEYS`), a whole
+    number of bytes of at least 1."""
+    from weight_checker.hashing.blocks import MAX_KEYS
+
+    keys = body.get("keys")
+    if not isinstance(keys, list) or not keys or not all(isinstance(k, str) and k for k in keys):
+        raise BadRequest(f"'keys' must be a non-empty list of keys, got {keys!r:.80}", "body.keys")
+    if len(keys) > MAX_KEYS:
+        raise BadRequest(f"'keys' names {len(keys)} keys: at most {MAX_KEYS} a request", "body.keys")
+    if len(set(keys)) != len(keys):
+        raise BadRequest(f"'keys' names {first_repeated(keys)!r:.80} twice", "body.keys")
+    size = body.get("block_bytes")
+    if isinstance(size, float) and size.is_integer():  # JSON's 1.0 is the integer 1 (as JSON Schema says)
+        size = int(size)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise BadRequest(f"'block_bytes' must be a whole number of bytes >= 1, got {size!r:.80}", "body.block_bytes")
+    return tuple(keys), size

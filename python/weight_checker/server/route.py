@@ -81,6 +81,10 @@ class EngineAdapter:
     reset: Callable[[], Awaitable[None]]
     scoped_checksums: Callable[[list[str]], Awaitable[list[dict[str, Any]]]] | None = None
     scoped_reset: Callable[[list[str]], Awaitable[None]] | None = None
+    #: ``block_digests(keys, block_bytes)``: one answer per worker,
+    #: ``{"blocks": {key: {...}}, "errors": {key: message}}`` for the keys it
+    #: holds (see ``weight_checker_block_digests``); ``None``: not offered.
+    block_digests: Callable[[list[str], int], Awaitable[list[dict[str, Any]]]] | None = None
     lock: _SharedExclusiveLock = field(default_factory=_SharedExclusiveLock, repr=False)
 
 
@@ -105,6 +109,8 @@ def create_router(get_adapter: Callable[[Request], EngineAdapter]) -> APIRouter:
         except BadRequest as e:
             return error_response(HTTPStatus.BAD_REQUEST, e.message, e.param)
         adapter = get_adapter(request)
+        if req.action == "block_digests":
+            return await _block_digests(adapter, req)
         if req.include is not None and (adapter.scoped_checksums is None or adapter.scoped_reset is None):
             message = "this engine cannot checksum a scope ('include')"
             return error_response(HTTPStatus.BAD_REQUEST, message, "body.include")
@@ -137,6 +143,31 @@ def create_router(get_adapter: Callable[[Request], EngineAdapter]) -> APIRouter:
         return JSONResponse(dict(compare(req.baseline, checksums)) | extra)
 
     return router
+
+
+async def _block_digests(adapter: EngineAdapter, req: Any) -> JSONResponse:
+    """Every named key's block digests, from the worker that holds it; a key
+    no worker holds, or a block size above a tensor's size, is a 400 naming
+    it (nothing else is answered)."""
+    if adapter.block_digests is None:
+        return error_response(HTTPStatus.BAD_REQUEST, "this engine cannot give block digests", "body.action")
+    async with adapter.lock.shared():
+        answers = await adapter.block_digests(list(req.keys), req.block_bytes)
+    blocks: dict[str, Any] = {}
+    for answer in answers:
+        errors = answer.get("errors") or {}
+        if errors:
+            key = min(errors)
+            return error_response(HTTPStatus.BAD_REQUEST, f"{key}: {errors[key]}", "body.block_bytes")
+        for key, value in (answer.get("blocks") or {}).items():
+            if key in blocks:
+                return error_response(HTTPStatus.INTERNAL_SERVER_ERROR, f"Duplicate weight checksum keys: [{key!r}]")
+            blocks[key] = value
+    unknown = [k for k in req.keys if k not in blocks]
+    if unknown:
+        more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
+        return error_response(HTTPStatus.BAD_REQUEST, f"no worker holds the key {unknown[0]!r}{more}", "body.keys")
+    return JSONResponse({"block_digests": blocks})
 
 
 def mount(app: FastAPI, get_adapter: Callable[[Request], EngineAdapter], *, enabled: bool = True) -> bool:

@@ -50,7 +50,16 @@ def adapter_for(engine_client: Any) -> EngineAdapter:
     async def scoped_reset(include: list[str]) -> None:
         await _all_engines(engine_client, "weight_checker_reset", (include,))
 
-    return EngineAdapter(checksums=checksums, reset=reset, scoped_checksums=scoped_checksums, scoped_reset=scoped_reset)
+    async def block_digests(keys: list[str], block_bytes: int) -> list[dict[str, Any]]:
+        return await _all_engines(engine_client, "weight_checker_block_digests", (keys, block_bytes))
+
+    return EngineAdapter(
+        checksums=checksums,
+        reset=reset,
+        scoped_checksums=scoped_checksums,
+        scoped_reset=scoped_reset,
+        block_digests=block_digests,
+    )
 
 
 def weight_update_routes_for(app: Any, engine_client: Any) -> Any:

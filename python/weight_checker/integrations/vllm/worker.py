@@ -294,6 +294,45 @@ def weight_checker_dp_sharded(self: Any) -> list[str]:
     return sorted(names)
 
 
+def weight_checker_block_digests(self: Any, keys: Any, block_bytes: Any) -> dict[str, Any]:
+    """Block digests (:mod:`weight_checker.hashing.blocks`) of the named keys
+    this worker holds, each tensor cut in blocks of ``block_bytes``:
+    ``{"rank": ..., "blocks": {key: {"digests", "block_bytes", "nbytes",
+    "shape", "dtype"}}, "errors": {key: why}}``. Only the named tensors are
+    read; keys of other ranks are left to their workers. A block size above
+    a tensor's size is an error for that key (nothing is hashed then)."""
+    from weight_checker.hashing.blocks import block_digests
+    from weight_checker.integrations.vllm.scope_walk import scoped_pairs
+    from weight_checker.scope import scope_of
+
+    prefix = worker_prefix(self)
+    wanted = [k for k in keys if isinstance(k, str) and k.startswith(prefix)]
+    answer: dict[str, Any] = {"rank": prefix.rstrip(":"), "blocks": {}, "errors": {}}
+    if not wanted:
+        return answer
+    _set_thread_budget(self)
+    scope = sorted({scope_of(k) for k in wanted})
+    pairs, _ = scoped_pairs(self, scope, prefix)
+    held = dict(pairs)
+    named = [(k, held[k]) for k in wanted if k in held]
+    for key, tensor in named:
+        nbytes = tensor.numel() * tensor.element_size()
+        if block_bytes > nbytes:
+            answer["errors"][key] = f"block_bytes {block_bytes} is above the tensor's {nbytes} bytes"
+    if answer["errors"]:
+        return answer
+    digests = block_digests([t for _, t in named], [int(block_bytes)] * len(named), [k for k, _ in named])
+    for (key, tensor), blocks in zip(named, digests, strict=True):
+        answer["blocks"][key] = {
+            "digests": blocks,
+            "block_bytes": int(block_bytes),
+            "nbytes": tensor.numel() * tensor.element_size(),
+            "shape": list(tensor.shape),
+            "dtype": str(tensor.dtype).removeprefix("torch."),
+        }
+    return answer
+
+
 def patch_worker_class(worker_cls: type) -> None:
     """Makes ``worker_cls`` (vLLM's GPU ``Worker``; CPU and other workers
     inherit it) use weight_checker. Safe to call more than once."""
@@ -305,6 +344,7 @@ def patch_worker_class(worker_cls: type) -> None:
     setattr(worker_cls, "weight_checker_scope_checksums", weight_checker_scope_checksums)  # noqa: B010
     setattr(worker_cls, "weight_checker_vllm_reference", weight_checker_vllm_reference)  # noqa: B010
     setattr(worker_cls, "weight_checker_dp_sharded", weight_checker_dp_sharded)  # noqa: B010
+    setattr(worker_cls, "weight_checker_block_digests", weight_checker_block_digests)  # noqa: B010
     setattr(worker_cls, "weight_checker_finish_weight_update", weight_checker_finish_weight_update)  # noqa: B010
     setattr(worker_cls, "weight_checker_begin_update_digests", weight_checker_begin_update_digests)  # noqa: B010
     setattr(worker_cls, "weight_checker_end_update_digests", weight_checker_end_update_digests)  # noqa: B010

@@ -1,0 +1,564 @@
+"""Why a check failed: where in each tensor, and the likely cause.
+
+For each mismatched key (the first :data:`DEFAULT_LIMIT`), the engine's
+digest and, where it is needed, its block digests
+(:mod:`weight_checker.hashing.blocks`) are compared with candidates computed
+from the expected tensors, cheapest first:
+
+1. whole digests, free: the digest a previous version expected for that key
+   (``version:{label}``) or the one another tensor-parallel rank must hold
+   (``shard-of:tp{j}``);
+2. block digests, for the rest: the engine hashes the named tensors in
+   blocks of whole rows, the expected tensor is hashed the same way, and the
+   blocks that differ are the byte ranges (and rows) that differ; each such
+   block is then compared with the same block of each candidate: all zeros
+   (``zeros``), a previous version's tensor, another rank's shard, the
+   expected source round-tripped through another dtype
+   (``dtype-roundtrip:float16``, ``dtype-roundtrip:bfloat16``), an fp32
+   source truncated to bf16 instead of rounded (``truncate:bfloat16``), the
+   source transposed (``transposed``). A candidate is hashed only on the
+   blocks still unexplained, and is only computed while some are.
+
+A cause is named only where a candidate's digest equals the engine's: never
+a guess. A key whose differing blocks match no candidate is ``unknown``; one
+whose blocks match different candidates is ``mixed`` (each block range says
+which). A correct update asks for nothing: this runs only on a mismatch.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from weight_checker.errors import WeightCheckerError
+from weight_checker.hashing.blocks import block_bytes_for, block_ranges, flat_bytes, rows_text
+from weight_checker.keys import split_rank
+
+#: Keys explained by default (the first, in key order): each is hashed again
+#: on the engine and on this side.
+DEFAULT_LIMIT = 64
+
+#: Transforms of the expected source tried on the blocks that differ, in order.
+TRANSFORMS = ("dtype-roundtrip:float16", "dtype-roundtrip:bfloat16", "truncate:bfloat16", "transposed")
+
+#: The classes whose keys both sides hold (a missing or unexpected key has
+#: nothing to compare block by block).
+EXPLAINED_CLASSES = ("changed", "stale", "wrong-shard", "untouched-since-reset")
+
+
+class ExpectedTensors(Protocol):
+    """Where the expected tensors of some keys come from: for each key,
+    ``{None: the tensor the rank must hold, transform: the tensor it would
+    hold had the source been transformed first}`` (a transform that does
+    not apply is absent). Raises :class:`WeightCheckerError` for keys it
+    cannot give (why goes to the explanation's notes)."""
+
+    def tensors(self, keys: Sequence[str], transforms: Sequence[str]) -> Mapping[str, Mapping[str | None, Any]]: ...
+
+
+class TensorMap:
+    """Expected tensors the caller holds, ``{key: tensor}`` as each rank
+    holds it (an in-process engine's layout). Transforms are computed on
+    those tensors, which is exact where the source had the engine's dtype
+    and layout (a dtype round trip of a bf16 source, a square matrix
+    transposed at TP=1)."""
+
+    def __init__(self, tensors: Mapping[str, Any]):
+        self._tensors = dict(tensors)
+
+    def tensors(self, keys: Sequence[str], transforms: Sequence[str]) -> dict[str, dict[str | None, Any]]:
+        out: dict[str, dict[str | None, Any]] = {}
+        for key in keys:
+            if key in self._tensors:
+                t = self._tensors[key].detach()
+                out[key] = {None: t, **{name: c for name in transforms if (c := transform(t, name)) is not None}}
+        return out
+
+
+def transform(t: Any, name: str) -> Any:
+    """``t`` transformed by ``name`` (one of :data:`TRANSFORMS`), or ``None``
+    where it does not apply (an integer tensor, a non-square one...)."""
+    import torch
+
+    if name.startswith("dtype-roundtrip:"):
+        via = getattr(torch, name.split(":", 1)[1])
+        if not t.dtype.is_floating_point or t.dtype == via:
+            return None
+        return t.to(via).to(t.dtype)
+    if name == "truncate:bfloat16":
+        if t.dtype != torch.float32:
+            return None
+        return (t.contiguous().view(torch.int32) & -65536).view(torch.float32)
+    if name == "transposed":
+        if t.dim() != 2 or t.shape[0] != t.shape[1]:
+            return None
+        return t.t().contiguous()
+    raise ValueError(f"unknown transform {name!r}")
+
+
+@dataclass
+class KeyExplanation:
+    """What was found for one mismatched key."""
+
+    key: str
+    #: The key's mismatch class (``changed``, ``stale``...).
+    cls: str
+    #: ``zeros``, ``dtype-roundtrip:float16``, ``version:step-11``,
+    #: ``shard-of:tp0``, ``transposed``, ``mixed`` or ``unknown``.
+    cause: str = "unknown"
+    #: True where the whole tensor matched the cause (its whole digest, or
+    #: every block differs and every block matched it).
+    whole: bool = False
+    shape: list[int] | None = None
+    dtype: str | None = None
+    nbytes: int | None = None
+    block_bytes: int | None = None
+    blocks: int | None = None
+    #: Byte ranges ``[start, end)`` whose blocks differ, adjacent ones merged.
+    ranges: list[tuple[int, int]] = field(default_factory=list)
+    #: ``"rows 2048-4095 of 4096"``: the rows those ranges cover.
+    where: str | None = None
+    #: cause -> the byte ranges whose blocks match it (``unknown``: none did).
+    block_causes: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    #: Why something could not be told (no expected tensor...).
+    note: str | None = None
+
+    def line(self) -> str:
+        """One line: the key, its class and cause, where in the tensor."""
+        parts = [self.key, self.cls, self.cause]
+        if self.whole:
+            parts.append("(the whole tensor)")
+        elif self.ranges:
+            of = f" of {self.nbytes}" if self.nbytes is not None else ""
+            spans = ", ".join(f"{a}-{b}" for a, b in self.ranges[:4]) + (" ..." if len(self.ranges) > 4 else "")
+            parts.append(f"{self.where or ''} (bytes {spans}{of})".strip())
+            if self.cause == "mixed":
+                parts.append("; ".join(f"{c}: {_spans(r)}" for c, r in self.block_causes.items()))
+        if self.note:
+            parts.append(f"[{self.note}]")
+        return "  ".join(parts)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "key": self.key,
+            "class": self.cls,
+            "cause": self.cause,
+            "whole": self.whole,
+            "shape": self.shape,
+            "dtype": self.dtype,
+            "nbytes": self.nbytes,
+            "block_bytes": self.block_bytes,
+            "blocks": self.blocks,
+            "ranges": [list(r) for r in self.ranges],
+            "where": self.where,
+            "block_causes": {c: [list(r) for r in rs] for c, rs in self.block_causes.items()},
+            "note": self.note,
+        }
+
+
+def _spans(ranges: Sequence[tuple[int, int]]) -> str:
+    return ", ".join(f"bytes {a}-{b}" for a, b in ranges[:3]) + (" ..." if len(ranges) > 3 else "")
+
+
+@dataclass
+class Explanation:
+    """The explanations of a failed check's first mismatched keys."""
+
+    keys: dict[str, KeyExplanation] = field(default_factory=dict)
+    #: Mismatched keys left unexplained by the limit.
+    left_out: int = 0
+    #: Why some keys could not be explained further (one line each).
+    notes: list[str] = field(default_factory=list)
+    #: Seconds spent: the engine's block digests, this side's, in all.
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def causes(self) -> dict[str, str]:
+        """key -> cause."""
+        return {k: e.cause for k, e in self.keys.items()}
+
+    def lines(self) -> list[str]:
+        out = [e.line() for e in self.keys.values()]
+        if self.left_out:
+            out.append(f"({self.left_out} more mismatched keys not explained: raise the limit to see them)")
+        return out + self.notes
+
+    def details(self) -> dict[str, dict[str, Any]]:
+        """key -> the report's per-key details (class, cause, where, ranges...)."""
+        return {
+            k: {
+                "class": e.cls,
+                "cause": e.cause,
+                "where": e.where if not e.whole else "the whole tensor",
+                "ranges": [list(r) for r in e.ranges],
+                "block_bytes": e.block_bytes,
+                "blocks": e.blocks,
+                "block_causes": {c: [list(r) for r in rs] for c, rs in e.block_causes.items()},
+            }
+            for k, e in self.keys.items()
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "keys": [e.to_json() for e in self.keys.values()],
+            "left_out": self.left_out,
+            "notes": self.notes,
+            "seconds": self.seconds,
+        }
+
+
+#: ``fetch(keys, block_bytes)`` -> ``{key: {"digests", "nbytes", "shape",
+#: "dtype", "block_bytes"}}``: the engine's block digests of those keys.
+BlockFetcher = Callable[[list[str], int], Mapping[str, Mapping[str, Any]]]
+
+
+@dataclass
+class Version:
+    """A previous version: its label (``step-11``), the digests it expected
+    and, where they can still be had, its tensors."""
+
+    label: str
+    digests: Mapping[str, str]
+    tensors: ExpectedTensors | None = None
+
+
+def _other_tp_keys(key: str, expected: Mapping[str, str]) -> list[tuple[str, str]]:
+    """``[(tpJ, key of rank tpJ)]``: the same tensor on the other tensor-parallel ranks."""
+    rank, name = split_rank(key)
+    if not rank:
+        return []
+    fields = rank.split(":")
+    if len(fields) < 4 or not fields[3].startswith("tp"):
+        return []
+    out = []
+    for other in expected:
+        other_rank, other_name = split_rank(other)
+        if other_name != name or other == key:
+            continue
+        of = other_rank.split(":")
+        if len(of) == len(fields) and of[:3] == fields[:3] and of[4:] == fields[4:]:
+            out.append((of[3], other))
+    return sorted(out)
+
+
+def explain(
+    mismatches: Mapping[str, str],
+    current: Mapping[str, str],
+    expected: Mapping[str, str],
+    fetch: BlockFetcher | None,
+    tensors: ExpectedTensors | None,
+    *,
+    history: Sequence[Version] = (),
+    limit: int = DEFAULT_LIMIT,
+) -> Explanation:
+    """The explanation of ``mismatches`` (key -> class) between an engine's
+    digests ``current`` and ``expected``, with the engine's block digests
+    from ``fetch`` and the expected tensors from ``tensors`` (either may be
+    ``None``: then only whole digests are compared). ``history``: previous
+    versions, newest first."""
+    import time
+
+    started = time.perf_counter()
+    out = Explanation()
+    candidates = sorted(k for k, c in mismatches.items() if c in EXPLAINED_CLASSES and k in current and k in expected)
+    chosen, out.left_out = candidates[:limit], max(0, len(candidates) - limit)
+    pending: list[KeyExplanation] = []
+    for key in chosen:
+        e = KeyExplanation(key, mismatches[key])
+        out.keys[key] = e
+        cause = _whole_cause(current[key], key, expected, history)
+        if cause is not None:
+            e.cause, e.whole = cause, True
+        else:
+            pending.append(e)
+    if pending:
+        _explain_blocks(pending, current, fetch, tensors, history, expected, out)
+    out.seconds["total"] = time.perf_counter() - started
+    return out
+
+
+def _whole_cause(digest: str, key: str, expected: Mapping[str, str], history: Sequence[Version]) -> str | None:
+    for version in history:
+        if version.digests.get(key) == digest:
+            return f"version:{version.label}"
+    for tp, other in _other_tp_keys(key, expected):
+        if expected[other] == digest:
+            return f"shard-of:{tp}"
+    return None
+
+
+class _Blocks:
+    """One key's expected tensor cut in blocks, and the block digests of
+    candidates, computed only for the blocks asked."""
+
+    def __init__(self, tensor: Any, block_bytes: int):
+        self.flat = flat_bytes(tensor)
+        self.nbytes = int(self.flat.numel())
+        self.ranges = block_ranges(self.nbytes, block_bytes)
+
+
+def _hash_blocks(pieces: list[tuple[Any, tuple[int, int]]]) -> list[str]:
+    """SHA-256 of ``flat[start:end]`` for each ``(flat, (start, end))``, in one parallel call."""
+    from weight_checker.hashing.digests import digest_tensors
+
+    if not pieces:
+        return []
+    slices = [flat[a:b] for flat, (a, b) in pieces]
+    return digest_tensors([f"block {a}:{b}" for _, (a, b) in pieces], slices)[0]
+
+
+def _zero_digests(sizes: set[int]) -> dict[int, str]:
+    import hashlib
+
+    return {n: hashlib.sha256(bytes(n)).hexdigest() for n in sizes}
+
+
+def _explain_blocks(
+    pending: list[KeyExplanation],
+    current: Mapping[str, str],
+    fetch: BlockFetcher | None,
+    tensors: ExpectedTensors | None,
+    history: Sequence[Version],
+    expected_digests: Mapping[str, str],
+    out: Explanation,
+) -> None:
+    import time
+
+    if tensors is None or fetch is None:
+        why = "no expected tensors to compare with" if tensors is None else "the engine gives no block digests"
+        for e in pending:
+            e.note = why
+        out.notes.append(f"where in each tensor: not told ({why})")
+        return
+    keys = [e.key for e in pending]
+    started = time.perf_counter()
+    try:
+        got = tensors.tensors(keys, TRANSFORMS)
+    except WeightCheckerError as err:
+        for e in pending:
+            e.note = "no expected tensor"
+        out.notes.append(f"where in each tensor: not told ({err})")
+        return
+    by_size: dict[int, list[KeyExplanation]] = {}
+    blocks: dict[str, _Blocks] = {}
+    for e in pending:
+        t = (got.get(e.key) or {}).get(None)
+        if t is None:
+            e.note = "no expected tensor"
+            continue
+        size = block_bytes_for(list(t.shape), t.element_size())
+        if size == 0:
+            e.note = "an empty tensor"
+            continue
+        e.shape, e.dtype = list(t.shape), str(t.dtype).removeprefix("torch.")
+        e.block_bytes = size
+        blocks[e.key] = _Blocks(t, size)
+        e.nbytes, e.blocks = blocks[e.key].nbytes, len(blocks[e.key].ranges)
+        by_size.setdefault(size, []).append(e)
+    # The engine hashes its blocks while this side hashes the expected ones.
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        asked = {size: pool.submit(fetch, [e.key for e in group], size) for size, group in by_size.items()}
+        order = [(k, b) for k, b in blocks.items()]
+        flat_pieces = [(b.flat, r) for _, b in order for r in b.ranges]
+        digests = _hash_blocks(flat_pieces)
+        mine: dict[str, list[str]] = {}
+        at = 0
+        for key, b in order:
+            mine[key] = digests[at : at + len(b.ranges)]
+            at += len(b.ranges)
+        out.seconds["expected_blocks"] = time.perf_counter() - started
+        engine: dict[str, Mapping[str, Any]] = {}
+        for size, future in asked.items():
+            try:
+                engine.update(future.result())
+            except WeightCheckerError as err:
+                for e in by_size[size]:
+                    e.note = "no block digests from the engine"
+                out.notes.append(f"where in each tensor: not told ({err})")
+    out.seconds["blocks"] = time.perf_counter() - started
+    unexplained: dict[str, list[int]] = {}
+    for key, b in blocks.items():
+        e = out.keys[key]
+        theirs = engine.get(key)
+        if theirs is None:
+            continue
+        if int(theirs.get("nbytes", -1)) != b.nbytes or list(theirs.get("shape") or []) != e.shape:
+            e.note = f"the engine holds shape {theirs.get('shape')} ({theirs.get('nbytes')} bytes), expected {e.shape}"
+            continue
+        if theirs.get("dtype") not in (None, e.dtype):
+            e.note = f"the engine holds {theirs.get('dtype')}, expected {e.dtype}"
+        differ = [i for i, (a, x) in enumerate(zip(theirs["digests"], mine[key], strict=False)) if a != x]
+        e.ranges = _merge([b.ranges[i] for i in differ])
+        e.where = rows_text(e.ranges, e.shape or [], b.nbytes // max(1, _numel(e.shape)))
+        if not differ:
+            e.note = "every block equals the expected one: the tensor changed since its digest was taken"
+            continue
+        unexplained[key] = differ
+    _match_candidates(unexplained, blocks, engine, got, history, expected_digests, tensors, out)
+
+
+def _numel(shape: Sequence[int] | None) -> int:
+    n = 1
+    for d in shape or []:
+        n *= d
+    return n
+
+
+def _merge(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for a, b in ranges:
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
+
+
+def _pick(table: Mapping[str, Mapping[str | None, Any]], which: str | None) -> Callable[[str], Any]:
+    """``key -> table[key][which]`` (``None`` where absent)."""
+    return lambda key: (table.get(key) or {}).get(which)
+
+
+def _match_candidates(
+    unexplained: dict[str, list[int]],
+    blocks: dict[str, _Blocks],
+    engine: Mapping[str, Mapping[str, Any]],
+    got: Mapping[str, Mapping[str | None, Any]],
+    history: Sequence[Version],
+    expected_digests: Mapping[str, str],
+    source: ExpectedTensors,
+    out: Explanation,
+) -> None:
+    """Names, block by block, the first candidate whose block digest equals
+    the engine's; candidates are computed only while blocks remain."""
+    found: dict[str, dict[int, str]] = {k: {} for k in unexplained}
+
+    def remaining() -> dict[str, list[int]]:
+        return {k: [i for i in idx if i not in found[k]] for k, idx in unexplained.items() if len(found[k]) < len(idx)}
+
+    def try_candidate(name: str, tensor_of: Callable[[str], Any]) -> None:
+        pieces: list[tuple[Any, tuple[int, int]]] = []
+        owners: list[tuple[str, int]] = []
+        for key, idx in remaining().items():
+            t = tensor_of(key)
+            if t is None:
+                continue
+            flat = flat_bytes(t)
+            if int(flat.numel()) != blocks[key].nbytes:
+                continue
+            for i in idx:
+                pieces.append((flat, blocks[key].ranges[i]))
+                owners.append((key, i))
+        for (key, i), digest in zip(owners, _hash_blocks(pieces), strict=True):
+            if digest == engine[key]["digests"][i]:
+                found[key][i] = name
+
+    # All zeros: one digest per block size, no tensor.
+    for key, idx in remaining().items():
+        sizes = {b - a for a, b in (blocks[key].ranges[i] for i in idx)}
+        zero = _zero_digests(sizes)
+        for i in idx:
+            a, b = blocks[key].ranges[i]
+            if engine[key]["digests"][i] == zero[b - a]:
+                found[key][i] = "zeros"
+    for version in history:
+        if not remaining() or version.tensors is None:
+            continue
+        try:
+            theirs = version.tensors.tensors(list(remaining()), ())
+        except WeightCheckerError as err:
+            out.notes.append(f"version {version.label}: its tensors are not available ({err})")
+            continue
+        try_candidate(f"version:{version.label}", _pick(theirs, None))
+    shards: dict[str, list[tuple[str, str]]] = {k: _other_tp_keys(k, expected_digests) for k in unexplained}
+    for tp in sorted({tp for pairs in shards.values() for tp, _ in pairs}):
+        if not remaining():
+            break
+        wanted = {k: other for k in remaining() for t, other in shards[k] if t == tp}
+        if not wanted:
+            continue
+        try:
+            others = {k: v.get(None) for k, v in source.tensors(sorted(set(wanted.values())), ()).items()}
+        except WeightCheckerError as err:
+            out.notes.append(f"{tp}'s shards are not available ({err})")
+            continue
+        try_candidate(f"shard-of:{tp}", _pick({k: {None: others.get(o)} for k, o in wanted.items()}, None))
+    for name in TRANSFORMS:
+        if not remaining():
+            break
+        try_candidate(name, _pick(got, name))
+    for key, idx in unexplained.items():
+        e = out.keys[key]
+        by_cause: dict[str, list[tuple[int, int]]] = {}
+        for i in idx:
+            by_cause.setdefault(found[key].get(i, "unknown"), []).append(blocks[key].ranges[i])
+        e.block_causes = {c: _merge(r) for c, r in by_cause.items()}
+        named = [c for c in e.block_causes if c != "unknown"]
+        if len(e.block_causes) == 1:
+            e.cause = next(iter(e.block_causes))
+            e.whole = e.cause != "unknown" and len(idx) == len(blocks[key].ranges)
+        elif named:
+            e.cause = "mixed"
+
+
+def _merge_answers(answers: Any, source: str) -> dict[str, Mapping[str, Any]]:
+    """One map of every worker's ``weight_checker_block_digests`` answer; an
+    error a worker reports is raised, naming the key."""
+    from weight_checker.errors import VerifyError
+
+    if not isinstance(answers, list) or not all(isinstance(a, dict) for a in answers):
+        raise VerifyError("block digests", source, f"unexpected answer {str(answers)[:200]}")
+    out: dict[str, Mapping[str, Any]] = {}
+    for answer in answers:
+        errors = answer.get("errors") or {}
+        if errors:
+            key = min(errors)
+            raise VerifyError("block digests", source, f"{key}: {errors[key]}")
+        out.update(answer.get("blocks") or {})
+    return out
+
+
+def llm_fetcher(engine: Any) -> BlockFetcher:
+    """Block digests from an in-process ``vllm.LLM`` (every worker, through
+    ``collective_rpc``; this package's plugin gives the worker method)."""
+
+    def fetch(keys: list[str], block_bytes: int) -> dict[str, Mapping[str, Any]]:
+        from weight_checker.errors import VerifyError
+
+        try:
+            answers = engine.collective_rpc("weight_checker_block_digests", args=(keys, block_bytes))
+        except Exception as e:  # an engine without the plugin's method, or a worker that failed
+            raise VerifyError("block digests", "in-process engine", f"collective_rpc failed: {e}") from e
+        return _merge_answers(answers, "in-process engine")
+
+    return fetch
+
+
+#: Why a server gives no block digests (vLLM's own route knows only its three actions).
+NO_BLOCK_ROUTE = (
+    "the server's /weight_checker gives no block digests (vLLM's built-in route): start it with "
+    "VLLM_PLUGINS=weight_checker,weight_checker_route to see where in each tensor"
+)
+
+
+def http_fetcher(url: str, *, api_key: str | None = None, timeout: float = 600.0) -> BlockFetcher:
+    """Block digests from a server through this package's route
+    (``{"action": "block_digests", "keys": [...], "block_bytes": B}``)."""
+
+    def fetch(keys: list[str], block_bytes: int) -> dict[str, Mapping[str, Any]]:
+        from weight_checker.errors import HttpError, VerifyError
+        from weight_checker.verify.httpclient import api_key_from_env, post_json
+
+        body = {"action": "block_digests", "keys": keys, "block_bytes": block_bytes}
+        try:
+            answer = post_json(url, "/weight_checker", body, timeout=timeout, api_key=api_key_from_env(api_key))
+        except HttpError as e:
+            message = NO_BLOCK_ROUTE if "'action' must be one of" in e.message else e.message
+            raise VerifyError("block digests", url, message) from e
+        blocks = answer.get("block_digests") if isinstance(answer, dict) else None
+        if not isinstance(blocks, dict):
+            raise VerifyError("block digests", url, f"unexpected answer {str(answer)[:200]}")
+        return blocks
+
+    return fetch

@@ -1,0 +1,158 @@
+"""Why a check failed (issue 43), the core: block digests against hashlib,
+and each cause named exactly from tensors an engine would hold after a
+faulty update (no engine here: the engine's side is the worker's own
+block-digest function over the faulty tensors; the real engines are in
+tests/test_explain_engines.py)."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+from weight_checker.hashing.blocks import block_bytes_for, block_digests, block_ranges, rows_text
+from weight_checker.verify.explain import TensorMap, Version, explain
+
+TP0, TP1 = "dp0:pp0:pcp0:tp0:", "dp0:pp0:pcp0:tp1:"
+
+
+def sha(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.detach().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
+
+
+def engine_fetch(held: dict[str, torch.Tensor], calls: list | None = None):
+    """What the worker answers, from the tensors the engine holds."""
+
+    def fetch(keys, block_bytes):
+        if calls is not None:
+            calls.append((list(keys), block_bytes))
+        digests = block_digests([held[k] for k in keys], [block_bytes] * len(keys), keys)
+        return {
+            k: {"digests": d, "block_bytes": block_bytes, "nbytes": held[k].nbytes, "shape": list(held[k].shape),
+                "dtype": str(held[k].dtype).removeprefix("torch.")}
+            for k, d in zip(keys, digests, strict=True)
+        }  # fmt: skip
+
+    return fetch
+
+
+def weights(seed: int, rows: int = 64, cols: int = 48, dtype=torch.bfloat16) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(rows, cols, generator=g) * 0.02).to(dtype)
+
+
+@pytest.mark.parametrize("shape,block", [((64, 48), 96 * 3), ((1000,), 7), ((5, 3), 100), ((0,), 1)])
+def test_block_digests_are_hashlib_of_each_byte_range(shape, block):
+    t = torch.arange(int(torch.tensor(shape).prod()), dtype=torch.int16).reshape(shape)
+    raw = t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    want = [hashlib.sha256(raw[a:b]).hexdigest() for a, b in block_ranges(len(raw), block)]
+    assert block_digests([t], [block])[0] == want
+    assert block_digests([t.t()] if t.dim() == 2 else [t], [block])[0] == (
+        [hashlib.sha256(t.t().contiguous().view(-1).view(torch.uint8).numpy().tobytes()[a:b]).hexdigest()
+         for a, b in block_ranges(len(raw), block)] if t.dim() == 2 else want
+    )  # fmt: skip
+
+
+def test_blocks_are_whole_rows_and_ranges_name_rows():
+    assert block_bytes_for([4096, 1024], 2) == 64 * 2048
+    assert block_bytes_for([10], 4) == 4
+    assert block_bytes_for([0, 4], 2) == 0
+    assert rows_text([(2048 * 2048, 4096 * 2048)], [4096, 1024], 2) == "rows 2048-4095 of 4096"
+    assert rows_text([(0, 8)], [100], 4) == "elements 0-1 of 100"
+
+
+def check(engine_tensor, expected_tensor, key=TP0 + "w", history=(), others=None):
+    held = {key: engine_tensor}
+    expected = {key: sha(expected_tensor), **{k: sha(v) for k, v in (others or {}).items()}}
+    source = TensorMap({key: expected_tensor, **(others or {})})
+    result = explain({key: "changed"}, {key: sha(engine_tensor)}, expected, engine_fetch(held), source,
+                     history=history)  # fmt: skip
+    return result.keys[key]
+
+
+def test_zero_bytes_delivered_is_zeros():
+    e = weights(1)
+    got = check(torch.zeros_like(e), e)
+    assert (got.cause, got.whole) == ("zeros", True)
+    assert got.where == "rows 0-63 of 64"
+
+
+def test_an_fp32_fp16_bf16_round_trip_is_dtype_roundtrip_float16():
+    e = weights(2)
+    e[0, :8] = torch.tensor([1e-7, 3e-6, -2e-7, 7e4, 1e5, -9e4, 1e-8, 5e-6], dtype=torch.bfloat16)
+    faulty = e.float().half().bfloat16()
+    assert sha(faulty) != sha(e)
+    got = check(faulty, e)
+    assert got.cause == "dtype-roundtrip:float16"
+    assert not got.whole and got.where is not None and got.where.startswith("rows 0")  # the rows fp16 cannot hold
+
+
+def test_the_second_half_of_rows_left_from_the_previous_step_names_the_range_and_the_version():
+    old, new = weights(3), weights(4)
+    faulty = new.clone()
+    faulty[32:] = old[32:]
+    previous = Version("step-11", {TP0 + "w": sha(old)}, TensorMap({TP0 + "w": old}))
+    got = check(faulty, new, history=[previous])
+    assert got.cause == "version:step-11"
+    assert not got.whole
+    assert got.where == "rows 32-63 of 64"
+    assert got.ranges == [(32 * 48 * 2, 64 * 48 * 2)]
+
+
+def test_a_stale_tensor_is_the_previous_version_by_its_whole_digest_and_asks_for_no_blocks():
+    old, new = weights(5), weights(6)
+    calls: list = []
+    key = TP0 + "w"
+    result = explain({key: "stale"}, {key: sha(old)}, {key: sha(new)}, engine_fetch({key: old}, calls),
+                     TensorMap({key: new}), history=[Version("step-11", {key: sha(old)})])  # fmt: skip
+    assert (result.keys[key].cause, result.keys[key].whole) == ("version:step-11", True)
+    assert calls == []
+
+
+def test_another_ranks_shard_is_shard_of_that_rank():
+    shard0, shard1 = weights(7), weights(8)
+    got = check(shard0, shard1, key=TP1 + "w", others={TP0 + "w": shard0})
+    assert (got.cause, got.whole) == ("shard-of:tp0", True)
+
+
+def test_half_of_another_ranks_shard_is_named_by_block():
+    shard0, shard1 = weights(7), weights(8)
+    faulty = shard1.clone()
+    faulty[:16] = shard0[:16]
+    got = check(faulty, shard1, key=TP1 + "w", others={TP0 + "w": shard0})
+    assert got.cause == "shard-of:tp0" and got.where == "rows 0-15 of 64"
+
+
+def test_a_transposed_square_matrix_is_transposed():
+    e = weights(9, 48, 48)
+    got = check(e.t().contiguous(), e)
+    assert (got.cause, got.whole) == ("transposed", True)
+
+
+def test_bytes_no_candidate_gives_are_unknown_and_two_causes_are_mixed():
+    e = weights(10)
+    faulty = e.clone()
+    faulty[5, 3] += 1
+    got = check(faulty, e)
+    assert got.cause == "unknown" and got.where == "rows 5 of 64"
+    faulty[40:] = 0
+    got = check(faulty, e)
+    assert got.cause == "mixed"
+    assert set(got.block_causes) == {"unknown", "zeros"}
+
+
+def test_without_expected_tensors_only_whole_digests_are_compared_and_that_is_said():
+    key = TP0 + "w"
+    result = explain({key: "changed"}, {key: "a" * 64}, {key: "b" * 64}, None, None)
+    assert result.keys[key].cause == "unknown"
+    assert any("no expected tensors" in n for n in result.notes)
+
+
+def test_the_limit_bounds_the_keys_explained():
+    tensors = {f"{TP0}w{i}": weights(i) for i in range(5)}
+    held = {k: torch.zeros_like(v) for k, v in tensors.items()}
+    current, expected = {k: sha(v) for k, v in held.items()}, {k: sha(v) for k, v in tensors.items()}
+    mismatches = {k: "changed" for k in tensors}
+    result = explain(mismatches, current, expected, engine_fetch(held), TensorMap(tensors), limit=2)
+    assert len(result.keys) == 2 and result.left_out == 3
+    assert all(e.cause == "zeros" for e in result.keys.values())
