@@ -37,12 +37,15 @@ def compare(result: VerifyResult, values: dict[str, Any]) -> None:
     result.layout = current.layout
     engines: list[str | None] = list(current.per_engine) if current.layout == "fleet" else [None]
     expected = values.get("expected")
+    compared: list[tuple[str | None, Mapping[str, str], Mapping[str, str]]] = []
     for engine in engines:
         after = _of(values, "current", engine) or {}
         if expected is not None:
             classes, details, warnings, count = _against_expected(expected, _of(values, "before", engine), after)
+            compared.append((engine, expected, after))
         else:
             reference = values.get("baseline_manifest") or _of(values, "baseline", engine) or {}
+            compared.append((engine, reference, after))
             post_reset = _of(values, "post_reset", engine)
             classes, details, count = classify(reference, after, post_reset), {}, len(reference)
             warnings = [w] if post_reset is not None and (w := already_zeroed_warning(reference, post_reset)) else []
@@ -55,6 +58,11 @@ def compare(result: VerifyResult, values: dict[str, Any]) -> None:
         result.details.update(details)
         result.warnings += warnings
         result.key_count += count
+    if result.mismatches:  # what the rank × layer map places; nothing is kept on a match
+        unwritten = set(getattr(expected, "unwritten", ())) if expected is not None else set()
+        for engine, ref, held in compared:
+            keys = sorted((ref.keys() | held.keys()) - unwritten)
+            result.compared_keys += keys if engine is None else [display_key(engine, k) for k in keys]
     result.reference = "the expected digests" if expected is not None else "the baseline"
     _weight_versions(result, values, current)
     result.match = not result.mismatches and not result.version_mismatches

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from weight_checker.errors import WeightMismatchError
 from weight_checker.verify.engine_digests import Layout
+
+if TYPE_CHECKING:
+    from weight_checker.verify.rank_map import RankLayerMap
 
 
 def any_version(versions: dict[str, dict[str, str | None]]) -> bool:
@@ -55,6 +59,9 @@ class VerifyResult:
     version_mismatches: dict[str, str] = field(default_factory=dict)
     #: engine -> rank -> slot -> adapter name, where adapters were in scope.
     lora_slots: dict[str, Any] = field(default_factory=dict)
+    #: Every key compared, shown as in ``mismatches``; kept only where some
+    #: key differs (what :meth:`rank_map` places).
+    compared_keys: list[str] = field(default_factory=list, repr=False)
 
     def raise_for_mismatch(self) -> None:
         """:class:`WeightMismatchError` (counts per class, first keys) if any
@@ -69,7 +76,19 @@ class VerifyResult:
             out.setdefault(self.mismatches[k], []).append(k)
         return out
 
+    def rank_map(self, details: Mapping[str, Mapping[str, Any]] | None = None) -> RankLayerMap | None:
+        """The mismatches by rank and layer, with the patterns that hold in
+        them (``.patterns``); ``None`` on a match. ``details``: key -> what
+        an explanation found (its ``cause`` labels the key instead of its
+        class); see :func:`weight_checker.verify.rank_map.rank_layer_map`."""
+        if not self.mismatches:
+            return None
+        from weight_checker.verify.rank_map import labels_for, rank_layer_map
+
+        return rank_layer_map(labels_for(self.mismatches, details), self.compared_keys or None)
+
     def to_json(self) -> dict[str, Any]:
+        rank_map = self.rank_map()
         return {
             "servers": self.servers,
             "steps": [
@@ -90,4 +109,5 @@ class VerifyResult:
             **({"version_mismatches": self.version_mismatches} if self.version_mismatches else {}),
             **({"lora_slots": self.lora_slots} if self.lora_slots else {}),
             **({"error": self.error} if self.error else {}),
+            **({"map": rank_map.to_json(), "patterns": rank_map.patterns} if rank_map is not None else {}),
         }
