@@ -247,10 +247,13 @@ def test_compare_classes_and_exit_codes(tmp_path):
     assert "MISMATCH: 3 keys differ" in r.stdout
     assert "changed" in r.stdout and "missing" in r.stdout and "unexpected" in r.stdout
     r = run("compare", str(tmp_path / "base.json"), str(tmp_path / "cur.json"), "--json")
-    assert json.loads(r.stdout) == {
+    report = json.loads(r.stdout)
+    assert report == {
         "match": False,
         "mismatches": ["k2", "k3", "k4"],
         "classes": {"changed": ["k2"], "missing": ["k3"], "unexpected": ["k4"]},
+        "map": report["map"],  # which ranks and layers (tests/test_rank_map.py)
+        "patterns": [],
     }
     r = run("compare", str(tmp_path / "base.json"), "-", stdin=json.dumps({"checksums": base}))
     assert r.returncode == 0 and r.stdout.startswith("match")

@@ -2,7 +2,7 @@
 RL weight update.
 
     weight-checker checksum PATH... [--prefix P | --no-prefix] [-o FILE]
-    weight-checker compare BASELINE CURRENT [--json]
+    weight-checker compare BASELINE CURRENT [--json] [--report FILE]
     weight-checker expect CKPT [--tp T] [--pp P] [--dp D] [--dtype DTYPE] [-o FILE]
     weight-checker expect [CKPT] --server URL [-o FILE]
     weight-checker verify --url URL [--url URL ...] [--api-key KEY] [--fleet | --merge]
@@ -156,7 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("compare", help="compare two manifests ({checksums} or {key: hex})")
     m.add_argument("baseline", metavar="BASELINE", help="file or -")
     m.add_argument("current", metavar="CURRENT", help="file or -")
-    m.add_argument("--json", action="store_true", help='{"match", "mismatches", "classes"}')
+    m.add_argument("--json", action="store_true", help='{"match", "mismatches", "classes"} (and "map", "patterns")')
+    m.add_argument("--report", metavar="FILE", help="write an HTML page: the verdict, the rank x layer map, every key")
     m.set_defaults(func=cmd_compare)
 
     v = sub.add_parser("verify", help="run the RL weight-update check against vLLM API servers")
@@ -174,6 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--expected-from", metavar="CKPT", help="as --expected, the digests computed from CKPT for the engine each "
         "server runs (read from its /server_info, as `expect CKPT --server URL`)"
     )  # fmt: skip
+    v.add_argument(
+        "--report", metavar="FILE", help="write an HTML page: the verdict, the rank x layer map, every key that differs"
+    )
     f = v.add_mutually_exclusive_group()
     f.add_argument("--fleet", action="store_true", help="the servers are replicas: each compared on its own")
     f.add_argument("--merge", action="store_true", help="the servers serve disjoint ranks of one model (external LB)")

@@ -9,7 +9,14 @@ import os
 import sys
 
 from weight_checker.cli.files import UsageError, load_manifest, write_output
-from weight_checker.cli.report import Progress, compare_report, print_mismatches, summary_line
+from weight_checker.cli.report import (
+    Progress,
+    compare_report,
+    print_mismatches,
+    print_rank_map,
+    summary_line,
+    write_report,
+)
 from weight_checker.errors import CheckpointError, ExpectedDigestsError
 from weight_checker.keys import rank_prefix
 
@@ -106,9 +113,20 @@ def cmd_compare(args: argparse.Namespace) -> int:
     baseline = load_manifest(args.baseline, used)
     current = load_manifest(args.current, used)
     result = compare_report(baseline, current)
+    rank_map = None
+    if not result["match"]:  # which ranks and layers (nothing on a match)
+        from weight_checker.verify.rank_map import rank_layer_map
+
+        labels = {k: c for c, keys in result["classes"].items() for k in keys}
+        rank_map = rank_layer_map(labels, baseline.keys() | current.keys())
+        result |= {"map": rank_map.to_json(), "patterns": rank_map.patterns}
     if args.json:
         print(json.dumps(result, indent=2))
     else:
         print(summary_line(result, len(baseline), len(current)))
         print_mismatches(result)
+        print_rank_map(rank_map)
+    if args.report is not None:
+        title = f"weight-checker compare {args.baseline} {args.current}"
+        write_report(args.report, rank_map, summary_line(result, len(baseline), len(current)), title=title)
     return EXIT_OK if result["match"] else EXIT_MISMATCH

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from weight_checker.cli.files import UsageError, load_expected, load_manifest
-from weight_checker.cli.report import print_verify_report
+from weight_checker.cli.report import print_rank_map, print_verify_report, verify_verdict, write_report
 from weight_checker.errors import InputError, VerifyError
 from weight_checker.scope import DEFAULT
 from weight_checker.verify.engine_digests import Layout
@@ -86,10 +86,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
         result = getattr(e, "weight_checker_result", None) or VerifyResult(servers=target.urls)
         result.error = "interrupted"
     report = result.to_json()
+    rank_map = result.rank_map()
     if args.json:
         print(json.dumps(report, indent=2))
     else:
         print_verify_report(report)
+        print_rank_map(rank_map)
+    if args.report is not None:
+        title = f"weight-checker verify: {' '.join(result.servers)}"
+        write_report(args.report, rank_map, verify_verdict(report), notes=result.warnings, title=title)
     if interrupted:
         return EXIT_INTERRUPTED
     if result.error is not None:

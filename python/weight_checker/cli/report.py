@@ -3,10 +3,14 @@ mismatch reports."""
 
 from __future__ import annotations
 
+import os
 import sys
 import time
+from collections.abc import Mapping, Sequence
+from typing import Any, TextIO
 
 from weight_checker.verify.classes import class_counts
+from weight_checker.verify.rank_map import RankLayerMap
 
 
 class Progress:
@@ -78,6 +82,19 @@ def _fleet(report: dict) -> str:
     return ""
 
 
+def verify_verdict(report: dict) -> str:
+    """``MATCH: ...`` or ``MISMATCH: ...``: the verdict of a verify report."""
+    if report.get("error") and not report.get("key_count"):
+        return f"ERROR: {report['error']}"
+    reference = "the expected digest" if report.get("reference") == "the expected digests" else "the baseline"
+    if report["match"]:
+        return f"MATCH: {report['key_count']} keys, every digest equals {reference}{_fleet(report)}"
+    counts = class_counts({k: c for c, ks in report["classes"].items() for k in ks})
+    versions = len(report.get("version_mismatches", {}))
+    also = f"; {versions} engine(s) claim a weight version their weights are not" if versions else ""
+    return f"MISMATCH: {len(report['mismatches'])} keys ({counts or 'none differ'}){also}"
+
+
 def print_verify_report(report: dict) -> None:
     print(f"weight-checker verify: {len(report['servers'])} server(s): {' '.join(report['servers'])}")
     for i, s in enumerate(report["steps"], 1):
@@ -90,18 +107,50 @@ def print_verify_report(report: dict) -> None:
     if report.get("error") and not report.get("key_count"):
         print(f"result: ERROR: {report['error']}")
         return
-    reference = "the expected digest" if report.get("reference") == "the expected digests" else "the baseline"
     for engine, seen in report.get("weight_versions", {}).items():
         print(f"weight version: {engine}: {seen['before']} -> {seen['after']}")
-    if report["match"]:
-        print(f"result: MATCH: {report['key_count']} keys, every digest equals {reference}{_fleet(report)}")
-    else:
-        counts = class_counts({k: c for c, ks in report["classes"].items() for k in ks})
-        versions = len(report.get("version_mismatches", {}))
-        also = f"; {versions} engine(s) claim a weight version their weights are not" if versions else ""
-        print(f"result: MISMATCH: {len(report['mismatches'])} keys ({counts or 'none differ'}){also}")
+    print(f"result: {verify_verdict(report)}")
+    if not report["match"]:
         print_mismatches(report)
     for engine, why in report.get("version_mismatches", {}).items():
         print(f"  weight-version          {engine} {why}")
     if report.get("error"):
         print(f"error: {report['error']}")
+
+
+def use_color(out: TextIO) -> bool:
+    """Colour on a terminal, unless ``NO_COLOR`` is set."""
+    return out.isatty() and not os.environ.get("NO_COLOR")
+
+
+def print_rank_map(rank_map: RankLayerMap | None, out: TextIO | None = None) -> None:
+    """The rank × layer map and its patterns, under a failed check's verdict
+    (nothing on a match); coloured on a terminal."""
+    from weight_checker.verify.rank_map import render_text
+
+    if rank_map is None or not rank_map.labels:
+        return
+    out = out or sys.stdout
+    print(file=out)
+    print(render_text(rank_map, color=use_color(out)), file=out)
+
+
+def write_report(
+    path: str,
+    rank_map: RankLayerMap | None,
+    verdict: str,
+    details: Mapping[str, Mapping[str, Any]] | None = None,
+    notes: Sequence[str] = (),
+    title: str = "weight-checker",
+) -> None:
+    """``--report FILE``: the self-contained HTML page (the verdict, the
+    patterns, the map, the per-key table and the block ranges), written
+    atomically; ASCII only (every other character as an HTML reference)."""
+    from weight_checker.cli.files import UsageError, write_output
+    from weight_checker.verify.rank_map import render_html
+
+    page = render_html(rank_map, details, title=title, verdict=verdict, notes=notes)
+    try:
+        write_output(page.encode("ascii", "xmlcharrefreplace").decode("ascii"), path)
+    except OSError as e:
+        raise UsageError(f"--report {path}: {e.strerror or e}") from e
