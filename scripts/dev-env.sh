@@ -57,4 +57,21 @@ if [ "${WEIGHT_CHECKER_NO_VLLM031:-0}" != "1" ]; then
     .venv/bin/maturin build --release -q -o target/wheels-dev >/dev/null 2>&1 || { echo "dev-env: maturin build failed" >&2; exit 1; }
     "${pip031[@]}" install --no-deps --force-reinstall target/wheels-dev/*.whl
 fi
+# The HTML report's test (tests/test_rank_map.py) opens the page in a real
+# headless browser: Debian's chromium, installed here when missing and we are
+# root (CI's fresh machine). Without it that test skips, and fails under CI=true.
+if ! command -v chromium >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "dev-env: installing chromium (apt-get)" >&2
+        log=$(mktemp)
+        if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+            chromium fonts-liberation; } >"$log" 2>&1; then
+            tail -20 "$log" >&2
+            echo "dev-env: apt-get install chromium failed: the HTML report's browser test cannot run" >&2
+        fi
+        rm -f "$log"
+    else
+        echo "dev-env: no chromium (apt-get install chromium): the HTML report's browser test skips" >&2
+    fi
+fi
 .venv/bin/python -c "import weight_checker; print('dev-env: weight_checker', weight_checker.__version__, 'kernel', weight_checker.kernel(), 'lanes', weight_checker._core.lanes())"
