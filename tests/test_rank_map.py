@@ -483,3 +483,26 @@ def test_the_report_in_a_real_headless_browser(tmp_path):
     assert 'data-label="zeros"' in dom and "rows 2048-4095 of 4096" in dom
     if os.environ.get("WEIGHT_CHECKER_UPDATE_DOCS_IMAGES") == "1":  # docs/images/verify-report.png, by hand
         shutil.copyfile(png, ROOT / "docs" / "images" / "verify-report.png")
+
+
+def test_colour_only_on_a_terminal_and_never_with_no_color(monkeypatch):
+    import io
+
+    from weight_checker.cli.report import print_rank_map
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    m = rank_layer_map(only(KEYS, "stale", lambda k: ":tp3:" in k), KEYS)
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    for out, coloured in ((io.StringIO(), False), (Terminal(), True)):
+        print_rank_map(m, out)
+        assert ("\x1b[" in out.getvalue()) is coloured
+    monkeypatch.setenv("NO_COLOR", "1")
+    out = Terminal()
+    print_rank_map(m, out)
+    assert "\x1b[" not in out.getvalue() and "tp3 missed the update" in out.getvalue()
+    out = Terminal()
+    print_rank_map(None, out)  # a match: nothing
+    assert out.getvalue() == ""

@@ -86,7 +86,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
         result = getattr(e, "weight_checker_result", None) or VerifyResult(servers=target.urls)
         result.error = "interrupted"
     report = result.to_json()
-    rank_map = result.rank_map()
+    # The explanation's per-key details (verify/explain.py), where one was made: causes label the map.
+    explanation = getattr(result, "explanation", None)
+    details = explanation.details() if explanation is not None else None
+    rank_map = result.rank_map(details)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -94,7 +97,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print_rank_map(rank_map)
     if args.report is not None:
         title = f"weight-checker verify: {' '.join(result.servers)}"
-        write_report(args.report, rank_map, verify_verdict(report), notes=result.warnings, title=title)
+        write_report(args.report, rank_map, verify_verdict(report), details, notes=result.warnings, title=title)
     if interrupted:
         return EXIT_INTERRUPTED
     if result.error is not None:

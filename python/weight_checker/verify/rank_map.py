@@ -165,17 +165,31 @@ class _Rank:
         return (_natural(self.engine), tuple(v for _, v in self.fields), self.fields)
 
 
-def _split_key(key: str) -> tuple[_Rank, str]:
-    """The key's engine and rank, and its parameter name."""
-    rank, name = split_rank(key)
-    engine = ""
-    if not rank and " " in key:
+#: A key's rank prefix, as :func:`weight_checker.keys.split_rank` reads it (its fast path).
+_RANK = re.compile(r"(dp\d+:pp\d+:pcp\d+:tp\d+(?::ep\d+)?):")
+
+
+def _split_key(key: str, ranks: dict[tuple[str, str], _Rank] | None = None) -> tuple[_Rank, str]:
+    """The key's engine and rank, and its parameter name (``ranks``: the
+    ranks parsed so far, by engine and prefix)."""
+    engine, rank, name = "", "", key
+    m = _RANK.match(key)
+    if m is not None:
+        rank, name = m.group(1), key[m.end() :]
+    elif " " in key:
         head, _, tail = key.rpartition(" ")
-        tail_rank, tail_name = split_rank(tail)
-        if tail_rank:
-            engine, rank, name = head, tail_rank, tail_name
-    fields = tuple((f.rstrip("0123456789"), int(f[len(f.rstrip("0123456789")) :])) for f in rank.split(":") if f)
-    return _Rank(engine, fields), name
+        m = _RANK.match(tail)
+        if m is not None:
+            engine, rank, name = head, m.group(1), tail[m.end() :]
+    if not rank and split_rank(key)[0]:  # a form the fast path does not know
+        rank, name = split_rank(key)
+    cached = ranks.get((engine, rank)) if ranks is not None else None
+    if cached is None:
+        fields = tuple((f.rstrip("0123456789"), int(f[len(f.rstrip("0123456789")) :])) for f in rank.split(":") if f)
+        cached = _Rank(engine, fields)
+        if ranks is not None:
+            ranks[(engine, rank)] = cached
+    return cached, name
 
 
 def _short_engine(engine: str) -> str:
@@ -282,9 +296,10 @@ def rank_layer_map(labels: Mapping[str, str], all_keys: Iterable[str] | None = N
         keys.update(all_keys)
     names: dict[str, _Name] = {}
     ranks: dict[_Rank, None] = {}
+    parsed_ranks: dict[tuple[str, str], _Rank] = {}
     split: dict[str, tuple[_Rank, _Name]] = {}
     for key in keys:
-        rank, name = _split_key(key)
+        rank, name = _split_key(key, parsed_ranks)
         parsed = names.get(name)
         if parsed is None:
             parsed = names[name] = _parse_name(name)
@@ -444,8 +459,9 @@ def patterns(rank_map: RankLayerMap, parsed: Mapping[str, tuple[int, _Name]] | N
     if many and len(differing) == nrows and not runs and not kind:
         holding: dict[str, set[int]] = {}
         failing: dict[str, set[int]] = {}
+        seen: dict[tuple[str, str], _Rank] = {}
         for key, (r, _) in parsed.items():
-            name = _split_key(key)[1]
+            name = _split_key(key, seen)[1]
             holding.setdefault(name, set()).add(r)
             if key in labels:
                 failing.setdefault(name, set()).add(r)
