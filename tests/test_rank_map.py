@@ -506,3 +506,17 @@ def test_colour_only_on_a_terminal_and_never_with_no_color(monkeypatch):
     out = Terminal()
     print_rank_map(None, out)  # a match: nothing
     assert out.getvalue() == ""
+
+
+def test_a_fleet_names_the_engine_that_missed_the_update():
+    import weight_checker
+
+    with fake_fleet(2, independent=True) as fleet:
+
+        def transfer() -> None:  # reaches the first replica only
+            fleet[0].weights = dict(fleet[0].loaded)
+
+        result = weight_checker.verify([s.url for s in fleet], transfer=transfer)
+    m = result.rank_map()
+    assert m is not None and sorted(m.rows) == sorted(s.url.removeprefix("http://") for s in fleet)
+    assert m.patterns == [f"{fleet[1].url.removeprefix('http://')} missed the update (every key untouched-since-reset)"]
