@@ -178,6 +178,11 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument(
         "--report", metavar="FILE", help="write an HTML page: the verdict, the rank x layer map, every key that differs"
     )
+    v.add_argument(
+        "--explain", metavar="N", type=_keys_to_explain, default=64,
+        help="on a mismatch against expected digests, explain the first N keys: where in each tensor and the likely "
+        "cause (default 64; 0: none)",
+    )  # fmt: skip
     f = v.add_mutually_exclusive_group()
     f.add_argument("--fleet", action="store_true", help="the servers are replicas: each compared on its own")
     f.add_argument("--merge", action="store_true", help="the servers serve disjoint ranks of one model (external LB)")
@@ -187,6 +192,16 @@ def build_parser() -> argparse.ArgumentParser:
     _server_options(r)
     r.set_defaults(func=cmd_replicas)
     return p
+
+
+def _keys_to_explain(raw: str) -> int:
+    try:
+        n = int(raw)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected a number of keys >= 0, got {raw!r}")
+    return n
 
 
 def _debug() -> bool:

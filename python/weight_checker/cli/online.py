@@ -78,7 +78,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     interrupted = False
     try:
         transfer = transfer_for(args, target) if baseline is None else None
-        result = verify(target, transfer, baseline=baseline, expected=expected)
+        result = verify(target, transfer, baseline=baseline, expected=expected, explain=args.explain)
     except VerifyError as e:
         result = e.result or VerifyResult(servers=target.urls, error=str(e))
     except KeyboardInterrupt as e:

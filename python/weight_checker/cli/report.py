@@ -112,10 +112,32 @@ def print_verify_report(report: dict) -> None:
     print(f"result: {verify_verdict(report)}")
     if not report["match"]:
         print_mismatches(report)
+    print_explanation(report.get("explanation"))
     for engine, why in report.get("version_mismatches", {}).items():
         print(f"  weight-version          {engine} {why}")
     if report.get("error"):
         print(f"error: {report['error']}")
+
+
+def print_explanation(explanation: Mapping[str, Any] | None) -> None:
+    """Why the check failed, a line a key: its class, the cause, where in the
+    tensor (``verify``'s explanation, as ``to_json`` gives it)."""
+    if not explanation:
+        return
+    print("why (the first mismatched keys: class, cause, where in the tensor):")
+    for e in explanation.get("keys", []):
+        where = "the whole tensor" if e.get("whole") else e.get("where") or ""
+        spans = ", ".join(f"{a}-{b}" for a, b in e.get("ranges", [])[:4])
+        if spans and not e.get("whole"):
+            where = f"{where} (bytes {spans}{' ...' if len(e.get('ranges', [])) > 4 else ''})"
+        causes = e.get("block_causes") or {}
+        mixed = "; ".join(f"{c}: {len(r)} range(s)" for c, r in causes.items()) if e.get("cause") == "mixed" else ""
+        note = f" [{e['note']}]" if e.get("note") else ""
+        print(f"  {e['cause']:<24} {e['class']:<12} {e['key']}  {where}{'  ' + mixed if mixed else ''}{note}")
+    if explanation.get("left_out"):
+        print(f"  ({explanation['left_out']} more mismatched keys not explained: --explain N to see more)")
+    for note in explanation.get("notes", []):
+        print(f"  note: {note}")
 
 
 def use_color(out: TextIO) -> bool:

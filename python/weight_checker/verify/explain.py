@@ -334,7 +334,7 @@ def _explain_blocks(
     keys = [e.key for e in pending]
     started = time.perf_counter()
     try:
-        got = tensors.tensors(keys, TRANSFORMS)
+        got = tensors.tensors(keys, ())
     except WeightCheckerError as err:
         for e in pending:
             e.note = "no expected tensor"
@@ -415,6 +415,17 @@ def _merge(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
+def _runs(indices: Sequence[int]) -> list[list[int]]:
+    """``[[3, 4, 5], [9]]``: sorted indices cut where they are not consecutive."""
+    out: list[list[int]] = []
+    for i in sorted(indices):
+        if out and out[-1][-1] == i - 1:
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out
+
+
 def _pick(table: Mapping[str, Mapping[str | None, Any]], which: str | None) -> Callable[[str], Any]:
     """``key -> table[key][which]`` (``None`` where absent)."""
     return lambda key: (table.get(key) or {}).get(which)
@@ -438,8 +449,12 @@ def _match_candidates(
         return {k: [i for i in idx if i not in found[k]] for k, idx in unexplained.items() if len(found[k]) < len(idx)}
 
     def try_candidate(name: str, tensor_of: Callable[[str], Any]) -> None:
-        pieces: list[tuple[Any, tuple[int, int]]] = []
-        owners: list[tuple[str, int]] = []
+        # The first unexplained block of each run of them is hashed; the rest
+        # of a run only where that one matched (a dropped bucket, a stale
+        # half: a cause holds for a run). A run a candidate matches only past
+        # its first block stays unexplained there: less said, never wrong.
+        flats: dict[str, Any] = {}
+        runs: list[tuple[str, list[int]]] = []
         for key, idx in remaining().items():
             t = tensor_of(key)
             if t is None:
@@ -447,10 +462,17 @@ def _match_candidates(
             flat = flat_bytes(t)
             if int(flat.numel()) != blocks[key].nbytes:
                 continue
-            for i in idx:
-                pieces.append((flat, blocks[key].ranges[i]))
-                owners.append((key, i))
-        for (key, i), digest in zip(owners, _hash_blocks(pieces), strict=True):
+            flats[key] = flat
+            runs += [(key, run) for run in _runs(idx)]
+        probes = _hash_blocks([(flats[key], blocks[key].ranges[run[0]]) for key, run in runs])
+        rest: list[tuple[str, int]] = []
+        for (key, run), digest in zip(runs, probes, strict=True):
+            if digest == engine[key]["digests"][run[0]]:
+                found[key][run[0]] = name
+                rest += [(key, i) for i in run[1:]]
+        for (key, i), digest in zip(
+            rest, _hash_blocks([(flats[k], blocks[k].ranges[i]) for k, i in rest]), strict=True
+        ):
             if digest == engine[key]["digests"][i]:
                 found[key][i] = name
 
@@ -487,7 +509,12 @@ def _match_candidates(
     for name in TRANSFORMS:
         if not remaining():
             break
-        try_candidate(name, _pick(got, name))
+        try:  # computed only now, for the keys still unexplained
+            transformed = source.tensors(sorted(remaining()), (name,))
+        except WeightCheckerError as err:
+            out.notes.append(f"{name}: not computed ({err})")
+            continue
+        try_candidate(name, _pick(transformed, name))
     for key, idx in unexplained.items():
         e = out.keys[key]
         by_cause: dict[str, list[tuple[int, int]]] = {}
@@ -562,3 +589,112 @@ def http_fetcher(url: str, *, api_key: str | None = None, timeout: float = 600.0
         return blocks
 
     return fetch
+
+
+class ExpectedSource:
+    """The expected tensors of :func:`weight_checker.expected_digests`'
+    result, recomputed for the named keys only
+    (:func:`weight_checker.expected.recompute.expected_tensors`: every
+    tensor it gives hashes to the expected digest, else it refuses)."""
+
+    def __init__(self, expected: Any):
+        self.expected = expected
+
+    def tensors(self, keys: Sequence[str], transforms: Sequence[str]) -> Mapping[str, Mapping[str | None, Any]]:
+        from weight_checker.expected.recompute import expected_tensors
+
+        try:
+            return expected_tensors(self.expected, list(keys), transforms)
+        except WeightCheckerError:
+            if len(keys) == 1:
+                raise
+        # One key it cannot give must not hide the others'.
+        out: dict[str, Mapping[str | None, Any]] = {}
+        first: WeightCheckerError | None = None
+        for key in keys:
+            try:
+                out.update(expected_tensors(self.expected, [key], transforms))
+            except WeightCheckerError as e:
+                first = first or e
+        if not out and first is not None:
+            raise first
+        return out
+
+
+def source_for(expected: Any) -> ExpectedTensors | None:
+    """Where the expected tensors of ``expected`` come from: an
+    :class:`ExpectedTensors` as given, expected digests that can recompute
+    their tensors, else ``None`` (digests only: a manifest)."""
+    if expected is None:
+        return None
+    if callable(getattr(expected, "tensors", None)):
+        return expected  # type: ignore[no-any-return]
+    try:
+        from weight_checker.expected.recompute import can_recompute
+    except ImportError:
+        return None
+    return ExpectedSource(expected) if can_recompute(expected) else None
+
+
+def versions_from(history: Sequence[Any]) -> list[Version]:
+    """Previous versions, newest first, from expected digests (labelled by
+    their ``weight_version``, else ``previous-1``, ``previous-2``...) or
+    ``(label, expected digests)`` pairs."""
+    out = []
+    for i, item in enumerate(history):
+        label, digests = item if isinstance(item, tuple) else (None, item)
+        label = label or getattr(digests, "weight_version", None) or f"previous-{i + 1}"
+        out.append(Version(str(label), digests, source_for(digests)))
+    return out
+
+
+def fetcher_for(target: Any, engine: str) -> BlockFetcher | None:
+    """How to ask ``engine`` of a verify target for block digests: this
+    package's route over HTTP, the worker method over ``collective_rpc`` in
+    process or on a Ray actor; ``None`` where neither can be reached."""
+    from weight_checker.verify.targets.engines import RpcTarget
+    from weight_checker.verify.targets.http import HttpTarget
+
+    if isinstance(target, HttpTarget):
+        return http_fetcher(engine, api_key=target.api_key, timeout=target.timeout)
+    if isinstance(target, RpcTarget):
+        handle = target.engines[engine]
+
+        def fetch(keys: list[str], block_bytes: int) -> dict[str, Mapping[str, Any]]:
+            answers = handle.rpc("weight_checker_block_digests", (keys, block_bytes), "block digests")
+            return _merge_answers(answers, engine)
+
+        return fetch
+    return None
+
+
+def explain_engines(
+    per_engine: Mapping[str, Mapping[str, str]],
+    mismatches: Mapping[str, Mapping[str, str]],
+    reference: Mapping[str, str],
+    fetchers: Mapping[str, BlockFetcher | None],
+    tensors: ExpectedTensors | None,
+    *,
+    history: Sequence[Version] = (),
+    limit: int = DEFAULT_LIMIT,
+    show: Callable[[str, str], str] = lambda engine, key: key,
+) -> Explanation:
+    """:func:`explain` engine by engine (``mismatches``: engine -> key ->
+    class), one explanation keyed as ``show(engine, key)`` shows them, the
+    limit shared."""
+    out = Explanation()
+    left = limit
+    for engine, held in per_engine.items():
+        mine = mismatches.get(engine) or {}
+        if not mine:
+            continue
+        found = explain(mine, held, reference, fetchers.get(engine), tensors, history=history, limit=max(left, 0))
+        left -= len(found.keys)
+        out.left_out += found.left_out
+        for key, e in found.keys.items():
+            e.key = show(engine, key)
+            out.keys[e.key] = e
+        out.notes += [n for n in found.notes if n not in out.notes]
+        for name, seconds in found.seconds.items():
+            out.seconds[name] = out.seconds.get(name, 0.0) + seconds
+    return out

@@ -10,6 +10,7 @@ from weight_checker.errors import WeightMismatchError
 from weight_checker.verify.engine_digests import Layout
 
 if TYPE_CHECKING:
+    from weight_checker.verify.explain import Explanation
     from weight_checker.verify.rank_map import RankLayerMap
 
 
@@ -62,6 +63,10 @@ class VerifyResult:
     #: Every key compared, shown as in ``mismatches``; kept only where some
     #: key differs (what :meth:`rank_map` places).
     compared_keys: list[str] = field(default_factory=list, repr=False)
+    #: Why the check failed, where it could be told: where in each of the
+    #: first mismatched tensors, and the likely cause
+    #: (:mod:`weight_checker.verify.explain`); ``None`` on a match.
+    explanation: Explanation | None = None
 
     def raise_for_mismatch(self) -> None:
         """:class:`WeightMismatchError` (counts per class, first keys) if any
@@ -88,7 +93,8 @@ class VerifyResult:
         return rank_layer_map(labels_for(self.mismatches, details), self.compared_keys or None)
 
     def to_json(self) -> dict[str, Any]:
-        rank_map = self.rank_map()
+        explanation = self.explanation
+        rank_map = self.rank_map(explanation.details() if explanation is not None else None)
         return {
             "servers": self.servers,
             "steps": [
@@ -110,4 +116,5 @@ class VerifyResult:
             **({"lora_slots": self.lora_slots} if self.lora_slots else {}),
             **({"error": self.error} if self.error else {}),
             **({"map": rank_map.to_json(), "patterns": rank_map.patterns} if rank_map is not None else {}),
+            **({"explanation": explanation.to_json()} if explanation is not None else {}),
         }

@@ -187,6 +187,37 @@ async def _await(value: Any) -> Any:
     return await value
 
 
+def _explain(result: VerifyResult, t: Target, values: dict[str, Any], history: Any, limit: int) -> None:
+    """Why the check failed (:mod:`weight_checker.verify.explain`), into
+    ``result.explanation``; a failure to explain is a warning, never the
+    verdict's."""
+    from weight_checker.errors import WeightCheckerError
+    from weight_checker.verify.engine_digests import display_key
+    from weight_checker.verify.explain import explain_engines, fetcher_for, source_for, versions_from
+
+    current: EngineDigests = values["current"].digests
+    fleet = current.layout == "fleet"
+    mismatches = (
+        dict(result.by_engine)
+        if fleet
+        else {e: {k: c for k, c in result.mismatches.items() if k in held} for e, held in current.per_engine.items()}
+    )
+    expected = values["expected"]
+    try:
+        result.explanation = explain_engines(
+            current.per_engine,
+            mismatches,
+            expected,
+            {engine: fetcher_for(t, engine) for engine in current.per_engine},
+            source_for(expected),
+            history=versions_from(list(history or ())),
+            limit=limit,
+            show=display_key if fleet else (lambda engine, key: key),
+        )
+    except (WeightCheckerError, OSError, RuntimeError, ValueError) as e:
+        result.warnings.append(f"the mismatch could not be explained: {type(e).__name__}: {e}")
+
+
 def _run(
     t: Target,
     transfer: Callable[[], Any] | None,
@@ -194,6 +225,8 @@ def _run(
     expected: Mapping[str, str] | Callable[[], Mapping[str, str]] | None,
     name: str,
     loop: asyncio.AbstractEventLoop | None = None,
+    explain_limit: int = 0,
+    history: Any = (),
 ) -> VerifyResult:
     """The workflow on ``t``, its inputs checked (``name``: the caller, for messages)."""
     baseline = _check_digest_map(baseline, "baseline")
@@ -225,6 +258,11 @@ def _run(
         compare(run.result, values)
         run.result.lora_slots = dict(t.lora_slots)
         run.step("compare", time.perf_counter() - start, ok=True)
+        if run.result.mismatches and explain_limit and values.get("expected") is not None:
+            # While the engines are still paused: the blocks are those of the bytes just hashed.
+            start = time.perf_counter()
+            _explain(run.result, t, values, history, explain_limit)
+            run.step("explain", time.perf_counter() - start, ok=True)
     except BaseException as e:
         error = e
     finally:
@@ -263,7 +301,13 @@ class VerifyOptions(TypedDict, total=False):
     - ``fleet`` / ``merge``: the engines are replicas / disjoint ranks of one
       model (default: their key sets decide; a contradiction is an error);
     - ``include``: what a checksum covers (``["target", "draft", "lora"]``;
-      default: the expected digests' scopes, else the target model).
+      default: the expected digests' scopes, else the target model);
+    - ``explain``: on a mismatch against expected digests, explain the first
+      64 mismatched keys (an int: that many; ``False``: none): where in each
+      tensor, and the likely cause (``result.explanation``; see
+      :mod:`weight_checker.verify.explain`); nothing is asked on a match;
+    - ``history``: the expected digests of previous versions, newest first
+      (or ``(label, digests)`` pairs), for causes like ``version:step-11``.
     """
 
     baseline: Mapping[str, str] | None
@@ -274,6 +318,20 @@ class VerifyOptions(TypedDict, total=False):
     fleet: bool
     merge: bool
     include: Any
+    explain: bool | int
+    history: Any
+
+
+def _explaining(options: VerifyOptions) -> tuple[int, Any]:
+    """``(how many keys to explain, previous versions)`` from the options."""
+    from weight_checker.verify.explain import DEFAULT_LIMIT
+
+    wanted = options.get("explain", True)
+    if isinstance(wanted, bool):
+        return (DEFAULT_LIMIT if wanted else 0), options.get("history") or ()
+    if not isinstance(wanted, int) or wanted < 0:
+        raise InputTypeError(f"explain must be a bool or a number of keys >= 0, got {wanted!r}")
+    return wanted, options.get("history") or ()
 
 
 def _prepare(target: Any, options: VerifyOptions, loop: asyncio.AbstractEventLoop | None = None) -> Target:
@@ -313,7 +371,7 @@ def verify(target: Any, transfer: Callable[[], Any] | None = None, **options: Un
     paused engine was resumed.
     """
     t = _prepare(target, options)
-    return _run(t, transfer, options.get("baseline"), options.get("expected"), "verify")
+    return _run(t, transfer, options.get("baseline"), options.get("expected"), "verify", None, *_explaining(options))
 
 
 async def verify_async(
@@ -326,5 +384,6 @@ async def verify_async(
     loop = asyncio.get_running_loop()
     t = _prepare(target, options, loop)
     return await asyncio.to_thread(
-        _run, t, transfer, options.get("baseline"), options.get("expected"), "verify_async", loop
-    )
+        _run, t, transfer, options.get("baseline"), options.get("expected"), "verify_async", loop,
+        *_explaining(options),
+    )  # fmt: skip
