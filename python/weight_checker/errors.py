@@ -15,7 +15,7 @@ Every error raised while handling another keeps it as ``__cause__``:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 
@@ -69,6 +69,8 @@ class WeightMismatchError(WeightCheckerError):
         mismatches: Mapping[str, str],
         reference: str = "the baseline",
         version_mismatches: Mapping[str, str] | None = None,
+        explanation: Any = None,
+        patterns: Sequence[str] = (),
     ):
         from weight_checker.verify.classes import class_counts
 
@@ -78,9 +80,18 @@ class WeightMismatchError(WeightCheckerError):
             more = " ..." if len(mismatches) > 5 else ""
             parts.append(f"{len(mismatches)} keys differ from {reference} ({class_counts(mismatches)}): {first}{more}")
         parts += [f"{engine} {why}" for engine, why in (version_mismatches or {}).items()]
+        parts += list(patterns)[:2]
+        causes = explanation.causes() if explanation is not None else {}
+        if causes:
+            parts.append(f"likely causes of the first {len(causes)}: {class_counts(causes)}")
         super().__init__("; ".join(parts))
         self.mismatches = dict(mismatches)
         self.version_mismatches = dict(version_mismatches or {})
+        #: Why it failed, where it could be told
+        #: (:class:`weight_checker.verify.explain.Explanation`), else ``None``.
+        self.explanation = explanation
+        #: The patterns of the rank × layer map ("tp3 missed the update ...").
+        self.patterns = list(patterns)
 
 
 class HttpError(WeightCheckerError):

@@ -78,6 +78,10 @@ class StepCheck:
     expected_seconds: float
     #: The sync's own time (TRL's ``sync_weights``), measured inside the check.
     sync_seconds: float
+    #: Why a failed check failed, where it could be told: where in each of
+    #: the first mismatched tensors, and the likely cause
+    #: (:class:`weight_checker.verify.explain.Explanation`).
+    explanation: Any = None
 
 
 @dataclass
@@ -92,6 +96,10 @@ class SyncVerifier:
     syncs: int = 0
     #: Syncs that ran but could not be verified (the expected digests failed).
     unverified: int = 0
+    #: The expected digests of the last ``keep_versions`` verified syncs,
+    #: newest first, as ``("step-N", digests)``: causes like ``version:step-11``.
+    history: list[tuple[str, Any]] = field(default_factory=list)
+    keep_versions: int = 2
 
     def remove(self) -> None:
         """Restores TRL's own ``sync_weights`` on this trainer."""
@@ -309,8 +317,14 @@ def _verified_sync(hook: SyncVerifier, log: logging.Logger, args: tuple[Any, ...
         with tee:
             sync()
 
+    held: list[Any] = []
+
+    def expected() -> Any:
+        held.append(tee.expected())
+        return held[-1]
+
     try:
-        result = weight_checker.verify(vg.llm, transfer=transfer, expected=tee.expected)
+        result = weight_checker.verify(vg.llm, transfer=transfer, expected=expected, history=hook.history)
     except weight_checker.VerifyError as e:
         if e.step == "transfer" and e.__cause__ is not None:
             # TRL's own failure, raised as TRL raised it (its own cause kept).
@@ -332,15 +346,18 @@ def _verified_sync(hook: SyncVerifier, log: logging.Logger, args: tuple[Any, ...
         seconds,
         timing.get("expected", 0.0),
         timing.get("sync", 0.0),
+        result.explanation,
     )
     hook.results.append(check)
+    if held and hook.keep_versions:
+        hook.history = [(f"step-{step}", held[-1]), *hook.history][: hook.keep_versions]
     metrics = trainer._metrics["train" if getattr(trainer.model, "training", True) else "eval"]
     metrics["weight_check/mismatches"].append(float(len(result.mismatches)))
     metrics["weight_check/seconds"].append(seconds - check.sync_seconds)
     if result.match:
         log.info("verified step %d: %d/%d keys (%.3f s)", step, result.key_count, result.key_count, seconds)
     else:
-        error = weight_checker.WeightMismatchError(result.mismatches, result.reference, result.version_mismatches)
+        error = result.mismatch_error()
         log.warning("step %d: %s", step, error)
         if hook.on_mismatch == "raise":
             raise error

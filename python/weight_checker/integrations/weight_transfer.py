@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from weight_checker.errors import InputError, InputTypeError, VerifyError, WeightCheckerError, WeightMismatchError
+from weight_checker.errors import InputError, InputTypeError, VerifyError, WeightCheckerError
 from weight_checker.scope import DEFAULT, parse_include
 from weight_checker.verify.compare import compare
 from weight_checker.verify.engine_digests import EngineDigests, decide_layout
@@ -145,6 +145,10 @@ class _Engine:
     def weight_version(self) -> str | None:
         return None
 
+    def block_fetcher(self) -> Any:
+        """How to ask this engine for block digests (``None``: it cannot be)."""
+        return None
+
 
 class _HttpEngine(_Engine):
     """A server, through vLLM's HTTP client: the update and the finish are
@@ -157,6 +161,11 @@ class _HttpEngine(_Engine):
         self.api_key = api_key_from_env(api_key)
         self.timeout = float(getattr(client, "timeout", None) or timeout)
         self.digests_at_finish = True
+
+    def block_fetcher(self) -> Any:
+        from weight_checker.verify.explain import http_fetcher
+
+        return http_fetcher(self.url, api_key=self.api_key, timeout=self.timeout)
 
     def update(self, update_info: Any) -> None:
         payload = _json_safe(update_info)
@@ -201,6 +210,11 @@ class _LLMEngine(_Engine):
         super().__init__(llm, include)
         self.name = f"in-process {type(llm).__name__}"
         self.digests_at_finish = True
+
+    def block_fetcher(self) -> Any:
+        from weight_checker.verify.explain import llm_fetcher
+
+        return llm_fetcher(self.client)
 
     def init(self, init_info: dict[str, Any]) -> None:
         self.client.init_weight_transfer_engine({"init_info": init_info})
@@ -250,6 +264,16 @@ class _OtherEngine(_Engine):
         scope = include or self.include or DEFAULT
         per_engine = target_for(self.checksum_from, include=scope).per_engine("checksum")
         return merge_digests(per_engine.values(), per_engine)
+
+    def block_fetcher(self) -> Any:
+        from weight_checker.verify.explain import http_fetcher, llm_fetcher
+
+        source = self.checksum_from
+        if isinstance(source, str):
+            return http_fetcher(source)
+        if callable(getattr(source, "collective_rpc", None)):
+            return llm_fetcher(source)
+        return None  # several engines behind one client: which holds a key is not known here
 
 
 def _json_safe(update_info: Any) -> Any:
@@ -314,7 +338,23 @@ class VerifiedClient:
         timeout: float = 600.0,
         log: logging.Logger | None = None,
         weight_version: Callable[[], str | None] | None = None,
+        explain: bool | int = True,
+        keep_versions: int = 2,
     ):
+        from weight_checker.verify.explain import DEFAULT_LIMIT
+
+        if isinstance(explain, bool):
+            explain = DEFAULT_LIMIT if explain else 0
+        if not isinstance(explain, int) or explain < 0:
+            raise InputTypeError(f"explain must be a bool or a number of keys >= 0, got {explain!r:.80}")
+        if isinstance(keep_versions, bool) or not isinstance(keep_versions, int) or keep_versions < 0:
+            raise InputTypeError(f"keep_versions must be a number of versions >= 0, got {keep_versions!r:.80}")
+        #: How many mismatched keys an update's explanation covers (0: none).
+        self.explain = explain
+        #: The expected digests of the last ``keep_versions`` updates, newest
+        #: first, as ``(label, digests)``: causes like ``version:step-11``.
+        self.history: list[tuple[str, Any]] = []
+        self.keep_versions = keep_versions
         if on_mismatch not in ("raise", "warn"):
             raise InputError(f"on_mismatch must be 'raise' or 'warn', got {on_mismatch!r}")
         if weight_version is not None and not callable(weight_version):
@@ -424,6 +464,11 @@ class VerifiedClient:
             after[engine.name] = digests
         hashed = time.perf_counter()
         self._verdict(check, after, weight_version, expected)
+        if check.mismatches and self.explain:
+            self._explain(check, after, expected)
+        if self.keep_versions:
+            label = weight_version or f"update-{len(self.results) + 1}"
+            self.history = [(label, expected), *self.history][: self.keep_versions]
         check.seconds = {
             "update": transferred - self._started,
             "digests": hashed - transferred,
@@ -460,6 +505,32 @@ class VerifiedClient:
         check.warnings += list(getattr(expected, "warnings", ()))
         compare(check, values)
 
+    def _explain(self, check: UpdateCheck, after: dict[str, dict[str, str]], expected: Any) -> None:
+        """Why this update's check failed (``check.explanation``): where in
+        each of the first mismatched tensors, and the likely cause, from
+        block digests each engine gives and the expected tensors recomputed
+        for those keys. Never raises: a failure to explain is a warning."""
+        from weight_checker.verify.engine_digests import decide_layout, display_key
+        from weight_checker.verify.explain import explain_engines, source_for, versions_from
+
+        started = time.perf_counter()
+        try:
+            fleet = decide_layout(after, None) == "fleet"
+            mismatches = (
+                dict(check.by_engine)
+                if fleet
+                else {e: {k: c for k, c in check.mismatches.items() if k in held} for e, held in after.items()}
+            )
+            fetchers = {e.name: e.block_fetcher() for e in self.engines}
+            check.explanation = explain_engines(
+                after, mismatches, expected, fetchers, source_for(expected),
+                history=versions_from(self.history), limit=self.explain,
+                show=display_key if fleet else (lambda engine, key: key),
+            )  # fmt: skip
+        except (WeightCheckerError, OSError, RuntimeError, ValueError) as e:
+            check.warnings.append(f"the mismatch could not be explained: {type(e).__name__}: {e}")
+        check.seconds["explain"] = time.perf_counter() - started
+
     def _report(self, check: UpdateCheck) -> None:
         version = f" {check.weight_version!r}" if check.weight_version is not None else ""
         sources = sorted(set(check.digests_from.values()))
@@ -469,7 +540,7 @@ class VerifiedClient:
                 version, check.key_count, " and ".join(sources), check.seconds["digests"],
             )  # fmt: skip
             return
-        error = WeightMismatchError(check.mismatches, check.reference, check.version_mismatches)
+        error = check.mismatch_error()
         message = f"weight update{version}: {error}"
         if self.on_mismatch == "raise":
             raise error
@@ -521,6 +592,8 @@ def verified(
     api_key: str | None = None,
     timeout: float = 600.0,
     weight_version: Callable[[], str | None] | None = None,
+    explain: bool | int = True,
+    keep_versions: int = 2,
 ) -> VerifiedClient:
     """``client`` (a ``VLLMWeightSyncClient``, an in-process ``vllm.LLM``, or
     a list of them: a fleet) wrapped so that every update is verified at its
@@ -538,11 +611,16 @@ def verified(
     giving the version to finish each update with where the caller finishes
     without one (vLLM's trainer engines call ``finish_weight_update()`` with
     no argument): the engines are finished with it, ``expected`` is given it
-    and the verdict is tied to it."""
+    and the verdict is tied to it. ``explain``: on a mismatch, explain the
+    first 64 mismatched keys (an int: that many; ``False``: none): where in
+    each tensor and the likely cause, in ``.results[-1].explanation`` and on
+    the raised error; ``keep_versions``: how many previous updates' expected
+    digests are kept for causes like ``version:step-11`` (default 2)."""
     clients = list(client) if isinstance(client, (list, tuple)) else [client]
     if not clients:
         raise InputError("no client given")
     return VerifiedClient(
         clients, expected, on_mismatch=on_mismatch, include=include, checksum_from=checksum_from,
-        api_key=api_key, timeout=timeout, weight_version=weight_version,
+        api_key=api_key, timeout=timeout, weight_version=weight_version, explain=explain,
+        keep_versions=keep_versions,
     )  # fmt: skip

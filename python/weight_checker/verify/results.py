@@ -72,7 +72,20 @@ class VerifyResult:
         """:class:`WeightMismatchError` (counts per class, first keys) if any
         key differs, or an engine's weight version does not match its weights."""
         if self.mismatches or self.version_mismatches:
-            raise WeightMismatchError(self.mismatches, self.reference, self.version_mismatches)
+            raise self.mismatch_error()
+
+    def mismatch_error(self) -> WeightMismatchError:
+        """The :class:`WeightMismatchError` of this result: counts per class,
+        the first keys, the map's patterns and the explanation's causes."""
+        explanation = self.explanation
+        rank_map = self.rank_map(explanation.details() if explanation is not None else None)
+        return WeightMismatchError(
+            self.mismatches,
+            self.reference,
+            self.version_mismatches,
+            explanation=explanation,
+            patterns=rank_map.patterns if rank_map is not None else (),
+        )
 
     def classes(self) -> dict[str, list[str]]:
         """class -> sorted keys."""
