@@ -296,6 +296,13 @@ def _expected_digests(
             replica = rank_prefix(d, rank.pp_rank, 0, rank.tp_rank)
             out.update({replica + k[len(rank.prefix) :]: v for k, v in rank.digests.items()})
             out.unwritten += [replica + k[len(rank.prefix) :] for k in rank.unwritten]
+    from weight_checker.expected.recompute import remember
+
+    # What expected_tensors needs to recompute these tensors: weak references to the weights, never the weights.
+    out._recompute = remember(
+        model, weights, checkpoint, key, source, tp=tp, pp=pp, dp=dp, dtype=dtype, engine_args=dict(engine_args),
+        lora=enable_lora, draft=draft is not None, moe_dp=moe_dp,
+    )  # fmt: skip
     for weights_of_a_call in (source, draft_source):
         if weights_of_a_call is not None:
             weights_of_a_call.forget_others()

@@ -42,6 +42,10 @@ class ExpectedDigests(dict[str, str]):
         #: Bytes hashed where the weights lie, never copied into a rank's
         #: parameters (see :mod:`weight_checker.expected.deferred`).
         self.bytes_in_place = 0
+        #: What :func:`weight_checker.expected.recompute.expected_tensors` needs
+        #: to recompute the tensors (weak references to the weights); ``None``
+        #: for digests read back from a manifest.
+        self._recompute: Any = None
 
     def manifest(self) -> dict[str, Any]:
         """The ``checksum`` manifest format, with the provenance beside it."""

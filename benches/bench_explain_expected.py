@@ -1,0 +1,167 @@
+"""expected_tensors (the expected side of a failed check's explanation) for
+one key of a ~1 GB model, against hashing that key's tensor once.
+
+    .venv/bin/python benches/bench_explain_expected.py [--tp 1] [--repeat 7] [--form dict|checkpoint]
+
+The checkpoint (Llama-shaped: hidden 2048, intermediate 5632, 8 layers, 16
+heads, 4 KV heads, vocab 32000: 0.49 B parameters, 0.98 GB bf16, one shard)
+is written once under .bench/. In one process: ``expected_digests`` of the
+trainer's tensors (``--form dict``, the default) or of the checkpoint, as a
+trainer's step makes it; then, for each key, ``--repeat`` runs (in turn,
+best and median) of
+
+- ``hash``: the key's tensor (the one ``expected_tensors`` returns, in
+  memory) hashed once: ``digest_tensors``, as every digest is made;
+- ``expected_tensors(expected, [key])``: the tensor recomputed (the rank model
+  of the call reused, only the weights that feed the key loaded, the tensor
+  hashed against its digest, and copied out), with ``copy=False`` (a view of
+  the weights where the tensor is one piece of one), and with each candidate
+  cause (each call also recomputes and checks the untransformed tensor);
+- every key of dp0 at once (the whole model mismatched), against hashing all
+  of them once.
+
+The ratio is each time over ``hash``. The cost of keeping what a recompute
+needs is measured too: ``remember`` (weak references to the weights) against
+the ``expected_digests`` call that makes it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ceiling import machine
+
+ROOT = Path(__file__).resolve().parent.parent
+SHAPE = {
+    "vocab_size": 32000,
+    "hidden_size": 2048,
+    "intermediate_size": 5632,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 256,
+}
+
+
+def make_checkpoint(path: Path) -> Path:
+    if (path / "model.safetensors").exists():
+        return path
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = transformers.LlamaConfig(**SHAPE, torch_dtype="bfloat16")
+    cfg.architectures = ["LlamaForCausalLM"]
+    cfg.save_pretrained(path)
+    h, i, v, layers = SHAPE["hidden_size"], SHAPE["intermediate_size"], SHAPE["vocab_size"], SHAPE["num_hidden_layers"]
+    kv = h // SHAPE["num_attention_heads"] * SHAPE["num_key_value_heads"]
+    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
+    for n in range(layers):
+        pre = f"model.layers.{n}."
+        shapes |= {
+            pre + "self_attn.q_proj.weight": (h, h),
+            pre + "self_attn.k_proj.weight": (kv, h),
+            pre + "self_attn.v_proj.weight": (kv, h),
+            pre + "self_attn.o_proj.weight": (h, h),
+            pre + "mlp.gate_proj.weight": (i, h),
+            pre + "mlp.up_proj.weight": (i, h),
+            pre + "mlp.down_proj.weight": (h, i),
+            pre + "input_layernorm.weight": (h,),
+            pre + "post_attention_layernorm.weight": (h,),
+        }
+    torch.manual_seed(0)
+    tensors = {}
+    for name, shape in shapes.items():
+        t = torch.empty(shape, dtype=torch.bfloat16)
+        t.view(torch.int16).random_(-16000, 16000)  # finite bf16 values
+        tensors[name] = t
+    save_file(tensors, str(path / "model.safetensors"))
+    return path
+
+
+def measure(runs: dict[str, Any], repeat: int) -> dict[str, tuple[float, float]]:
+    """``{label: (best, median)}`` seconds, the runs taken in turn ``repeat``
+    times (so that a neighbour's burst on this shared machine falls on all of them)."""
+    times: dict[str, list[float]] = {label: [] for label in runs}
+    for _ in range(repeat):
+        for label, fn in runs.items():
+            started = time.perf_counter()
+            fn()
+            times[label].append(time.perf_counter() - started)
+    return {label: (min(t), statistics.median(t)) for label, t in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--form", choices=["dict", "checkpoint"], default="dict")
+    args = parser.parse_args()
+
+    import torch
+    import weight_checker
+    from safetensors.torch import load_file
+    from weight_checker.expected.recompute import TRANSFORMS, expected_tensors, remember
+    from weight_checker.hashing.digests import digest_tensors
+
+    ckpt = make_checkpoint(ROOT / ".bench" / "explain-1g")
+    print(machine())
+    print(f"checkpoint: {(ckpt / 'model.safetensors').stat().st_size / 1e9:.2f} GB, tp={args.tp}, form={args.form}")
+    weights = load_file(str(ckpt / "model.safetensors")) if args.form == "dict" else None
+    weight_checker.expected_digests(ckpt, weights, tp=args.tp)  # vLLM's model code imported, the rank models built
+    started = time.perf_counter()
+    expected = weight_checker.expected_digests(ckpt, weights, tp=args.tp)
+    step = time.perf_counter() - started
+    if weights is not None:
+        kept = measure({"remember": lambda: remember(ckpt, weights, ckpt, None, tp=1)}, args.repeat)["remember"][0]
+        print(f"expected_digests (a step): {step:.3f} s; keeping weak references to its {len(weights)} weights: "
+              f"{kept * 1e3:.2f} ms ({kept / step:.2%})")  # fmt: skip
+    last = args.tp - 1
+    keys = [
+        "dp0:pp0:pcp0:tp0:model.embed_tokens.weight",
+        f"dp0:pp0:pcp0:tp{last}:model.layers.3.mlp.gate_up_proj.weight",
+        f"dp0:pp0:pcp0:tp{last}:model.layers.3.mlp.down_proj.weight",
+        f"dp0:pp0:pcp0:tp{last}:model.layers.3.self_attn.qkv_proj.weight",
+    ]
+    print("seconds as best / median of the runs; ratios over hashing the tensor once (best, median)")
+    for key in keys:
+        tensor = expected_tensors(expected, [key])[key][None]
+        runs: dict[str, Any] = {"hash": lambda tensor=tensor, key=key: digest_tensors([key], [tensor])}
+        runs["alone"] = lambda key=key: expected_tensors(expected, [key])
+        runs["alone, copy=False"] = lambda key=key: expected_tensors(expected, [key], copy=False)
+        for transform in TRANSFORMS:
+            runs[transform] = lambda key=key, t=transform: expected_tensors(expected, [key], [t])
+        runs["all four in one call"] = lambda key=key: expected_tensors(expected, [key], TRANSFORMS)
+        got = measure(runs, args.repeat)
+        hb, hm = got.pop("hash")
+        print(f"{key} ({tensor.nbytes / 1e6:.1f} MB): hash {hb:.3f} / {hm:.3f} s")
+        for label, (b, m) in got.items():
+            print(f"    {label:<26} {b:.3f} / {m:.3f} s   {b / hb:5.2f}x / {m / hm:5.2f}x")
+    # Every key of the model at once (everything mismatched), against hashing every tensor once.
+    every = [k for k in expected if k.startswith("dp0:")]
+    tensors = expected_tensors(expected, every)
+    flat = [tensors[k][None] for k in every]
+    got = measure(
+        {
+            "hash": lambda: digest_tensors(every, flat),
+            "expected_tensors": lambda: expected_tensors(expected, every),
+            "copy=False": lambda: expected_tensors(expected, every, copy=False),
+        },
+        args.repeat,
+    )
+    hb, hm = got.pop("hash")
+    print(f"every key of dp0 ({len(every)}, {sum(t.nbytes for t in flat) / 1e9:.2f} GB): hash {hb:.3f} / {hm:.3f} s")
+    for label, (b, m) in got.items():
+        print(f"    {label:<26} {b:.3f} / {m:.3f} s   {b / hb:5.2f}x / {m / hm:5.2f}x")
+    del torch
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,377 @@
+"""expected_tensors: the tensors behind expected digests, recomputed for the
+keys a failed check names, and the candidate causes (issue 43). Every
+recomputed tensor is held against its oracle: hashlib over its bytes equals
+the key's expected digest (which test_expected.py holds against real
+engines), and a transform's tensor equals what expected_digests gives for
+the transformed weights, key for key."""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import pickle
+import re
+
+import pytest
+import torch
+import weight_checker
+from weight_checker.errors import ExpectedDigestsError
+from weight_checker.expected import recompute
+from weight_checker.expected.manifest import ExpectedDigests
+from weight_checker.expected.recompute import TRANSFORMS, can_recompute, expected_tensors
+from weight_checker.testing.launch import vllm_available
+
+from .models import write_model
+
+pytestmark = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed")
+
+QKV = "dp0:pp0:pcp0:tp1:model.layers.1.self_attn.qkv_proj.weight"
+DOWN = "dp0:pp0:pcp0:tp1:model.layers.1.mlp.down_proj.weight"
+Q_PROJ = "model.layers.1.self_attn.q_proj.weight"
+
+
+def sha(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.detach().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """family -> (checkpoint, its tensors), written once."""
+    from safetensors.torch import load_file
+
+    root = tmp_path_factory.mktemp("tensors")
+    out = {}
+    for family in ("llama", "qwen2", "tied", "mixtral", "qwen2moe"):
+        path = write_model(root / family, family)
+        out[family] = (path, load_file(str(path / "model.safetensors")))
+    return out
+
+
+def clone(state: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    return {k: (v.to(dtype) if dtype is not None else v).clone() for k, v in state.items()}
+
+
+# --- exact: every key's tensor hashes to its digest ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("family", "layout"),
+    [
+        ("llama", {}),
+        ("llama", {"tp": 2}),
+        ("qwen2", {}),
+        ("qwen2", {"tp": 2}),
+        ("tied", {"tp": 2}),
+        ("mixtral", {"tp": 2}),
+        ("llama", {"pp": 2, "dp": 2}),
+        ("qwen2moe", {"dp": 2}),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}{n}" for k, n in v.items()) or "tp1",
+)
+def test_every_keys_tensor_hashes_to_its_expected_digest(models, family, layout):
+    path, state = models[family]
+    weights = clone(state)
+    expected = weight_checker.expected_digests(path, weights, **layout)
+    got = expected_tensors(expected, list(expected))
+    assert set(got) == set(expected)
+    sources = {v.untyped_storage().data_ptr() for v in weights.values()}
+    for key, tensors in got.items():
+        assert list(tensors) == [None]
+        assert sha(tensors[None]) == expected[key], key
+        assert tensors[None].device.type == "cpu"
+        assert tensors[None].untyped_storage().data_ptr() not in sources, f"{key}: not a copy"
+    # One key at a time: only what feeds it is loaded (the filter), the same bytes.
+    for key in list(expected)[:: max(1, len(expected) // 12)]:
+        one = expected_tensors(expected, [key])
+        assert list(one) == [key] and sha(one[key][None]) == expected[key]
+    # Views where a parameter is one piece of a weight, asked for: the same bytes.
+    views = expected_tensors(expected, list(expected), copy=False)
+    assert {k: sha(t[None]) for k, t in views.items()} == dict(expected)
+    shared = [k for k, t in views.items() if t[None].untyped_storage().data_ptr() in sources]
+    assert any(k.endswith("embed_tokens.weight") for k in shared)
+
+
+def test_a_checkpoint_is_read_again(models):
+    path, _ = models["qwen2"]
+    expected = weight_checker.expected_digests(path, tp=2)
+    got = expected_tensors(expected, list(expected))
+    assert {k: sha(t[None]) for k, t in got.items()} == dict(expected)
+
+
+# --- the candidate causes, against expected_digests of the transformed weights ------------------------
+
+
+def transformed(state: dict[str, torch.Tensor], transform: str) -> dict[str, torch.Tensor]:
+    """The oracle's transform, written apart from the module's."""
+    out = {}
+    for name, t in state.items():
+        if transform.startswith("dtype-roundtrip:"):
+            through = {"float16": torch.float16, "bfloat16": torch.bfloat16}[transform.split(":")[1]]
+            t = t.to(through).to(t.dtype) if t.dtype != through else t
+        elif transform == "truncate:bfloat16":
+            if t.dtype == torch.float32:
+                t = (t.view(torch.int32) & -65536).view(torch.float32)
+        elif transform == "transposed":
+            if t.dim() == 2 and t.shape[0] == t.shape[1]:
+                t = t.t().contiguous()
+        out[name] = t
+    return out
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize(
+    ("source_dtype", "engine_dtype"), [("float32", "bfloat16"), ("float32", "float32"), ("bfloat16", "bfloat16")]
+)
+def test_each_transform_gives_the_digests_of_the_transformed_weights(models, tp, source_dtype, engine_dtype):
+    """fp32 or bf16 trainer weights (some values too large for float16, so
+    its round trip overflows) into a bf16 or fp32 engine: each candidate tensor's digest
+    is expected_digests' for the transformed weights, key for key; a
+    transform is absent from exactly the keys it leaves unchanged."""
+    path, state = models["qwen2"]
+    weights = clone(state, getattr(torch, source_dtype))
+    weights["model.layers.0.mlp.down_proj.weight"][0, :4] = torch.tensor([1e5, -7e4, 3.3e-9, 1.0000001])
+    expected = weight_checker.expected_digests(path, weights, tp=tp, dtype=engine_dtype)
+    keys = list(expected)
+    every = expected_tensors(expected, keys, TRANSFORMS)
+    seen = set()
+    for transform in TRANSFORMS:
+        oracle = weight_checker.expected_digests(path, transformed(weights, transform), tp=tp, dtype=engine_dtype)
+        alone = expected_tensors(expected, keys, [transform])
+        for key in keys:
+            assert sha(alone[key][None]) == expected[key]
+            if transform in alone[key]:
+                seen.add(transform)
+                assert sha(alone[key][transform]) == oracle[key] != expected[key], (transform, key)
+                assert sha(every[key][transform]) == oracle[key]
+            else:
+                assert oracle[key] == expected[key], (transform, key)
+                assert transform not in every[key]
+        # One key at a time (the filtered load): the same candidates.
+        for key in keys[:: max(1, len(keys) // 6)]:
+            one = expected_tensors(expected, [key], [transform])
+            assert {t: sha(v) for t, v in one[key].items()} == {t: sha(v) for t, v in alone[key].items()}
+    want = {"dtype-roundtrip:float16", "transposed"}
+    if source_dtype == "float32":
+        want |= {"truncate:bfloat16"} | ({"dtype-roundtrip:bfloat16"} if engine_dtype == "float32" else set())
+    assert seen == want
+
+
+def test_transforms_that_change_nothing_are_absent(models):
+    """bf16 weights: no float32 to truncate, nothing changed by a bf16 round trip."""
+    path, state = models["llama"]
+    weights = clone(state)
+    expected = weight_checker.expected_digests(path, weights, tp=2)
+    got = expected_tensors(expected, [QKV, DOWN], ["truncate:bfloat16", "dtype-roundtrip:bfloat16", "transposed"])
+    assert list(got[QKV]) == [None, "transposed"]  # q_proj is square
+    assert list(got[DOWN]) == [None]  # hidden x intermediate: not square
+    with pytest.raises(ExpectedDigestsError, match="unknown transform"):
+        expected_tensors(expected, [QKV], ["transpose"])
+
+
+# --- only what feeds the keys is loaded, with a full load to fall back on -----------------------------
+
+
+def test_a_key_loads_only_the_weights_that_feed_it_and_falls_back_to_all(models, monkeypatch):
+    path, state = models["mixtral"]
+    weights = clone(state)
+    expected = weight_checker.expected_digests(path, weights, tp=2)
+    loads: list[set[str]] = []
+    real = recompute._load_located
+
+    def recorded(model, model_config, arena, pairs, params, zero):
+        loads.append({n for n, _ in pairs})
+        return real(model, model_config, arena, pairs, params, zero)
+
+    monkeypatch.setattr(recompute, "_load_located", recorded)
+    experts = "dp0:pp0:pcp0:tp1:model.layers.1.block_sparse_moe.experts.routed_experts.w13_weight"
+    cases = {
+        QKV: {f"model.layers.1.self_attn.{p}_proj.weight" for p in "qkv"},
+        "dp0:pp0:pcp0:tp0:model.embed_tokens.weight": {"model.embed_tokens.weight"},
+        experts: {n for n in weights if n.startswith("model.layers.1.block_sparse_moe.experts.")},
+    }
+    for key, feeding in cases.items():
+        loads.clear()
+        got = expected_tensors(expected, [key], ["transposed"])
+        assert sha(got[key][None]) == expected[key]
+        assert loads and all(names == feeding for names in loads), (key, loads)
+    # A filter that finds the wrong weights: its result fails the digest, the whole rank is loaded.
+    monkeypatch.setattr(recompute, "_feeding", lambda model, names, sources: [{"model.norm.weight"}])
+    loads.clear()
+    got = expected_tensors(expected, [QKV])
+    assert sha(got[QKV][None]) == expected[QKV]
+    assert loads[0] == {"model.norm.weight"} and loads[-1] == set(weights)
+
+
+# --- refused, and why --------------------------------------------------------------------------------
+
+
+def test_a_weight_changed_in_place_since_is_refused_naming_the_key(models):
+    path, state = models["llama"]
+    weights = clone(state)
+    expected = weight_checker.expected_digests(path, weights, tp=2)
+    weights[Q_PROJ].add_(1.0)  # the optimizer's step
+    with pytest.raises(ExpectedDigestsError, match=re.escape(QKV) + ".*changed since the digests were computed"):
+        expected_tensors(expected, [QKV])
+    assert sha(expected_tensors(expected, [DOWN])[DOWN][None]) == expected[DOWN]  # not fed by q_proj
+
+    weights = clone(state)
+    expected = weight_checker.expected_digests(path, weights, tp=2)
+    weights[Q_PROJ].data.mul_(2)  # through .data: no version counter moves, the digest tells
+    with pytest.raises(ExpectedDigestsError, match=re.escape(QKV) + ".*changed since the digests were computed"):
+        expected_tensors(expected, [QKV], ["transposed"])
+
+
+def test_a_checkpoint_rewritten_since_is_refused(models, tmp_path):
+    import shutil
+
+    from safetensors.torch import save_file
+
+    source, state = models["llama"]
+    path = tmp_path / "ckpt"
+    shutil.copytree(source, path)
+    expected = weight_checker.expected_digests(path)
+    key = QKV.replace("tp1", "tp0")
+    assert sha(expected_tensors(expected, [key])[key][None]) == expected[key]
+    save_file({k: v * 2 for k, v in state.items()}, str(path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ExpectedDigestsError, match=re.escape(key) + ".*changed since.*model.safetensors"):
+        expected_tensors(expected, [key])
+
+
+def test_freed_weights_are_refused_and_a_state_dicts_live_memory_is_found(models):
+    path, state = models["llama"]
+    expected = weight_checker.expected_digests(path, clone(state), tp=2)
+    gc.collect()
+    with pytest.raises(ExpectedDigestsError, match=re.escape(QKV) + ".*freed since expected_digests returned"):
+        expected_tensors(expected, [QKV])
+    # A state_dict's tensors are made for the call (detached anew), their memory is the model's.
+    parameters = clone(state)
+    expected = weight_checker.expected_digests(path, {k: v.detach() for k, v in parameters.items()}, tp=2)
+    gc.collect()
+    assert sha(expected_tensors(expected, [QKV])[QKV][None]) == expected[QKV]
+    parameters[Q_PROJ].mul_(2)
+    with pytest.raises(ExpectedDigestsError, match=re.escape(QKV) + ".*changed since"):
+        expected_tensors(expected, [QKV])
+
+
+def test_what_cannot_be_read_again_is_refused_saying_why(models):
+    path, state = models["llama"]
+    key = QKV.replace("tp1", "tp0")
+    forms = {
+        "one-shot iterator": ((k, v) for k, v in clone(state).items()),
+        "callable": lambda: list(clone(state).items()),
+    }
+    for why, weights in forms.items():
+        expected = weight_checker.expected_digests(path, weights)
+        assert not can_recompute(expected)
+        with pytest.raises(ExpectedDigestsError, match=re.escape(key) + f".*cannot recompute.*{why}"):
+            expected_tensors(expected, [key])
+    kept = clone(state)
+    expected = weight_checker.expected_digests(path, kept)
+    assert can_recompute(expected)
+    for copied in (
+        ExpectedDigests.from_manifest(expected.manifest(), dict(expected)),
+        pickle.loads(pickle.dumps(expected)),
+    ):
+        assert not can_recompute(copied)
+        with pytest.raises(ExpectedDigestsError, match=r"another process|not computed by expected_digests"):
+            expected_tensors(copied, [key])
+    for name, match in [
+        ("dp0:pp0:pcp0:tp0:lora:a:model.layers.0.self_attn.qkv_proj.lora_a", "lora keys are not supported yet"),
+        ("dp0:pp0:pcp0:tp0:draft:model.embed_tokens.weight", "draft keys are not supported yet"),
+        ("dp0:pp0:pcp0:tp0:buffer:model.x", "buffer keys are not supported yet"),
+        ("dp0:pp0:pcp0:tp1:model.norm.weight", "not one of these expected digests' keys"),
+        ("model.norm.weight", "not a key"),
+    ]:
+        with pytest.raises(ExpectedDigestsError, match=re.escape(name) + ".*" + match):
+            expected_tensors(expected, [name])
+    assert expected_tensors(expected, []) == {}
+
+
+def test_a_lora_or_draft_engines_target_keys_are_recomputed_and_theirs_refused(models, tmp_path):
+    """A LoRA engine's target keys carry vLLM's `.base_layer.` names: the
+    cached wrapped model is loaded again, or one built unwrapped (the same
+    bytes); the adapters' slots are left to the next call as it wants them."""
+    from weight_checker.expected.rank_model import release_buffers
+    from weight_checker.testing.models import lora_config, lora_tensors, write_tiny_draft
+
+    path, state = models["llama"]
+    weights = clone(state)
+    lora = {"a": (lora_tensors(3, r=8, embeddings=False), lora_config(r=8, alpha=16, embeddings=False))}
+    kw = {"tp": 2, "max_lora_rank": 8, "max_loras": 1}
+    expected = weight_checker.expected_digests(path, weights, loras=lora, **kw)
+    target = [k for k in expected if ":lora:" not in k]
+    assert any(".base_layer." in k for k in target)
+    got = expected_tensors(expected, target, ["transposed"])
+    assert {k: sha(got[k][None]) for k in target} == {k: expected[k] for k in target}
+    assert any("transposed" in got[k] for k in target)
+    assert dict(weight_checker.expected_digests(path, weights, loras=lora, **kw)) == dict(expected)
+    release_buffers()
+    assert {k: sha(v[None]) for k, v in expected_tensors(expected, target).items()} == {k: expected[k] for k in target}
+    lora_key = next(k for k in expected if ":lora:" in k)
+    with pytest.raises(ExpectedDigestsError, match=re.escape(lora_key) + ".*lora keys are not supported yet"):
+        expected_tensors(expected, [lora_key])
+
+    draft = write_tiny_draft(tmp_path / "draft")
+    expected = weight_checker.expected_digests(path, weights, draft=draft, tp=2)
+    target = [k for k in expected if ":draft:" not in k]
+    assert {k: sha(v[None]) for k, v in expected_tensors(expected, target).items()} == {k: expected[k] for k in target}
+    draft_key = next(k for k in expected if ":draft:" in k)
+    with pytest.raises(ExpectedDigestsError, match=re.escape(draft_key) + ".*draft keys are not supported yet"):
+        expected_tensors(expected, [draft_key])
+
+
+# --- it leaves expected_digests as it was -----------------------------------------------------------
+
+
+def test_digests_then_tensors_then_digests_give_the_same_digests(models):
+    from weight_checker.expected.rank_model import CACHE, release_buffers
+
+    path, state = models["qwen2"]
+    weights = clone(state)
+    first = weight_checker.expected_digests(path, weights, tp=2)
+    got = expected_tensors(first, list(first), TRANSFORMS)
+    again = weight_checker.expected_digests(path, weights, tp=2)
+    assert dict(again) == dict(first) and again.unwritten == first.unwritten
+    assert {k: sha(t[None]) for k, t in got.items()} == dict(first)
+    # The rank models kept for the next call are gone: built for the recompute alone, the cache untouched.
+    release_buffers()
+    assert sha(expected_tensors(first, [QKV])[QKV][None]) == first[QKV]
+    assert CACHE.key is None and CACHE.models == {}
+    # Another configuration cached meanwhile is left as it is.
+    other = weight_checker.expected_digests(path, weights, tp=1)
+    key, models_before = CACHE.key, dict(CACHE.models)
+    assert sha(expected_tensors(first, [QKV])[QKV][None]) == first[QKV]
+    assert CACHE.key == key and CACHE.models == models_before
+    assert dict(weight_checker.expected_digests(path, weights, tp=1)) == dict(other)
+
+
+def test_no_call_keeps_the_weights_alive_in_a_fresh_process(models):
+    import json
+    import subprocess
+    import sys
+
+    path, _ = models["llama"]
+    code = f"""
+import gc, json, weakref
+import weight_checker
+from safetensors.torch import load_file
+from weight_checker.expected.recompute import expected_tensors, TRANSFORMS
+
+state = load_file({str(path / "model.safetensors")!r})
+def step(call):
+    weights = {{k: v.clone() for k, v in state.items()}}
+    refs = [weakref.ref(t) for t in weights.values()]
+    expected = weight_checker.expected_digests({str(path)!r}, weights if call % 2 else list(weights.items()), tp=2)
+    got = expected_tensors(expected, list(expected)[:3], TRANSFORMS)
+    return refs, expected
+alive = []
+for call in range(3):
+    refs, expected = step(call)
+    gc.collect()
+    alive.append(sum(r() is not None for r in refs))
+print("ALIVE " + json.dumps(alive))
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("ALIVE ")]
+    assert r.returncode == 0 and lines, r.stderr[-3000:]
+    assert json.loads(lines[-1].removeprefix("ALIVE ")) == [0, 0, 0]
