@@ -151,9 +151,76 @@ def run_transfer(model: str, tp: int) -> dict:
     return out
 
 
+#: The faults of ``run_explain``'s second update, each in the tensor the
+#: trainer sends: (HF name, fault).
+FAULTS = {
+    "model.layers.0.mlp.down_proj.weight": "zeros",
+    "model.embed_tokens.weight": "fp16",
+    "model.layers.1.mlp.up_proj.weight": "stale-rows",
+    "model.layers.1.self_attn.o_proj.weight": "transposed",
+}
+
+
+def run_explain(model: str, tp: int) -> dict:
+    """issue 43 in process: ``verified(llm, expected)`` over vLLM's weight-update
+    API (the tests' gloo engine); step 0 is sent whole, step 1 with one fault
+    in each of four tensors (:data:`FAULTS`), made by the trainer as a sync
+    bug would. The explanation of step 1 names each."""
+    import torch
+    import vllm
+    import weight_checker
+    from safetensors.torch import load_file
+    from weight_checker.integrations.weight_transfer import verified
+    from weight_checker.testing.gloo_engine import GlooTrainer, GlooTrainerInitInfo
+    from weight_checker.testing.launch import free_port
+
+    llm = vllm.LLM(
+        model=model, skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16", max_model_len=256,
+        tensor_parallel_size=tp, weight_transfer_config={"backend": "gloo"},
+    )  # fmt: skip
+    state = load_file(model + "/model.safetensors")
+    g = torch.Generator().manual_seed(5)
+    steps = [
+        {k: (v.float() + 0.01 * torch.randn(v.shape, generator=g)).to(torch.bfloat16) for k, v in state.items()}
+        for _ in range(2)
+    ]
+    client = verified(
+        llm, lambda version: weight_checker.expected_digests(model, steps[int(version)], tp=tp), on_mismatch="warn"
+    )
+    info = GlooTrainerInitInfo(master_address="127.0.0.1", master_port=free_port(), world_size=1 + tp, rank=0)
+    trainer = GlooTrainer.trainer_init(info, client=client)
+    trainer.send_weights(steps[0].items(), weight_version="0")
+    out: dict = {"first": {"match": client.results[-1].match, "explanation": client.results[-1].explanation}}
+    sent = dict(steps[1])
+    for name, fault in FAULTS.items():
+        t = sent[name]
+        if fault == "zeros":
+            sent[name] = torch.zeros_like(t)
+        elif fault == "fp16":
+            sent[name] = t.float().half().to(t.dtype)
+        elif fault == "stale-rows":
+            half = t.shape[0] // 2
+            sent[name] = torch.cat([t[:half], steps[0][name][half:]])
+        else:
+            sent[name] = t.t().contiguous()
+    trainer.send_weights(sent.items(), weight_version="1")
+    second = client.results[-1]
+    explanation = second.explanation
+    out["second"] = {
+        "classes": second.classes(),
+        "explanation": explanation.to_json() if explanation is not None else None,
+        "warnings": second.warnings,
+        "seconds": second.seconds,
+    }
+    trainer.shutdown()
+    return out
+
+
 def main() -> None:
     model, mode, tp = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    if mode == "transfer":
+    if mode == "explain":
+        out = run_explain(model, tp)
+    elif mode == "transfer":
         out = run_transfer(model, tp)
     else:
         out = run_llm(model, tp) if mode == "llm" else asyncio.run(run_async(model, tp))

@@ -302,7 +302,7 @@ def test_a_verify_result_gives_the_map_only_on_a_mismatch():
     assert report["map"]["rows"][3] == "tp3" and report["map"]["cells"][3][40] == "stale"
     assert {"servers", "steps", "match", "mismatches", "classes", "key_count", "reference"} <= report.keys()
     caused = result.rank_map({k: {"cause": "version:step-11"} for k in result.mismatches})
-    assert caused is not None and caused.patterns == ["tp3: every layer version:step-11"]
+    assert caused is not None and caused.patterns == ["tp3 missed the update (every layer version:step-11)"]
 
 
 def test_verify_prints_the_map_json_carries_it_and_report_writes_it(tmp_path):

@@ -27,7 +27,7 @@ SCRIPT = Path(__file__).with_name("inprocess_verify.py")
 def run(model: Path, mode: str, tp: int) -> dict:
     # The same environment the test servers get (AMX tile state, CPU binding); the GPU layout and
     # the gloo transfer engine for vLLM's weight-update API (tests/gpu_layout_site).
-    site = {"PYTHONPATH": str(SCRIPT.with_name("gpu_layout_site"))} if mode == "transfer" else {}
+    site = {"PYTHONPATH": str(SCRIPT.with_name("gpu_layout_site"))} if mode in ("transfer", "explain") else {}
     env = vllm_env(["-tp", str(tp)], site)
     r = subprocess.run(
         [sys.executable, str(SCRIPT), str(model), mode, str(tp)],
@@ -65,6 +65,7 @@ def background_jobs(env) -> dict[str, functools.partial]:
         "inprocess-llm-tp2": functools.partial(run, model, "llm", 2),
         "inprocess-async-tp1": functools.partial(run, model, "async", 1),
         "inprocess-transfer-tp1": functools.partial(run, model, "transfer", 1),
+        "inprocess-explain-tp1": functools.partial(run, model, "explain", 1),
     }
 
 
@@ -99,6 +100,31 @@ def test_vllms_weight_update_api_in_process_returns_the_committed_digests(jobs):
     assert out["first"]["match"] and out["first"]["keys"] == 15 and set(out["first"]["from"].values()) == {"finish"}
     assert out["committed_is_the_engine"] and out["committed_is_expected"]
     assert out["version"] == "1"
+
+
+@pytest.mark.uses_jobs("inprocess-explain-tp1")
+def test_a_failed_update_in_process_is_explained_key_by_key(jobs):
+    """Issue 43 in process: ``verified(llm, expected)`` over vLLM's weight-update
+    API, step 1 sent with four faults by the trainer (tests/inprocess_verify.py
+    FAULTS): each key's cause is named, the stale half with its rows."""
+    out = jobs.result("inprocess-explain-tp1")
+    assert out["first"] == {"match": True, "explanation": None}
+    second = out["second"]
+    assert second["classes"] and second["explanation"] is not None, second
+    prefix = "dp0:pp0:pcp0:tp0:"
+    got = {e["key"].removeprefix(prefix): e for e in second["explanation"]["keys"]}
+    assert set(got) == {
+        "model.layers.0.mlp.down_proj.weight", "model.embed_tokens.weight", "model.layers.1.mlp.gate_up_proj.weight",
+        "model.layers.1.self_attn.o_proj.weight",
+    }, second  # fmt: skip
+    zeros = got["model.layers.0.mlp.down_proj.weight"]
+    assert (zeros["cause"], zeros["whole"]) == ("zeros", True)
+    assert got["model.embed_tokens.weight"]["cause"] == "dtype-roundtrip:float16"
+    assert got["model.layers.1.self_attn.o_proj.weight"]["cause"] == "transposed"
+    # up_proj is the second half of the fused gate_up_proj's rows: its own second half is step 0's.
+    fused = got["model.layers.1.mlp.gate_up_proj.weight"]
+    rows = fused["shape"][0]
+    assert fused["cause"] == "version:0" and fused["where"] == f"rows {rows * 3 // 4}-{rows - 1} of {rows}", fused
 
 
 def test_empty_digest_constant_is_sha256_of_nothing():

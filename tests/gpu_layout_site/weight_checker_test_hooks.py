@@ -43,3 +43,41 @@ class TestHooks:
         finally:
             for obj, rank in saved:
                 obj.tp_rank = rank
+
+    def weight_checker_test_load_with_fault(
+        self, weights_path: str, fault: str | None = None, name: str | None = None, ranks: list[int] | None = None
+    ) -> None:
+        """Loads the checkpoint at ``weights_path`` (every tensor through the
+        model's ``load_weights``, as a transfer does), then makes ``fault`` in
+        parameter ``name`` (issue 43's sync bugs, each in place): ``zeros``
+        (zero bytes delivered), ``fp16`` (the values went through float32 ->
+        float16 -> the parameter's dtype), ``stale-rows`` (the second half of
+        the rows kept from before the load: a dropped bucket), ``transposed``
+        (a square matrix sent transposed). ``ranks``: only these TP ranks
+        load at all (the others missed the update)."""
+        import torch
+        from vllm.config import set_current_vllm_config
+        from vllm.distributed import parallel_state as ps
+        from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
+
+        if ranks is not None and ps.get_tp_group().rank_in_group not in ranks:
+            return
+        model = self.model_runner.get_model()
+        before = model.get_parameter(name).detach().clone() if name else None
+        files = sorted(glob.glob(os.path.join(weights_path, "*.safetensors")))
+        with set_current_vllm_config(self.vllm_config), torch.no_grad():
+            model.load_weights(safetensors_weights_iterator(files, False))
+            if fault is None or name is None:
+                return
+            p = model.get_parameter(name)
+            if fault == "zeros":
+                p.zero_()
+            elif fault == "fp16":
+                p.copy_(p.float().half().to(p.dtype))
+            elif fault == "stale-rows":
+                half = p.shape[0] // 2
+                p[half:] = before[half:]
+            elif fault == "transposed":
+                p.copy_(p.t().contiguous())
+            else:
+                raise ValueError(f"unknown fault {fault!r}")

@@ -73,8 +73,45 @@ class TensorMap:
         for key in keys:
             if key in self._tensors:
                 t = self._tensors[key].detach()
-                out[key] = {None: t, **{name: c for name in transforms if (c := transform(t, name)) is not None}}
+                out[key] = {None: t, **{name: LazyTransform(t, name) for name in transforms if applies(t, name)}}
         return out
+
+
+def applies(t: Any, name: str) -> bool:
+    """Whether transform ``name`` changes a tensor like ``t`` at all."""
+    import torch
+
+    if name.startswith("dtype-roundtrip:"):
+        return bool(t.dtype.is_floating_point) and t.dtype != getattr(torch, name.split(":", 1)[1])
+    if name == "truncate:bfloat16":
+        return bool(t.dtype == torch.float32)
+    if name == "transposed":
+        return bool(t.dim() == 2 and t.shape[0] == t.shape[1])
+    raise ValueError(f"unknown transform {name!r}")
+
+
+class LazyTransform:
+    """``transform(t, name)``, computed a block at a time: a candidate is
+    tried on the first block of each run first, so a transform that does not
+    match costs a block, not the tensor."""
+
+    def __init__(self, t: Any, name: str):
+        self.t, self.name = t, name
+        self.nbytes = int(t.numel()) * t.element_size()
+
+    def block(self, start: int, end: int) -> Any:
+        """Bytes ``[start, end)`` of the transformed tensor's C-order bytes."""
+        import torch
+
+        size = self.t.element_size()
+        if self.name == "transposed":  # rows of t.T are columns of t
+            row = self.t.shape[1] * size
+            first, last = start // row, -(-end // row)
+            rows = self.t[:, first:last].t().contiguous().reshape(-1).view(torch.uint8)
+            return rows[start - first * row : end - first * row]
+        first, last = start // size, -(-end // size)
+        part = transform(self.t.reshape(-1)[first:last], self.name).contiguous().view(torch.uint8)
+        return part[start - first * size : end - first * size]
 
 
 def transform(t: Any, name: str) -> Any:
@@ -304,7 +341,7 @@ def _hash_blocks(pieces: list[tuple[Any, tuple[int, int]]]) -> list[str]:
 
     if not pieces:
         return []
-    slices = [flat[a:b] for flat, (a, b) in pieces]
+    slices = [flat.block(a, b) if isinstance(flat, LazyTransform) else flat[a:b] for flat, (a, b) in pieces]
     return digest_tensors([f"block {a}:{b}" for _, (a, b) in pieces], slices)[0]
 
 
@@ -459,8 +496,8 @@ def _match_candidates(
             t = tensor_of(key)
             if t is None:
                 continue
-            flat = flat_bytes(t)
-            if int(flat.numel()) != blocks[key].nbytes:
+            flat = t if isinstance(t, LazyTransform) else flat_bytes(t)
+            if (flat.nbytes if isinstance(flat, LazyTransform) else int(flat.numel())) != blocks[key].nbytes:
                 continue
             flats[key] = flat
             runs += [(key, run) for run in _runs(idx)]

