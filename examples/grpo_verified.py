@@ -146,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
             f"/{check.keys} keys; check {cost:.3f} s beyond the sync, sync {check.sync_seconds:.3f} s "
             f"(expected digests {check.expected_seconds:.3f} s, computed while the sync ran)"
         )
+        for line in check.explanation.lines() if check.explanation is not None else []:
+            print(f"  why: {line}")
     logged = [
         {k: v for k, v in entry.items() if k.startswith("weight_check/") or k == "step"}
         for entry in trainer.state.log_history
@@ -154,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = {
         "steps": [
             {"step": c.step, "match": c.match, "keys": c.keys, "mismatches": c.mismatches, "seconds": c.seconds,
-             "expected_seconds": c.expected_seconds, "sync_seconds": c.sync_seconds}
+             "expected_seconds": c.expected_seconds, "sync_seconds": c.sync_seconds,
+             "causes": c.explanation.causes() if c.explanation is not None else {}}
             for c in hook.results
         ],
         "error": error,

@@ -84,6 +84,9 @@ def test_every_step_of_a_grpo_run_is_verified_and_a_stale_push_is_named(jobs):
     assert [s["step"] for s in steps] == [0, 1, 2, 3], steps
     assert all(s["match"] and s["keys"] == 15 and not s["mismatches"] for s in steps[:3]), steps
     assert set(steps[3]["mismatches"].values()) == {"stale"}, steps[3]
+    # Explained: the engine holds the previous verified sync's weights, by their whole digests.
+    assert set(steps[3]["causes"]) == set(steps[3]["mismatches"]), steps[3]
+    assert set(steps[3]["causes"].values()) == {f"version:step-{steps[2]['step']}"}, steps[3]
     assert "verified step 2: 15/15 keys" in log
     # The verdicts reach the trainer's own logs.
     logged = {entry["step"]: entry for entry in out["logged"]}
