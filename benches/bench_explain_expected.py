@@ -1,7 +1,7 @@
 """expected_tensors (the expected side of a failed check's explanation) for
 one key of a ~1 GB model, against hashing that key's tensor once.
 
-    .venv/bin/python benches/bench_explain_expected.py [--tp 1] [--repeat 7] [--form dict|checkpoint]
+    .venv/bin/python benches/bench_explain_expected.py [--tp 1] [--repeat 7] [--form dict|checkpoint] [--float32]
 
 The checkpoint (Llama-shaped: hidden 2048, intermediate 5632, 8 layers, 16
 heads, 4 KV heads, vocab 32000: 0.49 B parameters, 0.98 GB bf16, one shard)
@@ -102,6 +102,7 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--form", choices=["dict", "checkpoint"], default="dict")
+    parser.add_argument("--float32", action="store_true", help="the trainer's tensors in float32 (cast by the loader)")
     args = parser.parse_args()
 
     import torch
@@ -112,8 +113,11 @@ def main() -> None:
 
     ckpt = make_checkpoint(ROOT / ".bench" / "explain-1g")
     print(machine())
-    print(f"checkpoint: {(ckpt / 'model.safetensors').stat().st_size / 1e9:.2f} GB, tp={args.tp}, form={args.form}")
+    print(f"checkpoint: {(ckpt / 'model.safetensors').stat().st_size / 1e9:.2f} GB, tp={args.tp}, form={args.form}"
+          f"{', float32 weights' if args.float32 else ''}")  # fmt: skip
     weights = load_file(str(ckpt / "model.safetensors")) if args.form == "dict" else None
+    if weights is not None and args.float32:
+        weights = {k: v.float() for k, v in weights.items()}
     weight_checker.expected_digests(ckpt, weights, tp=args.tp)  # vLLM's model code imported, the rank models built
     started = time.perf_counter()
     expected = weight_checker.expected_digests(ckpt, weights, tp=args.tp)

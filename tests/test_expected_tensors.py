@@ -194,6 +194,11 @@ def test_a_key_loads_only_the_weights_that_feed_it_and_falls_back_to_all(models,
         got = expected_tensors(expected, [key], ["transposed"])
         assert sha(got[key][None]) == expected[key]
         assert loads and all(names == feeding for names in loads), (key, loads)
+    # An elementwise transform of a parameter the loader copies whole from the weights (bf16 into bf16)
+    # is applied to those pieces of the weights: no second load; "transposed" needs one.
+    loads.clear()
+    got = expected_tensors(expected, [QKV], ["dtype-roundtrip:float16", "transposed"])
+    assert len(loads) == 2 and set(got[QKV]) == {None, "dtype-roundtrip:float16", "transposed"}
     # A filter that finds the wrong weights: its result fails the digest, the whole rank is loaded.
     monkeypatch.setattr(recompute, "_feeding", lambda model, names, sources: [{"model.norm.weight"}])
     loads.clear()

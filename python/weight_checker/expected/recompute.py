@@ -531,9 +531,7 @@ def _transformed(transform: str, tensor: Any) -> Any:
 
     if transform.startswith("dtype-roundtrip:"):
         through = getattr(torch, transform.split(":", 1)[1])
-        if not tensor.is_floating_point() or tensor.dtype == through:
-            return None
-        return _round_trip(tensor, through)
+        return _round_trip(tensor, through) if _changes(transform, tensor) else None
     if transform == "truncate:bfloat16":
         if tensor.dtype != torch.float32:
             return None
@@ -550,28 +548,96 @@ _CHUNK = 1 << 20
 
 
 def _round_trip(tensor: Any, through: Any) -> Any:
-    """``tensor.to(through).to(tensor.dtype)``, the same values: torch
-    converts a half type to another through float32 (exact from bfloat16,
-    float16 and float32, rounded to nearest even into the other), done here a
-    chunk at a time in float32 scratch (about twice as fast as the direct
-    conversions into fresh memory)."""
+    """``tensor.to(through).to(tensor.dtype)``, the same values (see :func:`_round_trip_into`)."""
     import torch
 
     if tensor.dtype not in (torch.bfloat16, torch.float16, torch.float32) or tensor.device.type != "cpu":
         return tensor.to(through).to(tensor.dtype)
-    src = tensor.contiguous().view(-1)
     out = torch.empty(tensor.shape, dtype=tensor.dtype)
-    flat = out.view(-1)
-    n = src.numel()
-    wide = torch.empty(min(n, _CHUNK), dtype=torch.float32)
-    narrow = torch.empty(min(n, _CHUNK), dtype=through)
-    for start in range(0, n, _CHUNK):
-        k = min(n - start, _CHUNK)
-        wide[:k].copy_(src[start : start + k])
-        narrow[:k].copy_(wide[:k])
-        wide[:k].copy_(narrow[:k])
-        flat[start : start + k].copy_(wide[:k])
+    _round_trip_into(out, tensor, through)
     return out
+
+
+def _round_trip_into(out: Any, src: Any, through: Any) -> None:
+    """``out[...] = src.to(through).to(src.dtype)`` for a bfloat16, float16
+    or float32 ``src`` (any strides): torch converts a half type to another
+    through float32 (exact from each of the three, rounded to nearest even
+    into the other), done here some rows at a time in float32 scratch that
+    stays in cache (about twice as fast as the direct conversions into fresh
+    memory)."""
+    import torch
+
+    if src.dim() == 0:
+        out.copy_(src.to(through).to(src.dtype))
+        return
+    rows = src.shape[0]
+    per_row = max(1, src.numel() // max(1, rows))
+    step = max(1, _CHUNK // per_row)
+    wide = torch.empty(min(rows, step) * per_row, dtype=torch.float32)
+    narrow = torch.empty(wide.numel(), dtype=through)
+    with torch.no_grad():
+        for start in range(0, rows, step):
+            part = src[start : start + step]
+            w, n = wide[: part.numel()].view(part.shape), narrow[: part.numel()].view(part.shape)
+            w.copy_(part)
+            n.copy_(w)
+            w.copy_(n)
+            out[start : start + step].copy_(w)
+
+
+def _elementwise_into(transform: str, where: _Located, dtypes: Mapping[str, Any]) -> Any:
+    """An elementwise transform of a parameter tiled by pieces of the weights
+    in their own dtype, applied to the pieces (the loader only selects and
+    places elements, whatever their values: transforming the weights first
+    gives the same bytes); :data:`_UNCHANGED` where it changes none of them;
+    ``None`` where a piece is not plainly a weight's elements in its own
+    dtype (then the weights are transformed and loaded again)."""
+    import torch
+
+    assert where.pieces is not None
+    for piece in where.pieces:
+        if piece.source is not None and (piece.name not in dtypes or dtypes[piece.name] != piece.dtype):
+            return None
+    if not any(p.source is not None and _changes(transform, p.source) for p in where.pieces):
+        return _UNCHANGED
+    out = _fresh(where.shape, where.dtype)
+    flat = out.view(-1).view(torch.uint8)
+    with torch.no_grad():
+        for piece in where.pieces:
+            region = flat[piece.offset - where.start : piece.offset - where.start + piece.nbytes]
+            region = region.view(piece.dtype).view(piece.shape)
+            src = piece.source
+            if src is None:
+                region.zero_()
+                continue
+            piece.check()
+            if not _changes(transform, src):
+                region.copy_(src)
+                continue
+            if transform == "truncate:bfloat16":
+                torch.bitwise_and(src.view(torch.int32), -65536, out=region.view(torch.int32))
+            else:
+                through = getattr(torch, transform.split(":", 1)[1])
+                if src.dtype in (torch.bfloat16, torch.float16, torch.float32):
+                    _round_trip_into(region, src, through)
+                else:
+                    region.copy_(src.to(through).to(src.dtype))
+    return out
+
+
+def _changes(transform: str, tensor: Any) -> bool:
+    """Whether an elementwise transform applies to ``tensor``: a round trip
+    through another floating dtype than its own, a truncation of float32."""
+    import torch
+
+    if transform == "truncate:bfloat16":
+        return bool(tensor.dtype == torch.float32)
+    through = getattr(torch, transform.split(":", 1)[1])
+    return bool(tensor.is_floating_point() and tensor.dtype != through)
+
+
+#: What :func:`_elementwise_into` gives for a parameter the transform leaves as it was.
+_UNCHANGED = object()
 
 
 def _same_bytes(a: Any, b: Any) -> bool:
@@ -649,25 +715,34 @@ def _rank_tensors(
                     f"{digests[name][:16]}... for {key}, not {expected[key][:16]}..."
                 )
         out: dict[str, dict[str | None, Any]] = {k: {None: copies[name]} for name, ks in keys_of.items() for k in ks}
+        dtypes = {n: t.dtype for n, t in pairs}
+        assert located is not None
         for transform in transforms:
-            made = [(n, _transformed(transform, t)) for n, t in pairs]
-            if all(t is None for _, t in made):
-                continue
-            owned = {at for _, t in made if t is not None and (at := _storage_of(t)) is not None}
-            changed = [(n, t if u is None else u) for (n, t), (_, u) in zip(pairs, made, strict=True)]
-            located = _load_located(model, model_config, arena, changed, params, zero=False)
-            if located is None:
-                located = _load_located(model, model_config, arena, changed, params, zero=True)
-            assert located is not None
-            for name, where in located.items():
-                if where.pieces and not where.hashable_in_place() and len(where.pieces) > 1:
-                    _replay_into(where)
-                tensor = where.copy(owned, view=not copy)
-                if _same_bytes(tensor, copies[name]):
+            found: dict[str, Any] = {}
+            if transform != "transposed":  # elementwise: applied to the pieces of a tiled parameter
+                for name, where in located.items():
+                    if where.pieces is not None and (got := _elementwise_into(transform, where, dtypes)) is not None:
+                        found[name] = got
+            rest = {name: p for name, p in params.items() if name not in found}
+            made = [(n, _transformed(transform, t)) for n, t in pairs] if rest else []
+            if any(t is not None for _, t in made):
+                owned = {at for _, t in made if t is not None and (at := _storage_of(t)) is not None}
+                changed = [(n, t if u is None else u) for (n, t), (_, u) in zip(pairs, made, strict=True)]
+                again = _load_located(model, model_config, arena, changed, rest, zero=False)
+                if again is None:
+                    again = _load_located(model, model_config, arena, changed, rest, zero=True)
+                assert again is not None
+                for name, where in again.items():
+                    if where.pieces and not where.hashable_in_place() and len(where.pieces) > 1:
+                        _replay_into(where)
+                    found[name] = where.copy(owned, view=not copy)
+                del changed, again
+            del made
+            for name, tensor in found.items():
+                if tensor is _UNCHANGED or _same_bytes(tensor, copies[name]):
                     continue  # the transform leaves this parameter as it was: it explains nothing
                 for k in keys_of[name]:
                     out[k][transform] = tensor
-            del made, changed, located
         _pairs_for(weights, levels[level], every_key)  # nothing written while this ran
     return out
 
