@@ -543,15 +543,16 @@ def _match_candidates(
             out.notes.append(f"{tp}'s shards are not available ({err})")
             continue
         try_candidate(f"shard-of:{tp}", _pick({k: {None: others.get(o)} for k, o in wanted.items()}, None))
-    for name in TRANSFORMS:
-        if not remaining():
-            break
-        try:  # computed only now, for the keys still unexplained
-            transformed = source.tensors(sorted(remaining()), (name,))
+    if remaining():
+        try:  # computed only now, for the keys still unexplained: one call (each checks its tensors once)
+            transformed = source.tensors(sorted(remaining()), TRANSFORMS)
         except WeightCheckerError as err:
-            out.notes.append(f"{name}: not computed ({err})")
-            continue
-        try_candidate(name, _pick(transformed, name))
+            out.notes.append(f"the transformed candidates were not computed ({err})")
+            transformed = {}
+        for name in TRANSFORMS:
+            if not remaining():
+                break
+            try_candidate(name, _pick(transformed, name))
     for key, idx in unexplained.items():
         e = out.keys[key]
         by_cause: dict[str, list[tuple[int, int]]] = {}
