@@ -124,7 +124,9 @@ print(json.dumps({"first": first_s, "seconds": seconds, "split": out.seconds, "k
 )
 
 
-def make_checkpoint(path: Path) -> Path:
+def make_checkpoint(path: Path, shape: dict[str, int] | None = None) -> Path:
+    """A bf16 Llama checkpoint of ``shape`` (default :data:`SHAPE`) at ``path``, written once."""
+    shape = shape or SHAPE
     if (path / "model.safetensors").exists():
         return path
     import torch
@@ -132,11 +134,11 @@ def make_checkpoint(path: Path) -> Path:
     from safetensors.torch import save_file
 
     path.mkdir(parents=True, exist_ok=True)
-    cfg = transformers.LlamaConfig(**SHAPE, torch_dtype="bfloat16")
+    cfg = transformers.LlamaConfig(**shape, torch_dtype="bfloat16")
     cfg.architectures = ["LlamaForCausalLM"]
     cfg.save_pretrained(path)
-    h, i, v, layers = SHAPE["hidden_size"], SHAPE["intermediate_size"], SHAPE["vocab_size"], SHAPE["num_hidden_layers"]
-    kv = h // SHAPE["num_attention_heads"] * SHAPE["num_key_value_heads"]
+    h, i, v, layers = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"], shape["num_hidden_layers"]
+    kv = h // shape["num_attention_heads"] * shape["num_key_value_heads"]
     shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
     for n in range(layers):
         pre = f"model.layers.{n}."

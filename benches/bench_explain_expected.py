@@ -49,40 +49,10 @@ SHAPE = {
 
 
 def make_checkpoint(path: Path) -> Path:
-    if (path / "model.safetensors").exists():
-        return path
-    import torch
-    import transformers
-    from safetensors.torch import save_file
+    """The checkpoint of :data:`SHAPE`, written once (bench_expected.py's writer)."""
+    from bench_expected import make_checkpoint as write
 
-    path.mkdir(parents=True, exist_ok=True)
-    cfg = transformers.LlamaConfig(**SHAPE, torch_dtype="bfloat16")
-    cfg.architectures = ["LlamaForCausalLM"]
-    cfg.save_pretrained(path)
-    h, i, v, layers = SHAPE["hidden_size"], SHAPE["intermediate_size"], SHAPE["vocab_size"], SHAPE["num_hidden_layers"]
-    kv = h // SHAPE["num_attention_heads"] * SHAPE["num_key_value_heads"]
-    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
-    for n in range(layers):
-        pre = f"model.layers.{n}."
-        shapes |= {
-            pre + "self_attn.q_proj.weight": (h, h),
-            pre + "self_attn.k_proj.weight": (kv, h),
-            pre + "self_attn.v_proj.weight": (kv, h),
-            pre + "self_attn.o_proj.weight": (h, h),
-            pre + "mlp.gate_proj.weight": (i, h),
-            pre + "mlp.up_proj.weight": (i, h),
-            pre + "mlp.down_proj.weight": (h, i),
-            pre + "input_layernorm.weight": (h,),
-            pre + "post_attention_layernorm.weight": (h,),
-        }
-    torch.manual_seed(0)
-    tensors = {}
-    for name, shape in shapes.items():
-        t = torch.empty(shape, dtype=torch.bfloat16)
-        t.view(torch.int16).random_(-16000, 16000)  # finite bf16 values
-        tensors[name] = t
-    save_file(tensors, str(path / "model.safetensors"))
-    return path
+    return write(path, SHAPE)
 
 
 def measure(runs: dict[str, Any], repeat: int) -> dict[str, tuple[float, float]]:

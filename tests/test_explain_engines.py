@@ -52,20 +52,26 @@ class Steps:
     def at_step11(self) -> None:
         reload(self.server, self.path11)()
 
-    def verify(self, fault: str | None = None, name: str | None = None, **hook):
-        """Step 12 pushed with ``fault`` in ``name``, verified and explained."""
-        self.at_step11()
+    def hook(self, method: str, **kwargs):
+        """A transfer: the test-only worker method ``method`` on every worker."""
 
         def transfer() -> None:
-            kwargs = {"weights_path": str(self.path12), "fault": fault, "name": name, **hook}
-            status, body = self.server.post(
-                "/collective_rpc", {"method": "weight_checker_test_load_with_fault", "kwargs": kwargs}
-            )
+            status, body = self.server.post("/collective_rpc", {"method": method, "kwargs": kwargs})
             assert status == 200, body
 
-        return weight_checker.verify(
-            self.server.url, transfer=transfer, expected=self.expected12, history=[("step-11", self.expected11)]
-        )
+        return transfer
+
+    def check(self, transfer):
+        """``transfer`` run from step 11, verified against step 12's expected
+        digests, step 11's kept."""
+        self.at_step11()
+        history = [("step-11", self.expected11)]
+        return weight_checker.verify(self.server.url, transfer=transfer, expected=self.expected12, history=history)
+
+    def verify(self, fault: str | None = None, name: str | None = None, **hook):
+        """Step 12 pushed with ``fault`` in ``name``, verified and explained."""
+        method = "weight_checker_test_load_with_fault"
+        return self.check(self.hook(method, weights_path=str(self.path12), fault=fault, name=name, **hook))
 
 
 @pytest.fixture
@@ -131,16 +137,7 @@ def test_a_transposed_square_matrix_is_transposed(tp1):
 
 
 def test_tp1_given_tp0s_shard_is_shard_of_tp0(tp2):
-    tp2.at_step11()
-
-    def load_tp0_shard() -> None:
-        body = {"method": "weight_checker_test_load_tp0_shard", "kwargs": {"weights_path": str(tp2.path12)}}
-        status, answer = tp2.server.post("/collective_rpc", body)
-        assert status == 200, answer
-
-    result = weight_checker.verify(
-        tp2.server.url, transfer=load_tp0_shard, expected=tp2.expected12, history=[("step-11", tp2.expected11)]
-    )
+    result = tp2.check(tp2.hook("weight_checker_test_load_tp0_shard", weights_path=str(tp2.path12)))
     wrong = result.classes()["wrong-shard"]
     causes = result.explanation.causes()
     assert {causes[k] for k in wrong if k in causes} == {"shard-of:tp0"}
