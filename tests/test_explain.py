@@ -156,3 +156,9 @@ def test_the_limit_bounds_the_keys_explained():
     result = explain(mismatches, current, expected, engine_fetch(held), TensorMap(tensors), limit=2)
     assert len(result.keys) == 2 and result.left_out == 3
     assert all(e.cause == "zeros" for e in result.keys.values())
+
+
+def test_an_engine_tensor_of_another_shape_is_said_never_compared_block_by_block():
+    e = weights(11, 64, 48)
+    got = check(e.t().contiguous(), e)  # the same bytes count, another shape: nothing is claimed
+    assert got.cause == "unknown" and got.ranges == [] and "shape [48, 64]" in (got.note or "")

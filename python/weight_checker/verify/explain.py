@@ -423,6 +423,9 @@ def _explain_blocks(
         if int(theirs.get("nbytes", -1)) != b.nbytes or list(theirs.get("shape") or []) != e.shape:
             e.note = f"the engine holds shape {theirs.get('shape')} ({theirs.get('nbytes')} bytes), expected {e.shape}"
             continue
+        if int(theirs.get("block_bytes", -1)) != e.block_bytes or len(theirs.get("digests") or []) != len(b.ranges):
+            e.note = f"the engine cut {theirs.get('nbytes')} bytes in blocks of {theirs.get('block_bytes')}, not ours"
+            continue
         if theirs.get("dtype") not in (None, e.dtype):
             e.note = f"the engine holds {theirs.get('dtype')}, expected {e.dtype}"
         differ = [i for i, (a, x) in enumerate(zip(theirs["digests"], mine[key], strict=False)) if a != x]
