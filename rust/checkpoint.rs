@@ -296,7 +296,8 @@ impl CheckpointFile {
                 path,
                 None,
                 format!(
-                    "cannot guard its mapping: more than {} checkpoint files open at once",
+                    "cannot guard its mapping against a truncation (the SIGBUS handler could not be installed, or \
+                     more than {} checkpoint files are open at once)",
                     fault_guard::SLOTS
                 ),
             )
@@ -599,8 +600,8 @@ fn truncated(path: &Path, tensor: Option<&str>, offset: u64) -> Error {
         path,
         tensor,
         format!(
-            "truncated while it was read (no byte at offset {offset} any more): it must not change until \
-             the checksum ends"
+            "truncated while it was read, or its storage failed (no byte at offset {offset} could be \
+             read): it must not change until the checksum ends"
         ),
     )
 }

@@ -11,7 +11,9 @@
 //!
 //! * every mapping that is read is [registered](Registration::new) with
 //!   its address range, in a fixed table a signal handler can read
-//!   (atomics only, no allocation, no lock);
+//!   (atomics only, no allocation, no lock; each slot behind a sequence
+//!   number, so that a handler never takes a range half written by a
+//!   registration or a drop on another thread for a live one);
 //! * a process-wide SIGBUS handler looks the faulting address up; inside a
 //!   registered range it maps anonymous zero pages over the rest of that
 //!   range (one `mmap(MAP_FIXED)`, so each lane faults at most once),
@@ -33,8 +35,8 @@ use std::sync::Mutex;
 
 /// Mappings guarded at once. Each open checkpoint file takes one for as
 /// long as it is open (every shard of a checkpoint is open during its
-/// run); a file that finds none free is read with `read()` instead of
-/// through its mapping (see `CheckpointFile::guarded`).
+/// run); a file that finds none free is refused with an error (see
+/// `CheckpointFile::open`), never read unguarded.
 pub const SLOTS: usize = 4096;
 
 const FREE: u8 = 0;
@@ -42,6 +44,10 @@ const BUSY: u8 = 1;
 const ACTIVE: u8 = 2;
 
 struct Slot {
+    /// Odd while `start`/`end`/`state` are being changed (a seqlock: the
+    /// handler reads it before and after the range and skips the slot
+    /// where it is odd or moved).
+    sequence: AtomicUsize,
     state: AtomicU8,
     start: AtomicUsize,
     /// One past the last byte of the mapping, rounded up to a page.
@@ -52,6 +58,7 @@ struct Slot {
 
 #[allow(clippy::declare_interior_mutable_const)] // the array's initialiser: each slot is its own
 const EMPTY: Slot = Slot {
+    sequence: AtomicUsize::new(0),
     state: AtomicU8::new(FREE),
     start: AtomicUsize::new(0),
     end: AtomicUsize::new(0),
@@ -100,10 +107,14 @@ impl Registration {
                 .compare_exchange(FREE, BUSY, Ordering::Acquire, Ordering::Relaxed)
                 .is_ok()
             {
+                // The slot is ours (BUSY): only we write it; the sequence
+                // tells a handler on another thread not to trust it meanwhile.
+                slot.sequence.fetch_add(1, Ordering::AcqRel);
                 slot.start.store(start, Ordering::Relaxed);
                 slot.end.store(end, Ordering::Relaxed);
                 slot.fault.store(usize::MAX, Ordering::Relaxed);
-                slot.state.store(ACTIVE, Ordering::Release);
+                slot.state.store(ACTIVE, Ordering::Relaxed);
+                slot.sequence.fetch_add(1, Ordering::Release);
                 return Some(Registration { slot: i });
             }
         }
@@ -123,9 +134,11 @@ impl Registration {
 impl Drop for Registration {
     fn drop(&mut self) {
         let slot = &TABLE[self.slot];
-        slot.state.store(BUSY, Ordering::Release);
+        slot.sequence.fetch_add(1, Ordering::AcqRel);
+        slot.state.store(BUSY, Ordering::Relaxed);
         slot.start.store(0, Ordering::Relaxed);
         slot.end.store(0, Ordering::Relaxed);
+        slot.sequence.fetch_add(1, Ordering::Release);
         slot.state.store(FREE, Ordering::Release);
     }
 }
@@ -159,8 +172,10 @@ fn install() -> bool {
     // SA_ONSTACK: run on the thread's alternate stack where one is set up
     // (Python's faulthandler sets one); SA_SIGINFO: we need the address.
     action.sa_flags = libc::SA_SIGINFO | libc::SA_ONSTACK;
-    // SAFETY: an empty mask is a valid mask; the handler only calls
-    // async-signal-safe functions (mmap, sigaction, raise) and atomics.
+    // SAFETY: an empty mask is a valid mask; the handler only uses atomics
+    // and sigaction and raise (async-signal-safe by POSIX) and mmap (not on
+    // POSIX's list, but a plain system call on Linux, where this runs: no
+    // lock or allocation in the C library is taken).
     unsafe {
         libc::sigemptyset(&mut action.sa_mask);
         libc::sigaction(libc::SIGBUS, &action, std::ptr::null_mut()) == 0
@@ -193,16 +208,24 @@ extern "C" fn on_sigbus(signal: libc::c_int, info: *mut libc::siginfo_t, _contex
 fn recover(address: usize) -> bool {
     let page = PAGE.load(Ordering::Relaxed);
     for slot in &TABLE {
-        if slot.state.load(Ordering::Acquire) != ACTIVE {
+        // A consistent snapshot of the slot or none: the sequence is even
+        // and unchanged across the reads (a registration or a drop on
+        // another thread makes it odd, then moves it on).
+        let before = slot.sequence.load(Ordering::Acquire);
+        if before % 2 == 1 {
             continue;
         }
+        let active = slot.state.load(Ordering::Relaxed) == ACTIVE;
         let (start, end) = (slot.start.load(Ordering::Relaxed), slot.end.load(Ordering::Relaxed));
-        if !(start..end).contains(&address) {
+        std::sync::atomic::fence(Ordering::Acquire);
+        if !active || slot.sequence.load(Ordering::Relaxed) != before || !(start..end).contains(&address) {
             continue;
         }
         let from = address & !(page - 1);
-        // SAFETY: [from, end) lies inside a live mapping of ours (it stays
-        // registered until the mapping is dropped, after every read of it):
+        // SAFETY: [from, end) lies inside a live mapping of ours: the
+        // snapshot above is consistent (the sequence), and a mapping stays
+        // registered until it is dropped, which happens only after every
+        // read of it has ended (the faulting read is one of them):
         // replacing those pages with private zero pages changes only what
         // our own reads of a truncated file see, and munmap of the original
         // range later removes them with it.
@@ -257,6 +280,56 @@ mod tests {
         assert_eq!(map[1000], 7, "the bytes before the new end are the file's");
         drop(guard);
         drop(map);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Faults while other threads register and drop slots (the seqlock):
+    /// each fault is recorded in its own mapping's slot, never elsewhere.
+    #[test]
+    fn faults_land_in_their_own_slot_while_others_churn() {
+        use std::sync::atomic::AtomicBool;
+        use std::sync::Arc;
+
+        let dir = std::env::temp_dir().join(format!("wc-fault-churn-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let other = dir.join("other.bin");
+        std::fs::write(&other, vec![1u8; 1 << 16]).unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let churn: Vec<_> = (0..2)
+            .map(|_| {
+                let (stop, other) = (stop.clone(), other.clone());
+                std::thread::spawn(move || {
+                    let file = std::fs::File::open(&other).unwrap();
+                    // SAFETY: a test mapping of a file nobody changes.
+                    let map = unsafe { memmap2::Mmap::map(&file) }.unwrap();
+                    while !stop.load(Ordering::Relaxed) {
+                        let guard = Registration::new(map.as_ptr(), map.len()).unwrap();
+                        assert_eq!(guard.fault(), None);
+                        drop(guard);
+                    }
+                })
+            })
+            .collect();
+        for round in 0..50 {
+            let path = dir.join(format!("f{round}.bin"));
+            std::fs::write(&path, vec![3u8; 1 << 18]).unwrap();
+            let file = std::fs::File::open(&path).unwrap();
+            // SAFETY: a test mapping, truncated below on purpose.
+            let map = unsafe { memmap2::Mmap::map(&file) }.unwrap();
+            let guard = Registration::new(map.as_ptr(), map.len()).unwrap();
+            std::fs::OpenOptions::new()
+                .write(true)
+                .open(&path)
+                .unwrap()
+                .set_len(0)
+                .unwrap();
+            assert_eq!(map[4096 * 10], 0);
+            assert_eq!(guard.fault(), Some(4096 * 10));
+            drop(guard);
+            drop(map);
+        }
+        stop.store(true, Ordering::Relaxed);
+        churn.into_iter().for_each(|t| t.join().unwrap());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
