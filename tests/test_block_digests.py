@@ -123,3 +123,15 @@ def test_an_engine_without_block_digests_refuses_the_action(workers):
     r = client.post("/weight_checker", json={"action": "block_digests", "keys": ["k"], "block_bytes": 1})
     assert_vllm_error(r, 400)
     assert "cannot give block digests" in r.json()["error"]["message"]
+
+
+def test_a_block_size_that_cuts_a_tensor_into_too_many_blocks_is_a_400(client, monkeypatch):
+    from weight_checker.hashing import blocks
+
+    monkeypatch.setattr(blocks, "MAX_BLOCKS", 100)  # 0.weight: 6144 bytes, 1-byte blocks: 6144
+    body = {"action": "block_digests", "keys": ["dp0:pp0:pcp0:tp0:0.weight"], "block_bytes": 1}
+    r = client.post("/weight_checker", json=body)
+    assert_vllm_error(r, 400)
+    assert "6144 blocks: at most 100" in r.json()["error"]["message"]
+    body["block_bytes"] = 96  # 64 blocks
+    assert client.post("/weight_checker", json=body).status_code == 200

@@ -162,3 +162,48 @@ def test_an_engine_tensor_of_another_shape_is_said_never_compared_block_by_block
     e = weights(11, 64, 48)
     got = check(e.t().contiguous(), e)  # the same bytes count, another shape: nothing is claimed
     assert got.cause == "unknown" and got.ranges == [] and "shape [48, 64]" in (got.note or "")
+
+
+def test_more_keys_than_a_request_takes_are_asked_in_chunks_and_one_refused_key_hides_no_other():
+    """The route takes 64 keys a request and refuses one whose tensor is
+    smaller than the block size asked: the explanation asks in chunks, and
+    key by key where a chunk was refused."""
+    from weight_checker.errors import VerifyError
+    from weight_checker.hashing.blocks import MAX_KEYS
+
+    tensors = {f"{TP0}w{i:03d}": weights(i, 8, 8) for i in range(MAX_KEYS + 6)}
+    held = {k: torch.zeros_like(v) for k, v in tensors.items()}
+    small = f"{TP0}w003"
+    held[small] = torch.zeros(1, 4, dtype=torch.bfloat16)  # the engine holds less than one block
+    served = engine_fetch(held)
+
+    def route(keys, block_bytes):
+        if len(keys) > MAX_KEYS:
+            raise VerifyError("block digests", "server", "'keys' names too many keys")
+        if any(held[k].nbytes < block_bytes for k in keys):
+            raise VerifyError("block digests", "server", "block_bytes is above the tensor's bytes")
+        return served(keys, block_bytes)
+
+    current, expected = {k: sha(v) for k, v in held.items()}, {k: sha(v) for k, v in tensors.items()}
+    result = explain({k: "changed" for k in tensors}, current, expected, route, TensorMap(tensors), limit=100)
+    causes = result.causes()
+    assert len(causes) == MAX_KEYS + 6 and causes[small] == "unknown"
+    assert "above the tensor" in (result.keys[small].note or "")
+    assert {c for k, c in causes.items() if k != small} == {"zeros"}
+
+
+def test_an_explanation_that_fails_leaves_the_verdict_and_says_why(monkeypatch):
+    import weight_checker
+    from weight_checker.verify import explain as module
+
+    from .fake_fleet import fake_fleet, reload_all
+
+    def broken(*args, **kwargs):
+        raise AssertionError("a bug of the explanation")
+
+    monkeypatch.setattr(module, "explain_engines", broken)
+    with fake_fleet(1) as fleet:
+        expected = {k: "0" * 64 for k in fleet[0].loaded}
+        result = weight_checker.verify([fleet[0].url], transfer=reload_all(fleet), expected=expected)
+    assert not result.match and result.mismatches and result.explanation is None
+    assert any("could not be explained: AssertionError: a bug of the explanation" in w for w in result.warnings)

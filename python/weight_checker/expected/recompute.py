@@ -32,6 +32,7 @@ the same, and left as the next call expects them.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import re
 import threading
@@ -58,6 +59,22 @@ _CHANGED = "the expected tensors changed since the digests were computed (a trai
 # --- what expected_digests keeps ---------------------------------------------------------------
 
 
+_TORCH: tuple[Any, Any] | None = None
+
+
+def _torch_and_weak_ref() -> tuple[Any, Any]:
+    """torch and its ``StorageWeakRef``, imported once (each of the trainer's
+    weights is recorded at every ``expected_digests`` call: an import
+    statement a weight cost more than the rest of its record)."""
+    global _TORCH
+    if _TORCH is None:
+        import torch
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        _TORCH = (torch, StorageWeakRef)
+    return _TORCH
+
+
 class _Held:
     """One of the trainer's weights, held weakly: the tensor, its version
     counter then, and its memory (a weak reference to the storage, with the
@@ -67,9 +84,7 @@ class _Held:
     __slots__ = ("dtype", "name", "offset", "ref", "shape", "storage", "storage_at", "stride", "version")
 
     def __init__(self, name: str, tensor: Any):
-        import torch
-        from torch.multiprocessing.reductions import StorageWeakRef
-
+        torch, storage_weak_ref = _torch_and_weak_ref()
         self.name = name
         self.ref: Any = None
         self.version: int | None = None
@@ -86,7 +101,7 @@ class _Held:
             self.version = None
         try:
             storage = tensor.untyped_storage()
-            self.storage = StorageWeakRef(storage)
+            self.storage = storage_weak_ref(storage)
             self.storage_at = (int(storage.data_ptr()), int(storage.nbytes()))
         except (RuntimeError, NotImplementedError, TypeError):
             self.storage = None
@@ -216,10 +231,18 @@ def remember(
             f"the weights were a {type(weights).__name__}, which need not give the same tensors again; give a "
             "dict, a list of pairs or a checkpoint"
         ))  # fmt: skip
+    # The records allocate a few objects a weight: the cyclic collector, run
+    # by allocations, would scan the trainer's whole heap again and again
+    # (4x the records' own cost at 20k weights): off while they are made.
+    collecting = gc.isenabled()
+    gc.disable()
     try:
         held = [_Held(name, tensor) for name, tensor in pairs]
     except Exception as e:  # never the digests' failure: only their explanation's
         return Recipe(model, cache_key, settings, refusal=f"the weights could not be held weakly: {e}")
+    finally:
+        if collecting:
+            gc.enable()
     return Recipe(model, cache_key, settings, held=held)
 
 

@@ -30,6 +30,11 @@ TARGET_BLOCKS = 64
 #: mismatches only; every block is hashed on the engine while it serves.
 MAX_KEYS = 64
 
+#: Blocks one tensor may be cut into by a request (the client asks for
+#: about :data:`TARGET_BLOCKS`): a block size of a few bytes on a 1 GB tensor
+#: would make the worker build a billion slices.
+MAX_BLOCKS = 65536
+
 
 def block_ranges(nbytes: int, block_bytes: int) -> list[tuple[int, int]]:
     """``[(start, end)]`` byte ranges of the blocks of a tensor of ``nbytes``."""
@@ -95,22 +100,6 @@ def block_digests(
     for n in counts:
         out.append(digests[at : at + n])
         at += n
-    return out
-
-
-def differing_ranges(
-    engine: Sequence[str], expected: Sequence[str], nbytes: int, block_bytes: int
-) -> list[tuple[int, int]]:
-    """The byte ranges whose blocks differ, adjacent blocks merged."""
-    ranges = block_ranges(nbytes, block_bytes)
-    out: list[tuple[int, int]] = []
-    for (start, end), a, b in zip(ranges, engine, expected, strict=False):
-        if a == b:
-            continue
-        if out and out[-1][1] == start:
-            out[-1] = (out[-1][0], end)
-        else:
-            out.append((start, end))
     return out
 
 

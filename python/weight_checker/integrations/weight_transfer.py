@@ -469,7 +469,7 @@ class VerifiedClient:
         if self.keep_versions:
             label = weight_version or f"update-{len(self.results) + 1}"
             self.history = [(label, expected), *self.history][: self.keep_versions]
-        check.seconds = {
+        check.seconds = check.seconds | {
             "update": transferred - self._started,
             "digests": hashed - transferred,
             "compare": time.perf_counter() - hashed,
@@ -510,11 +510,11 @@ class VerifiedClient:
         each of the first mismatched tensors, and the likely cause, from
         block digests each engine gives and the expected tensors recomputed
         for those keys. Never raises: a failure to explain is a warning."""
-        from weight_checker.verify.engine_digests import decide_layout, display_key
-        from weight_checker.verify.explain import explain_engines, source_for, versions_from
-
         started = time.perf_counter()
         try:
+            from weight_checker.verify.engine_digests import decide_layout, display_key
+            from weight_checker.verify.explain import explain_engines, source_for, versions_from
+
             fleet = decide_layout(after, None) == "fleet"
             mismatches = (
                 dict(check.by_engine)
@@ -527,7 +527,7 @@ class VerifiedClient:
                 history=versions_from(self.history), limit=self.explain,
                 show=display_key if fleet else (lambda engine, key: key),
             )  # fmt: skip
-        except (WeightCheckerError, OSError, RuntimeError, ValueError) as e:
+        except Exception as e:  # whatever fails, the verdict stands and is reported
             check.warnings.append(f"the mismatch could not be explained: {type(e).__name__}: {e}")
         check.seconds["explain"] = time.perf_counter() - started
 

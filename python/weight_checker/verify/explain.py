@@ -33,15 +33,14 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from weight_checker.errors import WeightCheckerError
-from weight_checker.hashing.blocks import block_bytes_for, block_ranges, flat_bytes, rows_text
+from weight_checker.expected.recompute import TRANSFORMS
+from weight_checker.hashing.blocks import MAX_KEYS, block_bytes_for, block_ranges, flat_bytes, rows_text
 from weight_checker.keys import split_rank
 
 #: Keys explained by default (the first, in key order): each is hashed again
 #: on the engine and on this side.
 DEFAULT_LIMIT = 64
 
-#: Transforms of the expected source tried on the blocks that differ, in order.
-TRANSFORMS = ("dtype-roundtrip:float16", "dtype-roundtrip:bfloat16", "truncate:bfloat16", "transposed")
 
 #: The classes whose keys both sides hold (a missing or unexpected key has
 #: nothing to compare block by block).
@@ -116,23 +115,11 @@ class LazyTransform:
 
 def transform(t: Any, name: str) -> Any:
     """``t`` transformed by ``name`` (one of :data:`TRANSFORMS`), or ``None``
-    where it does not apply (an integer tensor, a non-square one...)."""
-    import torch
+    where it does not apply: the recompute's own transform, applied to a
+    tensor the caller gave."""
+    from weight_checker.expected.recompute import _transformed
 
-    if name.startswith("dtype-roundtrip:"):
-        via = getattr(torch, name.split(":", 1)[1])
-        if not t.dtype.is_floating_point or t.dtype == via:
-            return None
-        return t.to(via).to(t.dtype)
-    if name == "truncate:bfloat16":
-        if t.dtype != torch.float32:
-            return None
-        return (t.contiguous().view(torch.int32) & -65536).view(torch.float32)
-    if name == "transposed":
-        if t.dim() != 2 or t.shape[0] != t.shape[1]:
-            return None
-        return t.t().contiguous()
-    raise ValueError(f"unknown transform {name!r}")
+    return _transformed(name, t)
 
 
 @dataclass
@@ -228,6 +215,7 @@ class Explanation:
                 "class": e.cls,
                 "cause": e.cause,
                 "where": e.where if not e.whole else "the whole tensor",
+                "nbytes": e.nbytes,
                 "ranges": [list(r) for r in e.ranges],
                 "block_bytes": e.block_bytes,
                 "blocks": e.blocks,
@@ -260,23 +248,29 @@ class Version:
     tensors: ExpectedTensors | None = None
 
 
-def _other_tp_keys(key: str, expected: Mapping[str, str]) -> list[tuple[str, str]]:
-    """``[(tpJ, key of rank tpJ)]``: the same tensor on the other tensor-parallel ranks."""
-    rank, name = split_rank(key)
-    if not rank:
-        return []
-    fields = rank.split(":")
-    if len(fields) < 4 or not fields[3].startswith("tp"):
-        return []
-    out = []
-    for other in expected:
-        other_rank, other_name = split_rank(other)
-        if other_name != name or other == key:
-            continue
-        of = other_rank.split(":")
-        if len(of) == len(fields) and of[:3] == fields[:3] and of[4:] == fields[4:]:
-            out.append((of[3], other))
-    return sorted(out)
+class _Shards:
+    """The same tensor's keys on the other tensor-parallel ranks, from one
+    pass over the expected keys (for the parameters of ``keys`` only)."""
+
+    def __init__(self, keys: Sequence[str], expected: Mapping[str, str]):
+        wanted = {split_rank(k)[1] for k in keys}
+        self._by: dict[tuple[tuple[str, ...], tuple[str, ...], str], list[tuple[str, str]]] = {}
+        for other in expected:
+            rank, name = split_rank(other)
+            if name not in wanted:
+                continue
+            fields = rank.split(":")
+            if len(fields) >= 4 and fields[3].startswith("tp"):
+                place = (tuple(fields[:3]), tuple(fields[4:]), name)
+                self._by.setdefault(place, []).append((fields[3], other))
+
+    def of(self, key: str) -> list[tuple[str, str]]:
+        """``[(tpJ, key of rank tpJ)]`` for ``key``'s tensor, ``key`` left out."""
+        rank, name = split_rank(key)
+        fields = rank.split(":")
+        if len(fields) < 4 or not fields[3].startswith("tp"):
+            return []
+        return sorted(p for p in self._by.get((tuple(fields[:3]), tuple(fields[4:]), name), []) if p[1] != key)
 
 
 def explain(
@@ -300,26 +294,29 @@ def explain(
     out = Explanation()
     candidates = sorted(k for k, c in mismatches.items() if c in EXPLAINED_CLASSES and k in current and k in expected)
     chosen, out.left_out = candidates[:limit], max(0, len(candidates) - limit)
+    shards = _Shards(chosen, expected)
     pending: list[KeyExplanation] = []
     for key in chosen:
         e = KeyExplanation(key, mismatches[key])
         out.keys[key] = e
-        cause = _whole_cause(current[key], key, expected, history)
+        cause = _whole_cause(current[key], key, expected, history, shards)
         if cause is not None:
             e.cause, e.whole = cause, True
         else:
             pending.append(e)
     if pending:
-        _explain_blocks(pending, current, fetch, tensors, history, expected, out)
+        _explain_blocks(pending, current, fetch, tensors, history, expected, shards, out)
     out.seconds["total"] = time.perf_counter() - started
     return out
 
 
-def _whole_cause(digest: str, key: str, expected: Mapping[str, str], history: Sequence[Version]) -> str | None:
+def _whole_cause(
+    digest: str, key: str, expected: Mapping[str, str], history: Sequence[Version], shards: _Shards
+) -> str | None:
     for version in history:
         if version.digests.get(key) == digest:
             return f"version:{version.label}"
-    for tp, other in _other_tp_keys(key, expected):
+    for tp, other in shards.of(key):
         if expected[other] == digest:
             return f"shard-of:{tp}"
     return None
@@ -358,6 +355,7 @@ def _explain_blocks(
     tensors: ExpectedTensors | None,
     history: Sequence[Version],
     expected_digests: Mapping[str, str],
+    shards: _Shards,
     out: Explanation,
 ) -> None:
     import time
@@ -395,7 +393,7 @@ def _explain_blocks(
         by_size.setdefault(size, []).append(e)
     # The engine hashes its blocks while this side hashes the expected ones.
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        asked = {size: pool.submit(fetch, [e.key for e in group], size) for size, group in by_size.items()}
+        asked = {size: pool.submit(_fetch_all, fetch, [e.key for e in group], size) for size, group in by_size.items()}
         order = [(k, b) for k, b in blocks.items()]
         flat_pieces = [(b.flat, r) for _, b in order for r in b.ranges]
         digests = _hash_blocks(flat_pieces)
@@ -407,12 +405,14 @@ def _explain_blocks(
         out.seconds["expected_blocks"] = time.perf_counter() - started
         engine: dict[str, Mapping[str, Any]] = {}
         for size, future in asked.items():
-            try:
-                engine.update(future.result())
-            except WeightCheckerError as err:
-                for e in by_size[size]:
-                    e.note = "no block digests from the engine"
-                out.notes.append(f"where in each tensor: not told ({err})")
+            answers, refused = future.result()
+            engine.update(answers)
+            for e in by_size[size]:
+                if e.key in refused:
+                    e.note = f"no block digests from the engine ({refused[e.key]})"
+            for why in sorted(set(refused.values())):
+                if f"where in each tensor: not told ({why})" not in out.notes:
+                    out.notes.append(f"where in each tensor: not told ({why})")
     out.seconds["blocks"] = time.perf_counter() - started
     unexplained: dict[str, list[int]] = {}
     for key, b in blocks.items():
@@ -435,7 +435,7 @@ def _explain_blocks(
             e.note = "every block equals the expected one: the tensor changed since its digest was taken"
             continue
         unexplained[key] = differ
-    _match_candidates(unexplained, blocks, engine, got, history, expected_digests, tensors, out)
+    _match_candidates(unexplained, blocks, engine, got, history, shards, tensors, out)
 
 
 def _numel(shape: Sequence[int] | None) -> int:
@@ -453,6 +453,32 @@ def _merge(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
         else:
             out.append((a, b))
     return out
+
+
+def _fetch_all(
+    fetch: BlockFetcher, keys: list[str], block_bytes: int
+) -> tuple[dict[str, Mapping[str, Any]], dict[str, str]]:
+    """The engine's block digests of ``keys``, asked :data:`MAX_KEYS` at a
+    time (what the route takes); a request refused is asked again key by
+    key, so that one key (a tensor smaller than expected) hides no other.
+    ``(answers, key -> why refused)``."""
+    answers: dict[str, Mapping[str, Any]] = {}
+    refused: dict[str, str] = {}
+    for at in range(0, len(keys), MAX_KEYS):
+        chunk = keys[at : at + MAX_KEYS]
+        try:
+            answers.update(fetch(chunk, block_bytes))
+            continue
+        except WeightCheckerError as err:
+            if len(chunk) == 1:
+                refused[chunk[0]] = str(err)
+                continue
+        for key in chunk:
+            try:
+                answers.update(fetch([key], block_bytes))
+            except WeightCheckerError as err:
+                refused[key] = str(err)
+    return answers, refused
 
 
 def _runs(indices: Sequence[int]) -> list[list[int]]:
@@ -477,7 +503,7 @@ def _match_candidates(
     engine: Mapping[str, Mapping[str, Any]],
     got: Mapping[str, Mapping[str | None, Any]],
     history: Sequence[Version],
-    expected_digests: Mapping[str, str],
+    shards_of: _Shards,
     source: ExpectedTensors,
     out: Explanation,
 ) -> None:
@@ -533,7 +559,7 @@ def _match_candidates(
             out.notes.append(f"version {version.label}: its tensors are not available ({err})")
             continue
         try_candidate(f"version:{version.label}", _pick(theirs, None))
-    shards: dict[str, list[tuple[str, str]]] = {k: _other_tp_keys(k, expected_digests) for k in unexplained}
+    shards: dict[str, list[tuple[str, str]]] = {k: shards_of.of(k) for k in unexplained}
     for tp in sorted({tp for pairs in shards.values() for tp, _ in pairs}):
         if not remaining():
             break
@@ -622,7 +648,9 @@ def http_fetcher(url: str, *, api_key: str | None = None, timeout: float = 600.0
         try:
             answer = post_json(url, "/weight_checker", body, timeout=timeout, api_key=api_key_from_env(api_key))
         except HttpError as e:
-            message = NO_BLOCK_ROUTE if "'action' must be one of" in e.message else e.message
+            own_route = "'action' must be one of" in e.message  # this package's route, too old for it
+            vllms_route = "literal_error" in e.message or "Input should be 'checksum'" in e.message
+            message = NO_BLOCK_ROUTE if (own_route or vllms_route) and e.status == 400 else e.message
             raise VerifyError("block digests", url, message) from e
         blocks = answer.get("block_digests") if isinstance(answer, dict) else None
         if not isinstance(blocks, dict):

@@ -191,19 +191,20 @@ def _explain(result: VerifyResult, t: Target, values: dict[str, Any], history: A
     """Why the check failed (:mod:`weight_checker.verify.explain`), into
     ``result.explanation``; a failure to explain is a warning, never the
     verdict's."""
-    from weight_checker.errors import WeightCheckerError
-    from weight_checker.verify.engine_digests import display_key
-    from weight_checker.verify.explain import explain_engines, fetcher_for, source_for, versions_from
-
-    current: EngineDigests = values["current"].digests
-    fleet = current.layout == "fleet"
-    mismatches = (
-        dict(result.by_engine)
-        if fleet
-        else {e: {k: c for k, c in result.mismatches.items() if k in held} for e, held in current.per_engine.items()}
-    )
-    expected = values["expected"]
     try:
+        from weight_checker.verify.engine_digests import display_key
+        from weight_checker.verify.explain import explain_engines, fetcher_for, source_for, versions_from
+
+        current: EngineDigests = values["current"].digests
+        fleet = current.layout == "fleet"
+        mismatches = (
+            dict(result.by_engine)
+            if fleet
+            else {
+                e: {k: c for k, c in result.mismatches.items() if k in held} for e, held in current.per_engine.items()
+            }
+        )
+        expected = values["expected"]
         result.explanation = explain_engines(
             current.per_engine,
             mismatches,
@@ -214,7 +215,7 @@ def _explain(result: VerifyResult, t: Target, values: dict[str, Any], history: A
             limit=limit,
             show=display_key if fleet else (lambda engine, key: key),
         )
-    except (WeightCheckerError, OSError, RuntimeError, ValueError) as e:
+    except Exception as e:  # whatever fails, the verdict stands and is returned
         result.warnings.append(f"the mismatch could not be explained: {type(e).__name__}: {e}")
 
 

@@ -301,6 +301,7 @@ def weight_checker_block_digests(self: Any, keys: Any, block_bytes: Any) -> dict
     "shape", "dtype"}}, "errors": {key: why}}``. Only the named tensors are
     read; keys of other ranks are left to their workers. A block size above
     a tensor's size is an error for that key (nothing is hashed then)."""
+    from weight_checker.hashing import blocks as limits
     from weight_checker.hashing.blocks import block_digests
     from weight_checker.integrations.vllm.scope_walk import scoped_pairs
     from weight_checker.scope import scope_of
@@ -319,6 +320,11 @@ def weight_checker_block_digests(self: Any, keys: Any, block_bytes: Any) -> dict
         nbytes = tensor.numel() * tensor.element_size()
         if block_bytes > nbytes:
             answer["errors"][key] = f"block_bytes {block_bytes} is above the tensor's {nbytes} bytes"
+        elif -(-nbytes // block_bytes) > limits.MAX_BLOCKS:
+            answer["errors"][key] = (
+                f"block_bytes {block_bytes} cuts the tensor's {nbytes} bytes into {-(-nbytes // block_bytes)} "
+                f"blocks: at most {limits.MAX_BLOCKS}"
+            )
     if answer["errors"]:
         return answer
     digests = block_digests([t for _, t in named], [int(block_bytes)] * len(named), [k for k, _ in named])
