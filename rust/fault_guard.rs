@@ -23,12 +23,19 @@
 //!   reports an error naming the file and the tensor: digests of those
 //!   zeros are never returned.
 //!
-//! A fault anywhere else is not ours: the handler puts the previous
-//! disposition back and returns, so the fault repeats and meets the
-//! handler (or default action) that was there before, as if this guard did
-//! not exist. The handler is installed lazily, when the first mapping is
+//! A fault anywhere else is not ours: the handler calls the handler that
+//! was there before in place (Python's `faulthandler` dumps the traceback),
+//! then makes the default action the disposition, so the fault kills the
+//! process with SIGBUS as it would have without this guard. Calling it in
+//! place, once, rather than putting it back: `faulthandler`, enabled after
+//! this guard and then displaced by it, saved this guard as *its* previous
+//! handler, and the two handing the fault to each other dumped again and
+//! again until the stack overflowed (or spun for ever once `faulthandler`
+//! was disabled). The handler is installed lazily, when the first mapping is
 //! registered, and installed again by a later registration if something
-//! (Python's `faulthandler`, another library) replaced it since.
+//! replaced it since. (A previous handler that recovers from a SIGBUS of its
+//! own, as this guard does, is called but loses its later faults to the
+//! default action.)
 
 use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 use std::sync::Mutex;
@@ -36,8 +43,10 @@ use std::sync::Mutex;
 /// Mappings guarded at once. Each open checkpoint file takes one for as
 /// long as it is open (every shard of a checkpoint is open during its
 /// run); a file that finds none free is refused with an error (see
-/// `CheckpointFile::open`), never read unguarded.
-pub const SLOTS: usize = 4096;
+/// `CheckpointFile::open`), never read unguarded. Linux allows 65,530
+/// mappings a process by default (`vm.max_map_count`); the table is in
+/// zero pages until used, and a fault scans it once.
+pub const SLOTS: usize = 1 << 16;
 
 const FREE: u8 = 0;
 const BUSY: u8 = 1;
@@ -182,19 +191,38 @@ fn install() -> bool {
     }
 }
 
-extern "C" fn on_sigbus(signal: libc::c_int, info: *mut libc::siginfo_t, _context: *mut libc::c_void) {
+extern "C" fn on_sigbus(signal: libc::c_int, info: *mut libc::siginfo_t, context: *mut libc::c_void) {
     // SAFETY: the kernel passes a valid siginfo (SA_SIGINFO); errno is the
-    // interrupted code's and is put back before returning.
+    // interrupted code's and is put back before returning. PREVIOUS was
+    // written (initialised) before this handler was installed; a handler
+    // address it holds is a function of that kind (SA_SIGINFO says which),
+    // called with the arguments the kernel gave us, as the kernel would.
     unsafe {
         let errno = *libc::__errno_location();
         if !info.is_null() && (*info).si_code > 0 && recover((*info).si_addr() as usize) {
             *libc::__errno_location() = errno;
             return;
         }
-        // Not ours (or the zero pages could not be mapped): the previous
-        // disposition takes over. A fault repeats when we return and meets
-        // it; a SIGBUS sent by kill() or raise() is sent again.
-        libc::sigaction(libc::SIGBUS, (*PREVIOUS.0.get()).as_ptr(), std::ptr::null_mut());
+        // Not ours (or the zero pages could not be mapped): the handler
+        // that was there before runs in place, once, then the default
+        // action is the disposition: a fault repeats when we return and
+        // kills the process with SIGBUS; a SIGBUS sent by kill() or raise()
+        // is sent again (pending until we return: SIGBUS is blocked in here).
+        let previous = (*PREVIOUS.0.get()).assume_init_ref();
+        let handler = previous.sa_sigaction;
+        if handler != libc::SIG_DFL && handler != libc::SIG_IGN {
+            if previous.sa_flags & libc::SA_SIGINFO != 0 {
+                let call: extern "C" fn(libc::c_int, *mut libc::siginfo_t, *mut libc::c_void) =
+                    std::mem::transmute(handler);
+                call(signal, info, context);
+            } else {
+                let call: extern "C" fn(libc::c_int) = std::mem::transmute(handler);
+                call(signal);
+            }
+        }
+        let mut default: libc::sigaction = std::mem::zeroed();
+        default.sa_sigaction = libc::SIG_DFL;
+        libc::sigaction(libc::SIGBUS, &default, std::ptr::null_mut());
         if info.is_null() || (*info).si_code <= 0 {
             libc::raise(signal);
         }

@@ -154,3 +154,50 @@ def test_an_index_that_names_the_wrong_shard_for_a_tensor_is_refused_naming_it(t
     weight_map["b.weight"] = "model-00002-of-00002.safetensors"
     index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     assert len(checksum_checkpoint([tmp_path])) == 2
+
+
+#: A child that hashes a checkpoint (installing the guard) and toggles
+#: faulthandler as the steps say, then reads a truncated numpy.memmap of
+#: another file: a SIGBUS that is not the guard's.
+_FOREIGN = r"""
+import faulthandler, os, sys
+import numpy as np
+from safetensors.numpy import save_file
+root, use, steps = sys.argv[1], sys.argv[2] == "1", sys.argv[3].split(",")
+ckpt = os.path.join(root, "m.safetensors")
+save_file({"a": np.arange(1000, dtype=np.float32)}, ckpt)
+if use:
+    from weight_checker.checkpoint import checksum_checkpoint
+for step in steps:
+    if step == "wc" and use:
+        checksum_checkpoint([ckpt], io="map")
+    elif step == "fh_on":
+        faulthandler.enable()
+    elif step == "fh_off":
+        faulthandler.disable()
+    elif step == "bus":
+        path = os.path.join(root, "x.bin")
+        with open(path, "wb") as f:
+            f.write(b"\x07" * (1 << 20))
+        m = np.memmap(path, dtype=np.uint8, mode="r")
+        os.truncate(path, 4096)
+        print("READ", int(m[600000:].sum()), flush=True)
+print("EXIT_OK", flush=True)
+"""
+
+
+@pytest.mark.parametrize("steps", ["wc,bus", "wc,fh_on,wc,bus", "wc,fh_on,wc,fh_off,bus", "fh_on,wc,fh_off,fh_on,bus"])
+def test_a_sigbus_that_is_not_the_guards_ends_the_process_as_without_it(steps, tmp_path):
+    """The guard hands a fault outside its mappings to the handler that was
+    there before, once, then to the default action: the process dies of
+    SIGBUS with as many faulthandler dumps as without weight_checker (with
+    faulthandler enabled after the guard and the guard installed again, the
+    two handed the fault to each other: five dumps and a SIGSEGV, or a spin
+    once faulthandler was disabled)."""
+    outcomes = []
+    for use in ("0", "1"):
+        done = subprocess.run(
+            [sys.executable, "-c", _FOREIGN, str(tmp_path), use, steps], capture_output=True, text=True, timeout=60
+        )
+        outcomes.append((done.returncode, done.stderr.count("Bus error"), "READ" in done.stdout))
+    assert outcomes[0][0] == -7 and outcomes[1] == outcomes[0], (steps, outcomes)
