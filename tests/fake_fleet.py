@@ -124,7 +124,8 @@ class FakeServer:
                     if server.hang:
                         server.stopping.wait(HANG_S)
                     time.sleep(server.delay)
-                    return self.reply(200, {"checksums": dict(server.weights)})
+                    scope = {"include": body["include"]} if "include" in body else {}  # as this package's route
+                    return self.reply(200, {"checksums": dict(server.weights), **scope})
                 if self.path == "/weight_checker" and body.get("action") == "reset":
                     server.resets += 1
                     server.weights = {k: hashlib.sha256(b"\0").hexdigest() for k in server.weights}

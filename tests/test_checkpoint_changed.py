@@ -201,3 +201,31 @@ def test_a_sigbus_that_is_not_the_guards_ends_the_process_as_without_it(steps, t
         )
         outcomes.append((done.returncode, done.stderr.count("Bus error"), "READ" in done.stdout))
     assert outcomes[0][0] == -7 and outcomes[1] == outcomes[0], (steps, outcomes)
+
+
+def test_a_shard_replaced_after_the_index_was_checked_is_refused(tmp_path, monkeypatch):
+    """The index is checked from the headers before the run, and the names
+    the run hashed are checked against it after: a shard replaced between
+    the two (a trainer's atomic save) is refused, naming the tensor."""
+    import weight_checker._core as core
+    from weight_checker.hashing import checkpoint as module
+
+    save_file({"a": np.arange(4, dtype=np.float32)}, str(tmp_path / "s1.safetensors"))
+    save_file({"b": np.arange(8, dtype=np.float32)}, str(tmp_path / "s2.safetensors"))
+    save_file({"c": np.ones(8, dtype=np.float32)}, str(tmp_path / "next.safetensors"))
+    weight_map = {"a": "s1.safetensors", "b": "s2.safetensors"}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+    class SwapAfterTheCheck:
+        def __getattr__(self, name):
+            return getattr(core, name)
+
+        def safetensors_tensors(self, path):
+            listed = core.safetensors_tensors(path)
+            if path.endswith("s2.safetensors"):
+                os.replace(tmp_path / "next.safetensors", tmp_path / "s2.safetensors")
+            return listed
+
+    monkeypatch.setattr(module, "_core", SwapAfterTheCheck())
+    with pytest.raises(CheckpointError, match=r"tensor 'b': named by the index but not in the shard"):
+        checksum_checkpoint([tmp_path])

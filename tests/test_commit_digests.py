@@ -391,3 +391,33 @@ def test_an_inference_tensor_is_never_hashed_early():
         t = torch.ones(4)
     assert commit_digests._version(t) is None
     assert commit_digests._version(torch.ones(4)) == 0
+
+
+def test_a_storage_swapped_for_another_at_the_same_address_is_hashed_again():
+    """``p.data = ...`` after the early digest, with a new storage at the
+    very address of the one hashed (the allocator reusing a freed block; here
+    two ``frombuffer`` tensors of one buffer, whose bytes changed between):
+    same object, layout, version and write count, but not the memory that
+    was hashed: a weak reference to that storage, expired, says so."""
+    import numpy as np
+
+    buffer = np.zeros(16 * 8, dtype=np.float32)
+    model = torch.nn.ModuleDict({f"layer{i}": torch.nn.Linear(8, 16, bias=False) for i in range(2)})
+    model.requires_grad_(False)
+    model["layer0"].weight.data = torch.frombuffer(buffer, dtype=torch.float32).view(16, 8)
+    layerwise.record_metadata_for_reloading(model)
+    worker = Worker(model)
+    start(model)
+    weight_checker_begin_update_digests(worker)
+    load_weights(model, [("layer0.weight", torch.full((16, 8), 1.0))])  # commits into the buffer: hashed early
+    session = commit_digests.current()
+    assert session is not None and session.wait_hashed(60) and session.hashed_bytes > 0
+    p = model["layer0"].weight
+    before = (p.data_ptr(), p._version)
+    buffer[:] = 7.0  # the memory changes...
+    p.data = torch.frombuffer(buffer, dtype=torch.float32).view(16, 8)  # ...under a new storage, same address
+    assert (p.data_ptr(), p._version) == before
+    load_weights(model, [("layer1.weight", torch.ones(16, 8))])
+    answer = weight_checker_finish_weight_update(worker)
+    assert float(p[0, 0]) == 7.0
+    assert answer["checksums"] == oracle(model)

@@ -164,6 +164,12 @@ REFUSED = [
     pytest.param(
         ("speculative_config",), {**DRAFT, "quantization": "fp8"}, "speculative_config.quantization", id="draft-quant"
     ),
+    pytest.param(  # vLLM's own dump of --limit-mm-per-prompt '{"image": 0}': no vision tower is built
+        ("model_config", "multimodal_config"),
+        {"limit_per_prompt": {"image": {"count": 0}, "video": {"count": 2}}},
+        "multimodal_config.limit_per_prompt",
+        id="mm-limit-0",
+    ),
 ]
 
 

@@ -321,3 +321,45 @@ def test_a_weight_transfer_client_whose_engine_answers_no_digests_fails_naming_i
         client = verified(Client(), dict(fleet[0].loaded), checksum_from=fleet[0].url)
         with pytest.raises(weight_checker.VerifyError, match=f"on {fleet[0].url}: answered no digests"):
             client.start_weight_update()
+
+
+def test_a_weight_transfer_server_whose_first_checksum_is_empty_fails_naming_it():
+    """verified() over vLLM's HTTP client takes the engine's digests before
+    the first update (what tells a key ``stale``): an empty answer there is
+    an error naming the server, never a baseline of nothing."""
+    from weight_checker.integrations.weight_transfer import verified
+
+    with fake_fleet(1) as fleet:
+        fleet[0].weights = {}
+
+        class Client:
+            base_url = fleet[0].url
+            timeout = 30
+
+            def init_weight_transfer_engine(self, init_info):
+                pass
+
+            def start_weight_update(self):
+                pass
+
+            def update_weights(self, update_info):
+                pass
+
+            def finish_weight_update(self, weight_version=None):
+                pass
+
+        client = verified(Client(), dict(fleet[0].loaded))
+        with pytest.raises(weight_checker.VerifyError, match=f"on {fleet[0].url}: answered no digests"):
+            client.start_weight_update()
+
+
+def test_a_draft_asked_for_that_no_key_covers_fails_naming_the_engine():
+    """An engine without a draft answers a checksum of ``target,draft`` with
+    its target keys: the draft was not checked, and the check says so."""
+    with fake_fleet(2, independent=True) as fleet:
+        urls = [s.url for s in fleet]
+        with pytest.raises(weight_checker.VerifyError, match="no digests of the scope draft"):
+            weight_checker.replicas(urls, include=["target", "draft"])
+        with pytest.raises(weight_checker.VerifyError, match="no digests of the scope draft"):
+            weight_checker.verify(urls, transfer=lambda: None, include=["target", "draft"], expected=fleet[0].loaded)
+        assert weight_checker.replicas(urls).consistent  # the target alone is fine

@@ -169,6 +169,22 @@ def _model_arguments(url: str, model: dict[str, Any], args: dict[str, Any]) -> N
         for name in MULTIMODAL_FIELDS:
             if name in multimodal:
                 args[name] = bool(multimodal[name])
+        # A modality limited to 0 a prompt: vLLM builds no tower for it
+        # (SupportsMultiModal._mark_tower_model), so the engine holds none.
+        limits = multimodal.get("limit_per_prompt")
+        zero = sorted(m for m, v in (limits or {}).items() if isinstance(limits, dict) and _limit_count(v) == 0)
+        if zero:
+            raise _refuse(
+                url, "multimodal_config.limit_per_prompt", {m: 0 for m in zero},
+                "a modality limited to 0 a prompt leaves its tower unbuilt; expected digests are built with every "
+                "tower",
+            )  # fmt: skip
+
+
+def _limit_count(value: Any) -> Any:
+    """The count of a ``limit_per_prompt`` entry: a number, or vLLM's dump of
+    its options (``{"count": 0}``)."""
+    return value.get("count") if isinstance(value, dict) else value
 
 
 def _parallel_arguments(url: str, parallel: dict[str, Any], args: dict[str, Any]) -> None:

@@ -82,8 +82,10 @@ def resolve(paths: Iterable[str | Path]) -> tuple[list[Path], dict[str, Path]]:
         else:
             raise CheckpointError(f"{p}: no such file or directory")
     unique: list[Path] = []
-    for f in files:
-        if f.resolve() not in {u.resolve() for u in unique}:
+    seen: set[Path] = set()
+    for f in files:  # a shard named twice (a directory and its index) is hashed once
+        if (real := f.resolve()) not in seen:
+            seen.add(real)
             unique.append(f)
     return unique, expected
 
@@ -109,6 +111,14 @@ def checksum_checkpoint(
         digests = _core.checksum_safetensors([str(f) for f in files], progress, mode=io)
     except (_core.SafetensorsError, OSError) as e:
         raise CheckpointError(str(e)) from e
+    if expected:  # again after the run: a shard replaced between the check and the run
+        found = {name for name, _, _ in digests}
+        for name, shard in expected.items():
+            if name not in found:
+                raise CheckpointError(f"{shard}: tensor '{name}': named by the index but not in the shard")
+        for name, _, _ in digests:
+            if name not in expected:
+                raise CheckpointError(f"tensor '{name}': in a shard but not in the index")
     return {prefix + name: hexd for name, hexd, _ in sorted(digests)}
 
 

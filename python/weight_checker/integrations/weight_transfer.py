@@ -194,7 +194,12 @@ class _HttpEngine(_Engine):
         if include is not None:
             body["include"] = list(include)
         answer = post_json(self.url, "/weight_checker", body, timeout=self.timeout, api_key=self.api_key)
-        return dict(answer["checksums"])
+        sums = dict(answer["checksums"])
+        if not sums:  # an engine that proves nothing never passes, nor tells what is stale
+            from weight_checker.verify.fanout import no_digests
+
+            raise VerifyError("checksum", self.url, no_digests(include))
+        return sums
 
     def weight_version(self) -> str | None:
         status, body = request("GET", self.url, "/weight_info", timeout=min(self.timeout, 30), api_key=self.api_key)

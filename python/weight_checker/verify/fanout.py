@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from weight_checker.errors import HttpError, InputError, VerifyError
-from weight_checker.scope import DEFAULT, parse_include
+from weight_checker.scope import DEFAULT, parse_include, scope_of
 from weight_checker.verify.engine_digests import EngineDigests, Layout, decide_layout
 
 DEFAULT_CONCURRENCY = 32
@@ -201,6 +201,12 @@ class EngineSet:
         for name in self.names:
             if isinstance(done[name], dict) and not done[name]:
                 raise VerifyError(step, name, no_digests(self.include))
+            # A draft asked for and none hashed: the scope was not checked
+            # (an engine without a draft answers its target keys only).
+            # Adapters and buffers may be absent for good reasons.
+            if "draft" in self.include and isinstance(done[name], dict):
+                if not any(scope_of(k) == "draft" for k in done[name]):
+                    raise VerifyError(step, name, "answered no digests of the scope draft: it serves no draft model")
         return {n: done[n] for n in self.names}
 
     def checksums(self, step: str) -> EngineDigests:

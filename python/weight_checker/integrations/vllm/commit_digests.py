@@ -77,9 +77,18 @@ def _version(t: Any) -> int | None:
         return None
 
 
-#: (tensor, its alias, the storage's writes, layout, torch's version counter),
-#: all taken when it is queued.
-_Queued = tuple[Any, Any, int, tuple[Any, ...], int]
+def _storage_ref(t: Any) -> Any:
+    """A weak reference to ``t``'s storage: expired once that memory is
+    freed, so that a storage swapped out (``p.data = ...``) and a new one
+    allocated at the same address never pass for the one hashed."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return StorageWeakRef(t.untyped_storage())
+
+
+#: (tensor, its alias, the storage's writes, layout, torch's version counter,
+#: a weak reference to its storage), all taken when it is queued.
+_Queued = tuple[Any, Any, int, tuple[Any, ...], int, Any]
 
 
 class CommitDigests:
@@ -92,7 +101,7 @@ class CommitDigests:
         #: id(tensor) -> (a weak reference to it, digest, the storage's writes
         #: when it was queued, layout, torch's version counter then). Weak: a
         #: session never keeps a model alive.
-        self._digests: dict[int, tuple[Any, str, int, tuple[Any, ...], int]] = {}
+        self._digests: dict[int, tuple[Any, str, int, tuple[Any, ...], int, Any]] = {}
         #: Batches of :data:`_Queued`, all taken when the batch is queued.
         self._queue: queue.SimpleQueue[list[_Queued] | None] = queue.SimpleQueue()
         #: Batches queued and not yet hashed (see :meth:`wait_hashed`).
@@ -143,7 +152,7 @@ class CommitDigests:
                     # The version is read before the hash: a write during
                     # it, or any time before the finish, sends the tensor
                     # to be hashed again.
-                    host.append((t, t.detach(), mark, _layout(t), version))
+                    host.append((t, t.detach(), mark, _layout(t), version, _storage_ref(t)))
             if not (self._accepting and host):
                 return
             self._pending += 1
@@ -181,15 +190,15 @@ class CommitDigests:
     def _hash(self, item: list[_Queued]) -> None:
         from weight_checker import _core
 
-        tensors = [alias for _, alias, _, _, _ in item]
+        tensors = [alias for _, alias, _, _, _, _ in item]
         try:
             digests, _ = _core.digest_many(tensors, [f"tensor {i}" for i in range(len(tensors))])
         except Exception as e:  # those tensors are hashed at the finish
             self.failed = f"{type(e).__name__}: {e}"[:300]
             return
         with self._lock:
-            for (t, _, mark, layout, version), digest in zip(item, digests, strict=True):
-                self._digests[id(t)] = (weakref.ref(t), digest, mark, layout, version)
+            for (t, _, mark, layout, version, storage), digest in zip(item, digests, strict=True):
+                self._digests[id(t)] = (weakref.ref(t), digest, mark, layout, version, storage)
                 self.hashed_bytes += t.numel() * t.element_size()
 
     def take(self, tensors: list[Any]) -> list[str | None]:
@@ -210,6 +219,7 @@ class CommitDigests:
                     and entry[3] == _layout(t)
                     and self._writes.get(_storage_key(t)) == entry[2]
                     and _version(t) == entry[4]
+                    and not entry[5].expired()  # the memory hashed is still the tensor's
                 )
                 out.append(entry[1] if valid and entry is not None else None)
         return out
