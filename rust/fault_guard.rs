@@ -61,7 +61,9 @@ struct Slot {
     start: AtomicUsize,
     /// One past the last byte of the mapping, rounded up to a page.
     end: AtomicUsize,
-    /// The lowest faulting offset from `start`; `usize::MAX`: none.
+    /// `usize::MAX - ` the lowest faulting offset from `start`; 0: none
+    /// (so that the whole table starts as zeros: in `.bss`, not 2.6 MB of
+    /// the library's data).
     fault: AtomicUsize,
 }
 
@@ -71,7 +73,7 @@ const EMPTY: Slot = Slot {
     state: AtomicU8::new(FREE),
     start: AtomicUsize::new(0),
     end: AtomicUsize::new(0),
-    fault: AtomicUsize::new(usize::MAX),
+    fault: AtomicUsize::new(0),
 };
 
 static TABLE: [Slot; SLOTS] = [EMPTY; SLOTS];
@@ -121,7 +123,7 @@ impl Registration {
                 slot.sequence.fetch_add(1, Ordering::AcqRel);
                 slot.start.store(start, Ordering::Relaxed);
                 slot.end.store(end, Ordering::Relaxed);
-                slot.fault.store(usize::MAX, Ordering::Relaxed);
+                slot.fault.store(0, Ordering::Relaxed);
                 slot.state.store(ACTIVE, Ordering::Relaxed);
                 slot.sequence.fetch_add(1, Ordering::Release);
                 return Some(Registration { slot: i });
@@ -134,8 +136,8 @@ impl Registration {
     /// file was truncated below it), if any did.
     pub fn fault(&self) -> Option<usize> {
         match TABLE[self.slot].fault.load(Ordering::Acquire) {
-            usize::MAX => None,
-            offset => Some(offset),
+            0 => None,
+            flipped => Some(usize::MAX - flipped),
         }
     }
 }
@@ -270,7 +272,7 @@ fn recover(address: usize) -> bool {
         if mapped == libc::MAP_FAILED {
             return false;
         }
-        slot.fault.fetch_min(address - start, Ordering::AcqRel);
+        slot.fault.fetch_max(usize::MAX - (address - start), Ordering::AcqRel);
         return true;
     }
     false
