@@ -298,59 +298,43 @@ def test_an_engine_that_answers_no_digests_is_an_error_naming_it_never_skipped(w
             assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
 
 
-def test_a_weight_transfer_client_whose_engine_answers_no_digests_fails_naming_it():
-    """``verified()`` over a sync client whose digests come from a checksum of
-    ``checksum_from``: an empty answer is an error naming that engine."""
+class _SyncClient:
+    """A ``VLLMWeightSyncClient`` that moves nothing (``base_url``: vLLM's
+    HTTP client, whose digests the wrapper asks the server for)."""
+
+    def __init__(self, base_url: str | None = None):
+        if base_url is not None:
+            self.base_url, self.timeout = base_url, 30
+
+    def init_weight_transfer_engine(self, init_info):
+        pass
+
+    def start_weight_update(self):
+        pass
+
+    def update_weights(self, update_info):
+        pass
+
+    def finish_weight_update(self, weight_version=None):
+        pass
+
+
+@pytest.mark.parametrize("client", ["checksum_from", "http"])
+def test_a_weight_transfer_engine_that_answers_no_digests_fails_naming_it(client):
+    """``verified()`` takes the engine's digests before the first update
+    (what tells a key ``stale``), from ``checksum_from`` or, over vLLM's HTTP
+    client, from the server itself: an empty answer is an error naming it,
+    never a baseline of nothing."""
     from weight_checker.integrations.weight_transfer import verified
-
-    class Client:
-        def init_weight_transfer_engine(self, init_info):
-            pass
-
-        def start_weight_update(self):
-            pass
-
-        def update_weights(self, update_info):
-            pass
-
-        def finish_weight_update(self, weight_version=None):
-            pass
 
     with fake_fleet(1) as fleet:
         fleet[0].weights = {}
-        client = verified(Client(), dict(fleet[0].loaded), checksum_from=fleet[0].url)
+        if client == "http":
+            wrapped = verified(_SyncClient(fleet[0].url), dict(fleet[0].loaded))
+        else:
+            wrapped = verified(_SyncClient(), dict(fleet[0].loaded), checksum_from=fleet[0].url)
         with pytest.raises(weight_checker.VerifyError, match=f"on {fleet[0].url}: answered no digests"):
-            client.start_weight_update()
-
-
-def test_a_weight_transfer_server_whose_first_checksum_is_empty_fails_naming_it():
-    """verified() over vLLM's HTTP client takes the engine's digests before
-    the first update (what tells a key ``stale``): an empty answer there is
-    an error naming the server, never a baseline of nothing."""
-    from weight_checker.integrations.weight_transfer import verified
-
-    with fake_fleet(1) as fleet:
-        fleet[0].weights = {}
-
-        class Client:
-            base_url = fleet[0].url
-            timeout = 30
-
-            def init_weight_transfer_engine(self, init_info):
-                pass
-
-            def start_weight_update(self):
-                pass
-
-            def update_weights(self, update_info):
-                pass
-
-            def finish_weight_update(self, weight_version=None):
-                pass
-
-        client = verified(Client(), dict(fleet[0].loaded))
-        with pytest.raises(weight_checker.VerifyError, match=f"on {fleet[0].url}: answered no digests"):
-            client.start_weight_update()
+            wrapped.start_weight_update()
 
 
 def test_a_draft_asked_for_that_no_key_covers_fails_naming_the_engine():
