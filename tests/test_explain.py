@@ -207,3 +207,102 @@ def test_an_explanation_that_fails_leaves_the_verdict_and_says_why(monkeypatch):
         result = weight_checker.verify([fleet[0].url], transfer=reload_all(fleet), expected=expected)
     assert not result.match and result.mismatches and result.explanation is None
     assert any("could not be explained: AssertionError: a bug of the explanation" in w for w in result.warnings)
+
+
+def hashlib_blocks(t: torch.Tensor, block: int) -> list[str]:
+    raw = t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    return [hashlib.sha256(raw[a:b]).hexdigest() for a, b in block_ranges(len(raw), block)]
+
+
+def test_zero_blocks_are_not_hashed_and_their_digests_are_hashlibs(monkeypatch):
+    # Blocks of zeros (whole, or zero but for their first bytes, or but for
+    # their last) in random places, any block size: the digests are
+    # hashlib's, and only blocks with a non-zero byte reach the core.
+    import random
+
+    from weight_checker.hashing import blocks, digests
+
+    hashed: list[int] = []
+    real = digests.digest_tensors
+
+    def counting(names, tensors):
+        hashed.extend(int(t.numel()) for t in tensors)
+        return real(names, tensors)
+
+    monkeypatch.setattr(digests, "digest_tensors", counting)
+    rng = random.Random(7)
+    for _ in range(200):
+        n = rng.choice([1, 63, 64, 65, 1000, 4099])
+        block = rng.choice([1, 3, 64, 100, 1000, n])
+        t = torch.randint(1, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(rng.randrange(99)))
+        ranges = block_ranges(n, block)
+        zero = set()
+        for i, (a, b) in enumerate(ranges):
+            kind = rng.choice(["keep", "zero", "head", "tail"])
+            if kind != "keep":
+                t[a:b] = 0
+                if kind == "head" and b - a > 1:
+                    t[a] = 9  # nonzero at its start: never taken for zeros
+                elif kind == "tail" and b - a > blocks.ZERO_PROBE_BYTES:
+                    t[b - 1] = 9  # zero through the probe, not after it
+                else:
+                    zero.add(i)
+        hashed.clear()
+        assert block_digests([t], [block]) == [hashlib_blocks(t, block)], (n, block)
+        assert sorted(hashed) == sorted(b - a for i, (a, b) in enumerate(ranges) if i not in zero)
+        some = rng.sample(range(len(ranges)), k=min(3, len(ranges)))
+        flat = blocks.flat_bytes(t)
+        assert blocks.zero_blocks(flat, [ranges[i] for i in some]) == [i in zero for i in some]
+
+
+def test_an_expected_block_the_engine_holds_as_zeros_is_scanned_not_hashed():
+    # The engine has answered: where it holds zeros, this side's block is
+    # scanned: zeros here too are equal (the zeros' digest), anything else
+    # differs without being hashed.
+    from weight_checker.verify import explain as ex
+
+    e = weights(1, rows=64, cols=48)
+    e[16:32] = 0  # zeros expected here too
+    engine = e.clone()
+    engine[:32] = 0
+    block = block_bytes_for(list(e.shape), 2, target=8)
+    b = ex._Blocks(e, block)
+    answer = engine_fetch({"k": engine})(["k"], block)
+    mine = ex._hash_expected([("k", b)], answer)["k"]
+    want = hashlib_blocks(e, block)
+    assert mine[:2] == [ex.NOT_HASHED] * 2  # rows 0-15: zeros there, not here
+    assert mine[2:] == want[2:]  # rows 16-31 zeros on both sides; the rest hashed
+    # Not yet answered (or not comparable): every block is hashed.
+    assert ex._hash_expected([("k", b)], {})["k"] == want
+    assert ex._hash_expected([("k", b)], {"k": {**answer["k"], "block_bytes": block * 2}})["k"] == want
+
+
+@pytest.mark.parametrize("group_bytes", [1, 1 << 30])
+def test_zeros_on_the_engine_are_explained_alike_whenever_its_answer_comes(monkeypatch, group_bytes):
+    # One group (this side hashes all before looking at the answer) or one
+    # key a group (the answer is used as soon as it is in): the same ranges
+    # and causes, from hashlib's block digests of both sides.
+    from weight_checker.verify import explain as ex
+
+    monkeypatch.setattr(ex, "GROUP_BYTES", group_bytes)
+    keys = [f"{TP0}layers.{i}.w" for i in range(4)]
+    want = {k: weights(10 + i) for i, k in enumerate(keys)}
+    want[keys[2]][8:24] = 0
+    held = {k: v.clone() for k, v in want.items()}
+    held[keys[0]].zero_()
+    held[keys[1]][32:] = 0
+    held[keys[2]][:16] = 0  # rows 8-15 zero on both sides: only 0-7 differ
+    held[keys[3]][40:48] = 0
+    result = explain(
+        dict.fromkeys(keys, "changed"), {k: sha(v) for k, v in held.items()}, {k: sha(v) for k, v in want.items()},
+        engine_fetch(held), TensorMap(want),
+    )  # fmt: skip
+    for k in keys:
+        block = result.keys[k].block_bytes
+        mine, theirs = hashlib_blocks(want[k], block), hashlib_blocks(held[k], block)
+        ranges = block_ranges(want[k].nbytes, block)
+        differ = [ranges[i] for i in range(len(ranges)) if mine[i] != theirs[i]]
+        assert result.keys[k].ranges == ex._merge(differ), k
+        assert result.keys[k].cause == "zeros", k
+    assert result.keys[keys[0]].whole and not result.keys[keys[1]].whole
+    assert result.keys[keys[2]].where == "rows 0-7 of 64"

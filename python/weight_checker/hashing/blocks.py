@@ -11,6 +11,14 @@ engine for that size (``{"action": "block_digests"}``).
 All blocks of all tensors asked for go to the Rust core in one call, as
 separate messages: a single large tensor is hashed by every lane at once,
 so its blocks cost no more than its digest.
+
+A block whose bytes are all zero is not hashed: its digest is the digest of
+that many zero bytes, computed once per length (:func:`digest_pieces`). A
+scan for a non-zero byte stops at the first one (real weights: the first
+bytes of a block), and runs at memory speed where the block is zero, against
+SHA-256's 2-4 GB/s a core; on a device it runs there and a zero block never
+crosses to the host. So "zero bytes delivered", a common sync bug, is
+explained at the cost of reading the tensor, not of hashing it.
 """
 
 from __future__ import annotations
@@ -80,8 +88,6 @@ def block_digests(
     """SHA-256 (hex) of every block of each tensor, blocks of
     ``block_bytes[i]`` for tensor ``i``, all hashed in one parallel call
     (CPU tensors in place; device tensors staged)."""
-    from weight_checker.hashing.digests import digest_tensors
-
     if len(block_bytes) != len(tensors):
         raise InputError(f"{len(tensors)} tensors but {len(block_bytes)} block sizes")
     names = list(names) if names is not None else [f"tensor {i}" for i in range(len(tensors))]
@@ -91,15 +97,88 @@ def block_digests(
     for name, tensor, size in zip(names, tensors, block_bytes, strict=True):
         flat = flat_bytes(tensor)
         ranges = block_ranges(int(flat.numel()), size)
-        pieces += [flat[start:end] for start, end in ranges]
+        pieces += [(flat, r) for r in ranges]
         labels += [f"{name} [{start}:{end}]" for start, end in ranges]
         counts.append(len(ranges))
-    digests, _ = digest_tensors(labels, pieces) if pieces else ([], [])
+    digests = digest_pieces(pieces, labels)
     out: list[list[str]] = []
     at = 0
     for n in counts:
         out.append(digests[at : at + n])
         at += n
+    return out
+
+
+#: Bytes read from the start of each block to rule it out as all zero: a
+#: real weight's block has a non-zero byte within its first few elements.
+ZERO_PROBE_BYTES = 64
+
+
+def zero_blocks(flat: Any, ranges: Sequence[tuple[int, int]]) -> list[bool]:
+    """Whether each block ``flat[start:end]`` of a flat ``uint8`` tensor is
+    all zero. The first :data:`ZERO_PROBE_BYTES` of the blocks of one size
+    are read in one operation (on the tensor's device); only blocks that
+    start with zeros are read whole, one at a time (no gathered copy)."""
+    import torch
+
+    flags = [False] * len(ranges)
+    if not ranges:
+        return flags
+    size = max(end - start for start, end in ranges)
+    # Blocks cut at multiples of their size (block_ranges' full blocks) are rows of one grid.
+    rows = [i for i, (start, end) in enumerate(ranges) if end - start == size and start % size == 0]
+    in_grid = set(rows)
+    maybe = [i for i in range(len(ranges)) if i not in in_grid]
+    if rows:
+        grid = flat[: (int(flat.numel()) // size) * size].view(-1, size)[:, : min(ZERO_PROBE_BYTES, size)]
+        which = torch.tensor([ranges[i][0] // size for i in rows], device=flat.device)
+        heads = grid.index_select(0, which).any(dim=1).tolist()
+        maybe += [i for i, nonzero in zip(rows, heads, strict=True) if not nonzero]
+    for i in maybe:
+        start, end = ranges[i]
+        head = flat[start : min(end, start + ZERO_PROBE_BYTES)]
+        flags[i] = not bool(head.any()) and not bool(flat[start:end].any())
+    return flags
+
+
+def digest_pieces(pieces: Sequence[tuple[Any, tuple[int, int]]], labels: Sequence[str] | None = None) -> list[str]:
+    """SHA-256 (hex) of ``flat[start:end]`` for each ``(flat, (start, end))``
+    (``flat`` a flat ``uint8`` tensor, or an object with a ``block(start,
+    end)`` method giving those bytes), in one parallel core call. Blocks
+    that are all zero are not hashed (see the module's notes)."""
+    import hashlib
+
+    from weight_checker.hashing.digests import digest_tensors
+
+    if not pieces:
+        return []
+    zero = [False] * len(pieces)
+    # Blocks of one tensor are scanned together (their first bytes in one read).
+    groups: dict[int, list[int]] = {}
+    for i, (flat, _) in enumerate(pieces):
+        groups.setdefault(id(flat), []).append(i)
+    for idx in groups.values():
+        flat = pieces[idx[0]][0]
+        if hasattr(flat, "block"):  # a transform computed a block at a time: nothing to scan
+            continue
+        for i, flag in zip(idx, zero_blocks(flat, [pieces[i][1] for i in idx]), strict=True):
+            zero[i] = flag
+    out: list[str] = [""] * len(pieces)
+    lengths = {b - a for z, (_, (a, b)) in zip(zero, pieces, strict=True) if z}
+    # SHA-256 of n zero bytes, once per length (a few lengths: the blocks of a tensor share one).
+    zero_digest = {n: hashlib.sha256(bytes(n)).hexdigest() for n in lengths}
+    hashed = [i for i, z in enumerate(zero) if not z]
+    for i, z in enumerate(zero):
+        if z:
+            a, b = pieces[i][1]
+            out[i] = zero_digest[b - a]
+    if hashed:
+        names = [labels[i] if labels is not None else f"block {pieces[i][1][0]}:{pieces[i][1][1]}" for i in hashed]
+        slices = [
+            flat.block(a, b) if hasattr(flat, "block") else flat[a:b] for flat, (a, b) in (pieces[i] for i in hashed)
+        ]
+        for i, digest in zip(hashed, digest_tensors(names, slices)[0], strict=True):
+            out[i] = digest
     return out
 
 

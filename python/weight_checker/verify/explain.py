@@ -28,13 +28,22 @@ which). A correct update asks for nothing: this runs only on a mismatch.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from weight_checker.errors import WeightCheckerError
 from weight_checker.expected.recompute import TRANSFORMS
-from weight_checker.hashing.blocks import MAX_KEYS, block_bytes_for, block_ranges, flat_bytes, rows_text
+from weight_checker.hashing.blocks import (
+    MAX_KEYS,
+    block_bytes_for,
+    block_ranges,
+    digest_pieces,
+    flat_bytes,
+    rows_text,
+    zero_blocks,
+)
 from weight_checker.keys import split_rank
 
 #: Keys explained by default (the first, in key order): each is hashed again
@@ -328,24 +337,81 @@ class _Blocks:
 
     def __init__(self, tensor: Any, block_bytes: int):
         self.flat = flat_bytes(tensor)
+        self.block_bytes = block_bytes
         self.nbytes = int(self.flat.numel())
         self.ranges = block_ranges(self.nbytes, block_bytes)
 
 
 def _hash_blocks(pieces: list[tuple[Any, tuple[int, int]]]) -> list[str]:
     """SHA-256 of ``flat[start:end]`` for each ``(flat, (start, end))``, in one parallel call."""
-    from weight_checker.hashing.digests import digest_tensors
+    return digest_pieces(pieces)
 
-    if not pieces:
-        return []
-    slices = [flat.block(a, b) if isinstance(flat, LazyTransform) else flat[a:b] for flat, (a, b) in pieces]
-    return digest_tensors([f"block {a}:{b}" for _, (a, b) in pieces], slices)[0]
+
+#: Bytes of expected tensors hashed in one call while the engine's answer
+#: is awaited: small enough that an answer that comes early saves the rest.
+GROUP_BYTES = 128 << 20
+
+#: An expected block not hashed because the engine holds zeros there and
+#: this side does not: it differs, and no digest equals this.
+NOT_HASHED = "(not hashed: non-zero here, zeros on the engine)"
+
+
+def _groups(items: list[tuple[str, _Blocks]]) -> list[list[tuple[str, _Blocks]]]:
+    """Consecutive keys in groups of about :data:`GROUP_BYTES`."""
+    out: list[list[tuple[str, _Blocks]]] = []
+    size = 0
+    for item in items:
+        if not out or size + item[1].nbytes > GROUP_BYTES:
+            out.append([])
+            size = 0
+        out[-1].append(item)
+        size += item[1].nbytes
+    return out
+
+
+def _hash_expected(group: list[tuple[str, _Blocks]], engine: Mapping[str, Mapping[str, Any]]) -> dict[str, list[str]]:
+    """The expected block digests of ``group``'s keys, in one parallel call.
+    Where the engine has answered and holds zeros in a block, the expected
+    block is scanned instead: zeros here too give the zeros' digest, else
+    :data:`NOT_HASHED` (it differs, and the engine's digest says how)."""
+    pieces: list[tuple[Any, tuple[int, int]]] = []
+    slots: list[tuple[str, int]] = []
+    out: dict[str, list[str]] = {}
+    for key, b in group:
+        out[key] = [""] * len(b.ranges)
+        answer = engine.get(key) or {}
+        theirs = answer.get("digests")
+        if not (
+            isinstance(theirs, list)
+            and len(theirs) == len(b.ranges)
+            and answer.get("nbytes") == b.nbytes
+            and answer.get("block_bytes") == b.block_bytes
+        ):
+            theirs = None  # not answered (yet), or not comparable: hashed here; judged below
+        zero = _zero_digests({end - start for start, end in b.ranges}) if theirs else {}
+        engine_zero = [i for i, (start, end) in enumerate(b.ranges) if theirs and theirs[i] == zero[end - start]]
+        for i, here in zip(engine_zero, zero_blocks(b.flat, [b.ranges[i] for i in engine_zero]), strict=True):
+            start, end = b.ranges[i]
+            out[key][i] = zero[end - start] if here else NOT_HASHED
+        skip = set(engine_zero)
+        for i, r in enumerate(b.ranges):
+            if i not in skip:
+                pieces.append((b.flat, r))
+                slots.append((key, i))
+    for (key, i), digest in zip(slots, _hash_blocks(pieces), strict=True):
+        out[key][i] = digest
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _zero_digest(n: int) -> str:
+    import hashlib
+
+    return hashlib.sha256(bytes(n)).hexdigest()
 
 
 def _zero_digests(sizes: set[int]) -> dict[int, str]:
-    import hashlib
-
-    return {n: hashlib.sha256(bytes(n)).hexdigest() for n in sizes}
+    return {n: _zero_digest(n) for n in sizes}
 
 
 def _explain_blocks(
@@ -391,28 +457,31 @@ def _explain_blocks(
         blocks[e.key] = _Blocks(t, size)
         e.nbytes, e.blocks = blocks[e.key].nbytes, len(blocks[e.key].ranges)
         by_size.setdefault(size, []).append(e)
-    # The engine hashes its blocks while this side hashes the expected ones.
+    # The engine hashes its blocks while this side hashes the expected ones,
+    # a group of keys at a time: once the engine has answered, a block it
+    # holds as zeros is scanned here, not hashed (see _hash_expected).
+    engine: dict[str, Mapping[str, Any]] = {}
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         asked = {size: pool.submit(_fetch_all, fetch, [e.key for e in group], size) for size, group in by_size.items()}
-        order = [(k, b) for k, b in blocks.items()]
-        flat_pieces = [(b.flat, r) for _, b in order for r in b.ranges]
-        digests = _hash_blocks(flat_pieces)
+
+        def harvest() -> None:
+            for size in [size for size, future in asked.items() if future.done()]:
+                answers, refused = asked.pop(size).result()
+                engine.update(answers)
+                for e in by_size[size]:
+                    if e.key in refused:
+                        e.note = f"no block digests from the engine ({refused[e.key]})"
+                for why in sorted(set(refused.values())):
+                    if f"where in each tensor: not told ({why})" not in out.notes:
+                        out.notes.append(f"where in each tensor: not told ({why})")
+
         mine: dict[str, list[str]] = {}
-        at = 0
-        for key, b in order:
-            mine[key] = digests[at : at + len(b.ranges)]
-            at += len(b.ranges)
+        for group in _groups(list(blocks.items())):
+            harvest()
+            mine.update(_hash_expected(group, engine))
         out.seconds["expected_blocks"] = time.perf_counter() - started
-        engine: dict[str, Mapping[str, Any]] = {}
-        for size, future in asked.items():
-            answers, refused = future.result()
-            engine.update(answers)
-            for e in by_size[size]:
-                if e.key in refused:
-                    e.note = f"no block digests from the engine ({refused[e.key]})"
-            for why in sorted(set(refused.values())):
-                if f"where in each tensor: not told ({why})" not in out.notes:
-                    out.notes.append(f"where in each tensor: not told ({why})")
+        concurrent.futures.wait(list(asked.values()))
+        harvest()
     out.seconds["blocks"] = time.perf_counter() - started
     unexplained: dict[str, list[int]] = {}
     for key, b in blocks.items():
