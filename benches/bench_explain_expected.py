@@ -2,6 +2,7 @@
 one key of a ~1 GB model, against hashing that key's tensor once.
 
     .venv/bin/python benches/bench_explain_expected.py [--tp 1] [--repeat 7] [--form dict|checkpoint] [--float32]
+        [--explain]
 
 The checkpoint (Llama-shaped: hidden 2048, intermediate 5632, 8 layers, 16
 heads, 4 KV heads, vocab 32000: 0.49 B parameters, 0.98 GB bf16, one shard)
@@ -73,6 +74,9 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--form", choices=["dict", "checkpoint"], default="dict")
     parser.add_argument("--float32", action="store_true", help="the trainer's tensors in float32 (cast by the loader)")
+    parser.add_argument(
+        "--explain", action="store_true", help="also the whole explanation through the recompute (verify's path)"
+    )
     args = parser.parse_args()
 
     import torch
@@ -133,8 +137,53 @@ def main() -> None:
     print(f"every key of dp0 ({len(every)}, {sum(t.nbytes for t in flat) / 1e9:.2f} GB): hash {hb:.3f} / {hm:.3f} s")
     for label, (b, m) in got.items():
         print(f"    {label:<26} {b:.3f} / {m:.3f} s   {b / hb:5.2f}x / {m / hm:5.2f}x")
+    if args.explain:
+        explain_through_recompute(expected, every, tensors, args.repeat)
     del torch
     sys.stdout.flush()
+
+
+def explain_through_recompute(expected: Any, every: list[str], tensors: dict, repeat: int) -> None:
+    """The whole explanation (``explain``) of an engine whose tensors each
+    have one element changed every 1/64 of them (no cause: every candidate
+    tried), the engine's block digests computed on a thread of this process:
+    the expected tensors recomputed from the recipe (``ExpectedSource``,
+    what ``verify`` does) against given (``TensorMap``), over hashing the
+    mismatched tensors once."""
+    from bench_explain import answer
+    from weight_checker.hashing.digests import digest_tensors
+    from weight_checker.verify.explain import ExpectedSource, TensorMap, explain
+
+    given = {k: v[None] for k, v in tensors.items()}
+    print("the whole explanation (engine on a thread of this process), over hashing the mismatched tensors once")
+    for label, keys in [("embed_tokens", [every[0]]), (f"every key ({len(every)})", every)]:
+        held = dict(given)
+        for k in keys:
+            t = held[k].clone()
+            t.view(-1)[:: max(1, t.numel() // 64)] += 1
+            held[k] = t
+        current = {k: digest_tensors([k], [v])[0][0] for k, v in held.items()}
+        mismatches = dict.fromkeys(keys, "changed")
+
+        def fetch(ks: list[str], block_bytes: int, held: dict = held) -> dict:
+            return answer(held, ks, block_bytes)
+
+        got = measure(
+            {
+                "hash": lambda keys=keys, held=held: digest_tensors(keys, [held[k] for k in keys]),
+                "given (TensorMap)": lambda m=mismatches, c=current, f=fetch: explain(
+                    m, c, expected, f, TensorMap(given)
+                ),
+                "recomputed (verify)": lambda m=mismatches, c=current, f=fetch: explain(
+                    m, c, expected, f, ExpectedSource(expected)
+                ),
+            },
+            repeat,
+        )
+        hb, hm = got.pop("hash")
+        print(f"{label}: hash {hb:.3f} / {hm:.3f} s")
+        for name, (b, m) in got.items():
+            print(f"    {name:<26} {b:.3f} / {m:.3f} s   {b / hb:5.2f}x / {m / hm:5.2f}x")
 
 
 if __name__ == "__main__":

@@ -96,6 +96,93 @@ def check_digests(device: str, results: dict) -> None:
         raise SystemExit("digest mismatch")
 
 
+def check_blocks(device: str, smoke: bool, results: dict) -> None:
+    """Block digests of device tensors (issue 43's engine side) against
+    hashlib of each byte range, zero blocks (scanned on the device, never
+    staged) among them; an explanation whose engine holds device tensors
+    names each fault; and what block digests cost against a checksum."""
+    import torch
+    from weight_checker.hashing.blocks import block_bytes_for, block_digests, block_ranges
+    from weight_checker.verify.explain import TensorMap, Version, explain
+
+    g = torch.Generator().manual_seed(1)
+    rows, cols = (256, 192) if smoke else (4096, 14336)
+    cases = {
+        "random": torch.randn(rows, cols, generator=g).to(torch.bfloat16),
+        "zeros": torch.zeros(rows, cols, dtype=torch.bfloat16),
+        "half-zero": torch.cat([torch.zeros(rows // 2, cols), torch.randn(rows - rows // 2, cols, generator=g)]).to(
+            torch.bfloat16
+        ),
+        "vector": torch.randn(rows * 3 + 1, generator=g),
+    }
+    bad = []
+    for name, t in cases.items():
+        size = block_bytes_for(list(t.shape), t.element_size())
+        raw = t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+        want = [hashlib.sha256(raw[a:b]).hexdigest() for a, b in block_ranges(len(raw), size)]
+        if block_digests([t.to(device)], [size])[0] != want:
+            bad.append(name)
+    # The explanation, the engine's tensors on the device.
+    new = (torch.randn(rows, rows, generator=g) * 0.02).to(torch.bfloat16)
+    old = (new.float() + 0.001 * torch.randn(rows, rows, generator=g)).to(torch.bfloat16)
+    faults = {
+        "zeros": torch.zeros_like(new),
+        "version:step-11": torch.cat([new[: rows // 2], old[rows // 2 :]]),
+        "transposed": new.t().contiguous(),
+        "dtype-roundtrip:float16": new.float().half().bfloat16(),
+    }
+    key = "dp0:pp0:pcp0:tp0:w"
+
+    def sha(t):
+        return reference(t)
+
+    named = {}
+    for cause, t in faults.items():
+        held = {key: t.to(device)}
+
+        def fetch(keys, block_bytes, held=held):
+            d = block_digests([held[k] for k in keys], [block_bytes] * len(keys), keys)
+            return {
+                k: {"digests": x, "block_bytes": block_bytes, "nbytes": held[k].numel() * held[k].element_size(),
+                    "shape": list(held[k].shape), "dtype": "bfloat16"}
+                for k, x in zip(keys, d, strict=True)
+            }  # fmt: skip
+
+        hist = [Version("step-11", {key: sha(old)}, TensorMap({key: old}))]
+        got = explain({key: "changed"}, {key: sha(t)}, {key: sha(new)}, fetch, TensorMap({key: new}), history=hist)
+        named[cause] = got.keys[key].cause
+    wrong = {c: n for c, n in named.items() if c != n}
+    results["blocks_check"] = {"device": device, "mismatches": bad, "causes": named, "wrong_causes": wrong}
+    print(f"block digests on {device}: mismatches {bad}; causes {named}", flush=True)
+    # Cost on the device: block digests of 8 x 117 MB against their checksum, and of zeros.
+    n = 2 if smoke else 8
+    ts = [torch.empty(rows, cols, dtype=torch.bfloat16, device=device) for _ in range(n)]
+    for t in ts:
+        t.view(torch.int16).random_(-32768, 32767)
+    zs = [torch.zeros(rows, cols, dtype=torch.bfloat16, device=device) for _ in range(n)]
+    from weight_checker import checksum
+
+    size = block_bytes_for([rows, cols], 2)
+    timing = {}
+    for label, fn in [
+        ("checksum_s", lambda: checksum({str(i): t for i, t in enumerate(ts)})),
+        ("blocks_s", lambda: block_digests(ts, [size] * n)),
+        ("checksum_zeros_s", lambda: checksum({str(i): t for i, t in enumerate(zs)})),
+        ("blocks_zeros_s", lambda: block_digests(zs, [size] * n)),
+    ]:
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        timing[label] = time.perf_counter() - start
+    timing["bytes"] = n * rows * cols * 2
+    results["blocks_timing"] = timing
+    print(json.dumps(timing, indent=2), flush=True)
+    if bad or wrong:
+        raise SystemExit("block digest or cause mismatch")
+
+
 def llama8b_shapes(scale: float = 1.0) -> dict[str, tuple[int, ...]]:
     h, inter, layers, vocab, kv = 4096, 14336, 32, 128256, 1024
     if scale != 1.0:  # --smoke: same structure, tiny
@@ -215,10 +302,29 @@ def main() -> None:
         "kernel": weight_checker.kernel(),
         "torch": torch.__version__,
     }
-    check_digests(device, results)
-    time_model(device, args.smoke, results)
+    results["host_cpu"] = host_cpu()
+    print(f"host cpu: {results['host_cpu']}; kernel {results['kernel']}", flush=True)
     out = Path(os.environ.get("OUT", "."))
-    (out / "gpu_check.json").write_text(json.dumps(results, indent=2))
+    try:
+        check_digests(device, results)
+        check_blocks(device, args.smoke, results)
+        time_model(device, args.smoke, results)
+    finally:
+        (out / "gpu_check.json").write_text(json.dumps(results, indent=2))
+
+
+def host_cpu() -> str:
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    fields = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in info.splitlines() if ":" in line)}
+    flags = fields.get("flags", "").split()
+    name, family, model = fields.get("model name", "?"), fields.get("cpu family", "?"), fields.get("model", "?")
+    return (
+        f"{name} (family {family} model {model}), {os.cpu_count()} cpus, "
+        f"sha_ni={'sha_ni' in flags}, avx512f={'avx512f' in flags}"
+    )
 
 
 if __name__ == "__main__":

@@ -741,8 +741,12 @@ class ExpectedSource:
     def tensors(self, keys: Sequence[str], transforms: Sequence[str]) -> Mapping[str, Mapping[str | None, Any]]:
         from weight_checker.expected.recompute import expected_tensors
 
+        # Asked for transforms, the explanation uses only the transformed
+        # tensors (new tensors of their own); the untransformed, checked
+        # against its digest again, is not kept: no copy of it is made.
+        copy = not transforms
         try:
-            return expected_tensors(self.expected, list(keys), transforms)
+            return expected_tensors(self.expected, list(keys), transforms, copy=copy)
         except WeightCheckerError:
             if len(keys) == 1:
                 raise
@@ -751,7 +755,7 @@ class ExpectedSource:
         first: WeightCheckerError | None = None
         for key in keys:
             try:
-                out.update(expected_tensors(self.expected, [key], transforms))
+                out.update(expected_tensors(self.expected, [key], transforms, copy=copy))
             except WeightCheckerError as e:
                 first = first or e
         if not out and first is not None:
