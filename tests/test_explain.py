@@ -306,3 +306,14 @@ def test_zeros_on_the_engine_are_explained_alike_whenever_its_answer_comes(monke
         assert result.keys[k].cause == "zeros", k
     assert result.keys[keys[0]].whole and not result.keys[keys[1]].whole
     assert result.keys[keys[2]].where == "rows 0-7 of 64"
+
+
+@pytest.mark.parametrize("ranges", [[(3, 3)], [(8, 24)], [(0, 12), (12, 24)], [(20, 30)], [(3, 3), (0, 4)], [(-2, 4)]])
+def test_zero_pieces_are_read_as_slicing_reads_them(ranges):
+    # Empty ranges and ranges past the end: the digest of the bytes a slice
+    # gives (hashlib's), whether they are zeros or not.
+    from weight_checker.hashing.blocks import digest_pieces
+
+    for t in (torch.zeros(16, dtype=torch.uint8), torch.arange(16, dtype=torch.uint8)):
+        raw = t.numpy().tobytes()
+        assert digest_pieces([(t, r) for r in ranges]) == [hashlib.sha256(raw[a:b]).hexdigest() for a, b in ranges]

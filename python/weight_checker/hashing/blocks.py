@@ -122,9 +122,13 @@ def zero_blocks(flat: Any, ranges: Sequence[tuple[int, int]]) -> list[bool]:
     import torch
 
     flags = [False] * len(ranges)
-    if not ranges:
+    numel = int(flat.numel())
+    # Each range as slicing reads it (one past the end is cut there); an empty one is not
+    # called zero (it is hashed: sha256(b"")).
+    ranges = [(a, max(a, b)) for a, b, _ in (slice(start, end).indices(numel) for start, end in ranges)]
+    size = max((end - start for start, end in ranges), default=0)
+    if size <= 0:
         return flags
-    size = max(end - start for start, end in ranges)
     # Blocks cut at multiples of their size (block_ranges' full blocks) are rows of one grid.
     rows = [i for i, (start, end) in enumerate(ranges) if end - start == size and start % size == 0]
     in_grid = set(rows)
@@ -136,6 +140,8 @@ def zero_blocks(flat: Any, ranges: Sequence[tuple[int, int]]) -> list[bool]:
         maybe += [i for i, nonzero in zip(rows, heads, strict=True) if not nonzero]
     for i in maybe:
         start, end = ranges[i]
+        if end <= start:
+            continue
         head = flat[start : min(end, start + ZERO_PROBE_BYTES)]
         flags[i] = not bool(head.any()) and not bool(flat[start:end].any())
     return flags
@@ -164,14 +170,14 @@ def digest_pieces(pieces: Sequence[tuple[Any, tuple[int, int]]], labels: Sequenc
         for i, flag in zip(idx, zero_blocks(flat, [pieces[i][1] for i in idx]), strict=True):
             zero[i] = flag
     out: list[str] = [""] * len(pieces)
-    lengths = {b - a for z, (_, (a, b)) in zip(zero, pieces, strict=True) if z}
+    # A zero block's length as slicing gives it (a range past the end is cut there).
+    length = [len(range(int(flat.numel()))[a:b]) if z else 0 for z, (flat, (a, b)) in zip(zero, pieces, strict=True)]
     # SHA-256 of n zero bytes, once per length (a few lengths: the blocks of a tensor share one).
-    zero_digest = {n: hashlib.sha256(bytes(n)).hexdigest() for n in lengths}
+    zero_digest = {n: hashlib.sha256(bytes(n)).hexdigest() for z, n in zip(zero, length, strict=True) if z}
     hashed = [i for i, z in enumerate(zero) if not z]
     for i, z in enumerate(zero):
         if z:
-            a, b = pieces[i][1]
-            out[i] = zero_digest[b - a]
+            out[i] = zero_digest[length[i]]
     if hashed:
         names = [labels[i] if labels is not None else f"block {pieces[i][1][0]}:{pieces[i][1][1]}" for i in hashed]
         slices = [
