@@ -134,6 +134,7 @@ def test_each_transform_gives_the_digests_of_the_transformed_weights(models, tp,
     keys = list(expected)
     every = expected_tensors(expected, keys, TRANSFORMS)
     seen = set()
+    blockwise = 0
     for transform in TRANSFORMS:
         oracle = weight_checker.expected_digests(path, transformed(weights, transform), tp=tp, dtype=engine_dtype)
         alone = expected_tensors(expected, keys, [transform])
@@ -150,10 +151,32 @@ def test_each_transform_gives_the_digests_of_the_transformed_weights(models, tp,
         for key in keys[:: max(1, len(keys) // 6)]:
             one = expected_tensors(expected, [key], [transform])
             assert {t: sha(v) for t, v in one[key].items()} == {t: sha(v) for t, v in alone[key].items()}
+        # Computed a block at a time (lazy=True, the explanation's way): the
+        # same bytes, whatever blocks are asked; present wherever the eager
+        # transform is (and maybe where it changes no byte: then its bytes
+        # are the untransformed ones).
+        lazy = expected_tensors(expected, keys, [transform], lazy=True)
+        for i, key in enumerate(keys):
+            if transform in alone[key]:
+                assert transform in lazy[key], (transform, key)
+            if transform in lazy[key]:
+                assert sha(lazy_bytes(lazy[key][transform], block=97 + 1000 * i)) == oracle[key], (transform, key)
+                blockwise += isinstance(lazy[key][transform], recompute.LazyPieces)
+    # Weights in the engine's dtype: the round trips are computed a block at a time.
+    assert blockwise > 0 or source_dtype != engine_dtype
     want = {"dtype-roundtrip:float16", "transposed"}
     if source_dtype == "float32":
         want |= {"truncate:bfloat16"} | ({"dtype-roundtrip:bfloat16"} if engine_dtype == "float32" else set())
     assert seen == want
+
+
+def lazy_bytes(t, block: int) -> torch.Tensor:
+    """All of a candidate's bytes: a tensor's, or a lazy one's asked ``block`` bytes at a time."""
+    if not hasattr(t, "block"):
+        return t.contiguous().view(-1).view(torch.uint8)
+    parts = [t.block(a, min(a + block, t.nbytes)) for a in range(0, t.nbytes, block)]
+    assert [int(p.numel()) for p in parts] == [min(block, t.nbytes - a) for a in range(0, t.nbytes, block)]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
 
 
 def test_transforms_that_change_nothing_are_absent(models):

@@ -39,15 +39,12 @@ import threading
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from weight_checker.errors import ExpectedDigestsError
 from weight_checker.expected.manifest import ExpectedDigests
 
-if TYPE_CHECKING:
-    import torch
-
-__all__ = ["TRANSFORMS", "Recipe", "can_recompute", "expected_tensors", "remember"]
+__all__ = ["TRANSFORMS", "LazyPieces", "Recipe", "can_recompute", "expected_tensors", "remember"]
 
 #: The candidate causes, by the names a report gives them.
 TRANSFORMS = ("dtype-roundtrip:float16", "dtype-roundtrip:bfloat16", "truncate:bfloat16", "transposed")
@@ -648,6 +645,80 @@ def _elementwise_into(transform: str, where: _Located, dtypes: Mapping[str, Any]
     return out
 
 
+class LazyPieces:
+    """An elementwise transform of a parameter tiled by pieces (what
+    :func:`_elementwise_into` would write), computed a block of bytes at a
+    time: a candidate the explanation tries on one block of a run costs that
+    block, not the tensor. ``nbytes``, ``shape``, ``dtype`` as the
+    parameter's; :meth:`block` gives bytes ``[start, end)``."""
+
+    def __init__(self, transform: str, where: _Located):
+        import math
+
+        assert where.pieces is not None
+        self.transform, self.where = transform, where
+        self.shape, self.dtype = where.shape, where.dtype
+        self.nbytes = math.prod(where.shape) * where.param.element_size()
+
+    def block(self, start: int, end: int) -> Any:
+        import torch
+
+        parts = []
+        for piece in self.where.pieces or ():
+            at = piece.offset - self.where.start
+            lo, hi = max(start, at), min(end, at + piece.nbytes)
+            if lo >= hi:
+                continue
+            if piece.source is None:
+                parts.append(torch.zeros(hi - lo, dtype=torch.uint8))
+                continue
+            piece.check()
+            parts.append(_piece_bytes(self.transform, piece.source, lo - at, hi - at))
+        if not parts:
+            return torch.empty(0, dtype=torch.uint8)
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _piece_bytes(transform: str, src: Any, start: int, end: int) -> Any:
+    """Bytes ``[start, end)`` of ``src`` transformed (C order): only the rows
+    that hold them are read and transformed."""
+    import torch
+
+    size = src.element_size()
+    first, last = start // size, -(-end // size)
+    if src.dim() == 0:
+        elements = src.reshape(1)
+        skip = 0
+    elif src.is_contiguous():
+        elements = src.reshape(-1)[first:last]
+        skip = first
+    else:
+        per_row = max(1, src.numel() // max(1, src.shape[0]))
+        r0, r1 = first // per_row, -(-last // per_row)
+        elements = src[r0:r1].contiguous().reshape(-1)[first - r0 * per_row : last - r0 * per_row]
+        skip = first
+    if not _changes(transform, src):
+        out = elements.contiguous()
+    elif transform == "truncate:bfloat16":
+        out = elements.contiguous().view(torch.int32).bitwise_and(-65536).view(torch.float32)
+    else:
+        out = _round_trip(elements, getattr(torch, transform.split(":", 1)[1]))
+    raw = out.contiguous().view(torch.uint8)
+    return raw[start - skip * size : end - skip * size]
+
+
+def _lazy_elementwise(transform: str, where: _Located, dtypes: Mapping[str, Any]) -> Any:
+    """:func:`_elementwise_into`'s answer without computing it: ``None`` and
+    :data:`_UNCHANGED` as it says them, else a :class:`LazyPieces`."""
+    assert where.pieces is not None
+    for piece in where.pieces:
+        if piece.source is not None and (piece.name not in dtypes or dtypes[piece.name] != piece.dtype):
+            return None
+    if not any(p.source is not None and _changes(transform, p.source) for p in where.pieces):
+        return _UNCHANGED
+    return LazyPieces(transform, where)
+
+
 def _changes(transform: str, tensor: Any) -> bool:
     """Whether an elementwise transform applies to ``tensor``: a round trip
     through another floating dtype than its own, a truncation of float32."""
@@ -687,6 +758,7 @@ def _rank_tensors(
     transforms: Sequence[str],
     expected: ExpectedDigests,
     copy: bool = True,
+    lazy: bool = False,
 ) -> dict[str, dict[str | None, Any]]:
     from weight_checker.expected.digests import _on_rank, _Rank
     from weight_checker.expected.rank_model import TARGET_ARENA, _Arena, _build, in_a_clean_thread
@@ -743,8 +815,9 @@ def _rank_tensors(
         for transform in transforms:
             found: dict[str, Any] = {}
             if transform != "transposed":  # elementwise: applied to the pieces of a tiled parameter
+                elementwise = _lazy_elementwise if lazy else _elementwise_into
                 for name, where in located.items():
-                    if where.pieces is not None and (got := _elementwise_into(transform, where, dtypes)) is not None:
+                    if where.pieces is not None and (got := elementwise(transform, where, dtypes)) is not None:
                         found[name] = got
             rest = {name: p for name, p in params.items() if name not in found}
             made = [(n, _transformed(transform, t)) for n, t in pairs] if rest else []
@@ -762,7 +835,7 @@ def _rank_tensors(
                 del changed, again
             del made
             for name, tensor in found.items():
-                if tensor is _UNCHANGED or _same_bytes(tensor, copies[name]):
+                if tensor is _UNCHANGED or (not isinstance(tensor, LazyPieces) and _same_bytes(tensor, copies[name])):
                     continue  # the transform leaves this parameter as it was: it explains nothing
                 for k in keys_of[name]:
                     out[k][transform] = tensor
@@ -830,8 +903,13 @@ def can_recompute(expected: Any) -> bool:
 
 
 def expected_tensors(
-    expected: ExpectedDigests, keys: Sequence[str], transforms: Sequence[str] = (), *, copy: bool = True
-) -> dict[str, dict[str | None, torch.Tensor]]:
+    expected: ExpectedDigests,
+    keys: Sequence[str],
+    transforms: Sequence[str] = (),
+    *,
+    copy: bool = True,
+    lazy: bool = False,
+) -> dict[str, dict[str | None, Any]]:
     """For each key, ``{None: the tensor that rank must hold}`` (a CPU
     tensor of its own, whose SHA-256 is ``expected[key]``), and for each of
     ``transforms`` that changes it, the tensor the rank would hold had the
@@ -854,6 +932,13 @@ def expected_tensors(
     (a parameter the loader copies whole, or a row-range shard of one) is
     that weight's view instead of a copy (a fresh copy costs more than its
     digest here): valid while the weights stay unchanged, so hash it at once.
+
+    ``lazy=True``: an elementwise transform (a round trip, a truncation) of
+    a parameter tiled by pieces of the weights is a :class:`LazyPieces`
+    (``.block(start, end)``: those bytes, computed when asked) instead of a
+    tensor, given wherever it changes a weight that feeds the key (its bytes
+    are not compared with the untransformed ones): what an explanation that
+    tries a candidate on a few blocks wants.
 
     Raises :class:`ExpectedDigestsError`: for keys of the ``lora``, ``draft``
     and ``buffers`` scopes (not supported yet), keys not in ``expected``,
@@ -893,7 +978,7 @@ def expected_tensors(
                 config, cached = in_a_clean_thread(_private_config, recipe), False
             for rank in wanted:
                 model = CACHE.models[_rank_name(rank)][0] if cached else None
-                out.update(_rank_tensors(recipe, config, model, rank, weights, transforms, expected, copy))
+                out.update(_rank_tensors(recipe, config, model, rank, weights, transforms, expected, copy, lazy))
         finally:
             weights.close()
     return out

@@ -594,8 +594,9 @@ def _match_candidates(
             t = tensor_of(key)
             if t is None:
                 continue
-            flat = t if isinstance(t, LazyTransform) else flat_bytes(t)
-            if (flat.nbytes if isinstance(flat, LazyTransform) else int(flat.numel())) != blocks[key].nbytes:
+            lazy = hasattr(t, "block")  # computed a block at a time (LazyTransform, the recompute's LazyPieces)
+            flat = t if lazy else flat_bytes(t)
+            if (int(flat.nbytes) if lazy else int(flat.numel())) != blocks[key].nbytes:
                 continue
             flats[key] = flat
             runs += [(key, run) for run in _runs(idx)]
@@ -742,11 +743,12 @@ class ExpectedSource:
         from weight_checker.expected.recompute import expected_tensors
 
         # Asked for transforms, the explanation uses only the transformed
-        # tensors (new tensors of their own); the untransformed, checked
+        # tensors (new tensors of their own, or computed a block at a time
+        # where the transform is elementwise); the untransformed, checked
         # against its digest again, is not kept: no copy of it is made.
         copy = not transforms
         try:
-            return expected_tensors(self.expected, list(keys), transforms, copy=copy)
+            return expected_tensors(self.expected, list(keys), transforms, copy=copy, lazy=True)
         except WeightCheckerError:
             if len(keys) == 1:
                 raise
@@ -755,7 +757,7 @@ class ExpectedSource:
         first: WeightCheckerError | None = None
         for key in keys:
             try:
-                out.update(expected_tensors(self.expected, [key], transforms, copy=copy))
+                out.update(expected_tensors(self.expected, [key], transforms, copy=copy, lazy=True))
             except WeightCheckerError as e:
                 first = first or e
         if not out and first is not None:
