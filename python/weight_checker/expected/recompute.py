@@ -614,12 +614,10 @@ def _elementwise_into(transform: str, where: _Located, dtypes: Mapping[str, Any]
     dtype (then the weights are transformed and loaded again)."""
     import torch
 
+    verdict = _elementwise_verdict(transform, where, dtypes)
+    if verdict is not True:
+        return verdict
     assert where.pieces is not None
-    for piece in where.pieces:
-        if piece.source is not None and (piece.name not in dtypes or dtypes[piece.name] != piece.dtype):
-            return None
-    if not any(p.source is not None and _changes(transform, p.source) for p in where.pieces):
-        return _UNCHANGED
     out = _fresh(where.shape, where.dtype)
     flat = out.view(-1).view(torch.uint8)
     with torch.no_grad():
@@ -710,13 +708,20 @@ def _piece_bytes(transform: str, src: Any, start: int, end: int) -> Any:
 def _lazy_elementwise(transform: str, where: _Located, dtypes: Mapping[str, Any]) -> Any:
     """:func:`_elementwise_into`'s answer without computing it: ``None`` and
     :data:`_UNCHANGED` as it says them, else a :class:`LazyPieces`."""
+    verdict = _elementwise_verdict(transform, where, dtypes)
+    return LazyPieces(transform, where) if verdict is True else verdict
+
+
+def _elementwise_verdict(transform: str, where: _Located, dtypes: Mapping[str, Any]) -> Any:
+    """``None`` where a piece is not plainly a weight's elements in its own
+    dtype, :data:`_UNCHANGED` where the transform changes no piece, else ``True``."""
     assert where.pieces is not None
     for piece in where.pieces:
         if piece.source is not None and (piece.name not in dtypes or dtypes[piece.name] != piece.dtype):
             return None
     if not any(p.source is not None and _changes(transform, p.source) for p in where.pieces):
         return _UNCHANGED
-    return LazyPieces(transform, where)
+    return True
 
 
 def _changes(transform: str, tensor: Any) -> bool:
