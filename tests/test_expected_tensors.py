@@ -403,3 +403,35 @@ print("ALIVE " + json.dumps(alive))
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("ALIVE ")]
     assert r.returncode == 0 and lines, r.stderr[-3000:]
     assert json.loads(lines[-1].removeprefix("ALIVE ")) == [0, 0, 0]
+
+
+@pytest.mark.parametrize("changed_meanwhile", [False, True])
+def test_a_cause_read_from_the_weights_late_is_named_only_if_they_are_unchanged_after(models, changed_meanwhile):
+    """The explanation computes an elementwise candidate from the weights a
+    block at a time, after the recompute checked them; they are checked
+    again at the end. Written in between (through ``.data``, which no
+    version counter sees), the cause is not named and a note says why."""
+    from weight_checker.verify.explain import ExpectedSource, explain
+
+    from .test_explain import engine_fetch
+
+    path, state = models["llama"]
+    weights = clone(state)
+    expected = weight_checker.expected_digests(path, weights, tp=1)
+    key = "dp0:pp0:pcp0:tp0:model.layers.1.mlp.down_proj.weight"
+    engine = expected_tensors(expected, [key])[key][None].float().half().bfloat16()
+    assert sha(engine) != expected[key]
+
+    class Source(ExpectedSource):
+        def confirm(self, keys):
+            if changed_meanwhile:
+                weights["model.layers.1.mlp.down_proj.weight"].data[0, 0] += 1
+            super().confirm(keys)
+
+    got = explain({key: "changed"}, {key: sha(engine)}, dict(expected), engine_fetch({key: engine}), Source(expected))
+    if changed_meanwhile:
+        assert got.keys[key].cause == "unknown"
+        assert any("weights changed while explaining" in n for n in got.notes), got.notes
+    else:
+        assert got.keys[key].cause == "dtype-roundtrip:float16"
+        assert not got.notes, got.notes

@@ -114,11 +114,18 @@ def block_digests(
 ZERO_PROBE_BYTES = 64
 
 
+#: Bytes of device blocks read whole in one operation (a gathered copy on
+#: the device) when their first bytes are zero.
+ZERO_SCAN_BYTES = 256 << 20
+
+
 def zero_blocks(flat: Any, ranges: Sequence[tuple[int, int]]) -> list[bool]:
     """Whether each block ``flat[start:end]`` of a flat ``uint8`` tensor is
     all zero. The first :data:`ZERO_PROBE_BYTES` of the blocks of one size
     are read in one operation (on the tensor's device); only blocks that
-    start with zeros are read whole, one at a time (no gathered copy)."""
+    start with zeros are read whole: in host memory one at a time (no
+    gathered copy), on a device some at a time (one host sync per
+    :data:`ZERO_SCAN_BYTES`, not per block)."""
     import torch
 
     flags = [False] * len(ranges)
@@ -137,7 +144,17 @@ def zero_blocks(flat: Any, ranges: Sequence[tuple[int, int]]) -> list[bool]:
         grid = flat[: (int(flat.numel()) // size) * size].view(-1, size)[:, : min(ZERO_PROBE_BYTES, size)]
         which = torch.tensor([ranges[i][0] // size for i in rows], device=flat.device)
         heads = grid.index_select(0, which).any(dim=1).tolist()
-        maybe += [i for i, nonzero in zip(rows, heads, strict=True) if not nonzero]
+        zero_headed = [i for i, nonzero in zip(rows, heads, strict=True) if not nonzero]
+        if _one_at_a_time(flat):
+            maybe += zero_headed
+        else:
+            whole = flat[: (int(flat.numel()) // size) * size].view(-1, size)
+            step = max(1, ZERO_SCAN_BYTES // size)
+            for at in range(0, len(zero_headed), step):
+                part = zero_headed[at : at + step]
+                which = torch.tensor([ranges[i][0] // size for i in part], device=flat.device)
+                for i, nonzero in zip(part, whole.index_select(0, which).any(dim=1).tolist(), strict=True):
+                    flags[i] = not nonzero
     for i in maybe:
         start, end = ranges[i]
         if end <= start:
@@ -145,6 +162,12 @@ def zero_blocks(flat: Any, ranges: Sequence[tuple[int, int]]) -> list[bool]:
         head = flat[start : min(end, start + ZERO_PROBE_BYTES)]
         flags[i] = not bool(head.any()) and not bool(flat[start:end].any())
     return flags
+
+
+def _one_at_a_time(flat: Any) -> bool:
+    """Whether zero-headed blocks are read one at a time (host memory: no
+    copy, and reading is as fast as it gets) or gathered (a device)."""
+    return bool(flat.device.type == "cpu")
 
 
 def digest_pieces(pieces: Sequence[tuple[Any, tuple[int, int]]], labels: Sequence[str] | None = None) -> list[str]:

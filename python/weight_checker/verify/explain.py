@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from weight_checker.errors import WeightCheckerError
-from weight_checker.expected.recompute import TRANSFORMS
+from weight_checker.expected.recompute import TRANSFORMS, LazyPieces
 from weight_checker.hashing.blocks import (
     MAX_KEYS,
     block_bytes_for,
@@ -379,15 +379,8 @@ def _hash_expected(group: list[tuple[str, _Blocks]], engine: Mapping[str, Mappin
     out: dict[str, list[str]] = {}
     for key, b in group:
         out[key] = [""] * len(b.ranges)
-        answer = engine.get(key) or {}
-        theirs = answer.get("digests")
-        if not (
-            isinstance(theirs, list)
-            and len(theirs) == len(b.ranges)
-            and answer.get("nbytes") == b.nbytes
-            and answer.get("block_bytes") == b.block_bytes
-        ):
-            theirs = None  # not answered (yet), or not comparable: hashed here; judged below
+        answer = engine.get(key)
+        theirs = answer.get("digests") if answer is not None and _comparable(answer, b) else None
         zero = _zero_digests({end - start for start, end in b.ranges}) if theirs else {}
         engine_zero = [i for i, (start, end) in enumerate(b.ranges) if theirs and theirs[i] == zero[end - start]]
         for i, here in zip(engine_zero, zero_blocks(b.flat, [b.ranges[i] for i in engine_zero]), strict=True):
@@ -401,6 +394,20 @@ def _hash_expected(group: list[tuple[str, _Blocks]], engine: Mapping[str, Mappin
     for (key, i), digest in zip(slots, _hash_blocks(pieces), strict=True):
         out[key][i] = digest
     return out
+
+
+def _comparable(answer: Mapping[str, Any], b: _Blocks) -> bool:
+    """Whether an engine's answer cuts a tensor of this size in these blocks."""
+    digests = answer.get("digests")
+    try:  # read as the comparison after the wait reads it
+        return (
+            isinstance(digests, list | tuple)
+            and len(digests) == len(b.ranges)
+            and int(answer.get("nbytes", -1)) == b.nbytes
+            and int(answer.get("block_bytes", -1)) == b.block_bytes
+        )
+    except (TypeError, ValueError):
+        return False
 
 
 @functools.lru_cache(maxsize=64)
@@ -461,13 +468,16 @@ def _explain_blocks(
     # a group of keys at a time: once the engine has answered, a block it
     # holds as zeros is scanned here, not hashed (see _hash_expected).
     engine: dict[str, Mapping[str, Any]] = {}
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    refused_keys: set[str] = set()
+    try:
         asked = {size: pool.submit(_fetch_all, fetch, [e.key for e in group], size) for size, group in by_size.items()}
 
         def harvest() -> None:
             for size in [size for size, future in asked.items() if future.done()]:
                 answers, refused = asked.pop(size).result()
                 engine.update(answers)
+                refused_keys.update(refused)
                 for e in by_size[size]:
                     if e.key in refused:
                         e.note = f"no block digests from the engine ({refused[e.key]})"
@@ -478,10 +488,16 @@ def _explain_blocks(
         mine: dict[str, list[str]] = {}
         for group in _groups(list(blocks.items())):
             harvest()
-            mine.update(_hash_expected(group, engine))
+            # Refused, or answered in other blocks (judged below): nothing to compare, not hashed.
+            wanted = [
+                (k, b) for k, b in group if k not in refused_keys and (k not in engine or _comparable(engine[k], b))
+            ]
+            mine.update(_hash_expected(wanted, engine))
         out.seconds["expected_blocks"] = time.perf_counter() - started
         concurrent.futures.wait(list(asked.values()))
         harvest()
+    finally:  # an engine request that failed: the others still queued are not sent
+        pool.shutdown(wait=True, cancel_futures=True)
     out.seconds["blocks"] = time.perf_counter() - started
     unexplained: dict[str, list[int]] = {}
     for key, b in blocks.items():
@@ -494,6 +510,9 @@ def _explain_blocks(
             continue
         if int(theirs.get("block_bytes", -1)) != e.block_bytes or len(theirs.get("digests") or []) != len(b.ranges):
             e.note = f"the engine cut {theirs.get('nbytes')} bytes in blocks of {theirs.get('block_bytes')}, not ours"
+            continue
+        if key not in mine:  # an answer that does not compare: not hashed here
+            e.note = f"the engine's answer does not compare with this tensor's blocks: {str(theirs)[:120]}"
             continue
         if theirs.get("dtype") not in (None, e.dtype):
             e.note = f"the engine holds {theirs.get('dtype')}, expected {e.dtype}"
@@ -579,6 +598,9 @@ def _match_candidates(
     """Names, block by block, the first candidate whose block digest equals
     the engine's; candidates are computed only while blocks remain."""
     found: dict[str, dict[int, str]] = {k: {} for k in unexplained}
+    # Keys a candidate computed from the weights a block at a time (after the
+    # recompute checked them) matched: their weights are checked again at the end.
+    read_late: set[str] = set()
 
     def remaining() -> dict[str, list[int]]:
         return {k: [i for i in idx if i not in found[k]] for k, idx in unexplained.items() if len(found[k]) < len(idx)}
@@ -600,17 +622,25 @@ def _match_candidates(
                 continue
             flats[key] = flat
             runs += [(key, run) for run in _runs(idx)]
-        probes = _hash_blocks([(flats[key], blocks[key].ranges[run[0]]) for key, run in runs])
-        rest: list[tuple[str, int]] = []
-        for (key, run), digest in zip(runs, probes, strict=True):
-            if digest == engine[key]["digests"][run[0]]:
-                found[key][run[0]] = name
-                rest += [(key, i) for i in run[1:]]
-        for (key, i), digest in zip(
-            rest, _hash_blocks([(flats[k], blocks[k].ranges[i]) for k, i in rest]), strict=True
-        ):
-            if digest == engine[key]["digests"][i]:
-                found[key][i] = name
+        try:  # a candidate computed a block at a time reads its weights now: they may have changed
+            probes = _hash_blocks([(flats[key], blocks[key].ranges[run[0]]) for key, run in runs])
+            rest: list[tuple[str, int]] = []
+            for (key, run), digest in zip(runs, probes, strict=True):
+                if digest == engine[key]["digests"][run[0]]:
+                    found[key][run[0]] = name
+                    rest += [(key, i) for i in run[1:]]
+            for (key, i), digest in zip(
+                rest, _hash_blocks([(flats[k], blocks[k].ranges[i]) for k, i in rest]), strict=True
+            ):
+                if digest == engine[key]["digests"][i]:
+                    found[key][i] = name
+        except WeightCheckerError as err:
+            for hits in found.values():  # nothing of this candidate is kept
+                for i in [i for i, c in hits.items() if c == name]:
+                    del hits[i]
+            out.notes.append(f"{name}: not tried ({err})")
+            return
+        read_late.update(k for k, f in flats.items() if isinstance(f, LazyPieces) and name in found[k].values())
 
     # All zeros: one digest per block size, no tensor.
     for key, idx in remaining().items():
@@ -652,6 +682,15 @@ def _match_candidates(
             if not remaining():
                 break
             try_candidate(name, _pick(transformed, name))
+        del transformed
+    if read_late and callable(getattr(source, "confirm", None)):
+        try:  # the weights still give the expected digests: the bytes read in between were theirs
+            source.confirm(sorted(read_late))  # type: ignore[attr-defined]
+        except WeightCheckerError as err:
+            for key in read_late:
+                for i in [i for i, c in found[key].items() if c in TRANSFORMS]:
+                    del found[key][i]
+            out.notes.append(f"the transformed candidates are not named: the weights changed while explaining ({err})")
     for key, idx in unexplained.items():
         e = out.keys[key]
         by_cause: dict[str, list[tuple[int, int]]] = {}
@@ -745,7 +784,8 @@ class ExpectedSource:
         # Asked for transforms, the explanation uses only the transformed
         # tensors (new tensors of their own, or computed a block at a time
         # where the transform is elementwise); the untransformed, checked
-        # against its digest again, is not kept: no copy of it is made.
+        # against its digest again, is not kept: where it is one piece of a
+        # weight no copy of it is made (fused or strided ones are copied).
         copy = not transforms
         try:
             return expected_tensors(self.expected, list(keys), transforms, copy=copy, lazy=True)
@@ -763,6 +803,13 @@ class ExpectedSource:
         if not out and first is not None:
             raise first
         return out
+
+    def confirm(self, keys: Sequence[str]) -> None:
+        """Raises unless the weights still give the expected digests of
+        ``keys`` (recomputed and hashed again, no copy kept)."""
+        from weight_checker.expected.recompute import expected_tensors
+
+        expected_tensors(self.expected, list(keys), copy=False)
 
 
 def source_for(expected: Any) -> ExpectedTensors | None:
