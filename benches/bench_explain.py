@@ -139,6 +139,10 @@ def engine_process(conn, core: int) -> None:
 
 
 def run(hosts: str, repeat: int) -> None:
+    if hosts == "two" and not {0, 1} <= os.sched_getaffinity(0):
+        raise SystemExit(
+            "--hosts two pins the engine to core 1 and this side to core 0: this process may not run on both"
+        )
     pin(0 if hosts == "two" else None)
     import torch
     from weight_checker.hashing.digests import digest_tensors

@@ -233,7 +233,7 @@ def test_zero_blocks_are_not_hashed_and_their_digests_are_hashlibs(monkeypatch, 
     monkeypatch.setattr(digests, "digest_tensors", counting)
     if gathered:  # a device's way (zero-headed blocks read a few at a time), here in host memory
         monkeypatch.setattr(blocks, "_one_at_a_time", lambda flat: False)
-        monkeypatch.setattr(blocks, "ZERO_SCAN_BYTES", 200)
+        monkeypatch.setattr(blocks, "ZERO_SCAN_BLOCKS", 3)
     rng = random.Random(7)
     for _ in range(200):
         n = rng.choice([1, 63, 64, 65, 1000, 4099])
@@ -352,3 +352,25 @@ def test_a_candidate_that_fails_while_read_is_a_note_and_the_rest_stands():
     got = result.keys[key]
     assert got.cause == "mixed" and set(got.block_causes) == {"zeros", "unknown"}
     assert any("not tried" in n and "it was written" in n for n in result.notes)
+
+
+def test_the_digest_of_zeros_is_computed_once_per_length(monkeypatch):
+    # Eight tensors of zeros, 64 blocks each, two lengths (the last block of
+    # each is shorter): two SHA-256 computations of zeros in all.
+    import types
+
+    from weight_checker.hashing import blocks
+
+    calls: list[int] = []
+
+    def sha256(data):
+        calls.append(len(data))
+        return hashlib.sha256(data)
+
+    monkeypatch.setattr(blocks, "hashlib", types.SimpleNamespace(sha256=sha256))
+    blocks.zero_digest.cache_clear()
+    zeros = [torch.zeros(129, 48, dtype=torch.bfloat16) for _ in range(8)]
+    got = block_digests(zeros, [96 * 2] * 8)
+    assert sorted(calls) == [96, 192]
+    assert got == [hashlib_blocks(t, 192) for t in zeros]
+    blocks.zero_digest.cache_clear()

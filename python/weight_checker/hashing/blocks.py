@@ -23,6 +23,8 @@ explained at the cost of reading the tensor, not of hashing it.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -114,9 +116,9 @@ def block_digests(
 ZERO_PROBE_BYTES = 64
 
 
-#: Bytes of device blocks read whole in one operation (a gathered copy on
-#: the device) when their first bytes are zero.
-ZERO_SCAN_BYTES = 256 << 20
+#: Device blocks whose first bytes are zero, read whole before their
+#: answers come back to the host together (one sync for that many).
+ZERO_SCAN_BLOCKS = 1024
 
 
 def zero_blocks(flat: Any, ranges: Sequence[tuple[int, int]]) -> list[bool]:
@@ -124,8 +126,8 @@ def zero_blocks(flat: Any, ranges: Sequence[tuple[int, int]]) -> list[bool]:
     all zero. The first :data:`ZERO_PROBE_BYTES` of the blocks of one size
     are read in one operation (on the tensor's device); only blocks that
     start with zeros are read whole: in host memory one at a time (no
-    gathered copy), on a device some at a time (one host sync per
-    :data:`ZERO_SCAN_BYTES`, not per block)."""
+    gathered copy), on a device each by its own reduction, their answers
+    read back together (one host sync per :data:`ZERO_SCAN_BLOCKS`)."""
     import torch
 
     flags = [False] * len(ranges)
@@ -147,14 +149,12 @@ def zero_blocks(flat: Any, ranges: Sequence[tuple[int, int]]) -> list[bool]:
         zero_headed = [i for i, nonzero in zip(rows, heads, strict=True) if not nonzero]
         if _one_at_a_time(flat):
             maybe += zero_headed
-        else:
-            whole = flat[: (int(flat.numel()) // size) * size].view(-1, size)
-            step = max(1, ZERO_SCAN_BYTES // size)
-            for at in range(0, len(zero_headed), step):
-                part = zero_headed[at : at + step]
-                which = torch.tensor([ranges[i][0] // size for i in part], device=flat.device)
-                for i, nonzero in zip(part, whole.index_select(0, which).any(dim=1).tolist(), strict=True):
-                    flags[i] = not nonzero
+        else:  # each block reduced on its own (no copy), the answers read back together
+            for at in range(0, len(zero_headed), ZERO_SCAN_BLOCKS):
+                part = zero_headed[at : at + ZERO_SCAN_BLOCKS]
+                nonzero = torch.stack([flat[ranges[i][0] : ranges[i][1]].any() for i in part]).tolist()
+                for i, found in zip(part, nonzero, strict=True):
+                    flags[i] = not found
     for i in maybe:
         start, end = ranges[i]
         if end <= start:
@@ -162,6 +162,13 @@ def zero_blocks(flat: Any, ranges: Sequence[tuple[int, int]]) -> list[bool]:
         head = flat[start : min(end, start + ZERO_PROBE_BYTES)]
         flags[i] = not bool(head.any()) and not bool(flat[start:end].any())
     return flags
+
+
+@functools.lru_cache(maxsize=64)
+def zero_digest(n: int) -> str:
+    """SHA-256 (hex) of ``n`` zero bytes: once per length (the blocks of a
+    tensor share one or two)."""
+    return hashlib.sha256(bytes(n)).hexdigest()
 
 
 def _one_at_a_time(flat: Any) -> bool:
@@ -175,8 +182,6 @@ def digest_pieces(pieces: Sequence[tuple[Any, tuple[int, int]]], labels: Sequenc
     (``flat`` a flat ``uint8`` tensor, or an object with a ``block(start,
     end)`` method giving those bytes), in one parallel core call. Blocks
     that are all zero are not hashed (see the module's notes)."""
-    import hashlib
-
     from weight_checker.hashing.digests import digest_tensors
 
     if not pieces:
@@ -195,12 +200,10 @@ def digest_pieces(pieces: Sequence[tuple[Any, tuple[int, int]]], labels: Sequenc
     out: list[str] = [""] * len(pieces)
     # A zero block's length as slicing gives it (a range past the end is cut there).
     length = [len(range(int(flat.numel()))[a:b]) if z else 0 for z, (flat, (a, b)) in zip(zero, pieces, strict=True)]
-    # SHA-256 of n zero bytes, once per length (a few lengths: the blocks of a tensor share one).
-    zero_digest = {n: hashlib.sha256(bytes(n)).hexdigest() for z, n in zip(zero, length, strict=True) if z}
     hashed = [i for i, z in enumerate(zero) if not z]
     for i, z in enumerate(zero):
         if z:
-            out[i] = zero_digest[length[i]]
+            out[i] = zero_digest(length[i])
     if hashed:
         names = [labels[i] if labels is not None else f"block {pieces[i][1][0]}:{pieces[i][1][1]}" for i in hashed]
         slices = [

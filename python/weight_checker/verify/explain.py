@@ -28,7 +28,6 @@ which). A correct update asks for nothing: this runs only on a mismatch.
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -43,6 +42,7 @@ from weight_checker.hashing.blocks import (
     flat_bytes,
     rows_text,
     zero_blocks,
+    zero_digest,
 )
 from weight_checker.keys import split_rank
 
@@ -410,15 +410,8 @@ def _comparable(answer: Mapping[str, Any], b: _Blocks) -> bool:
         return False
 
 
-@functools.lru_cache(maxsize=64)
-def _zero_digest(n: int) -> str:
-    import hashlib
-
-    return hashlib.sha256(bytes(n)).hexdigest()
-
-
 def _zero_digests(sizes: set[int]) -> dict[int, str]:
-    return {n: _zero_digest(n) for n in sizes}
+    return {n: zero_digest(n) for n in sizes}
 
 
 def _explain_blocks(
