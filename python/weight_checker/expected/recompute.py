@@ -828,12 +828,20 @@ def _rank_tensors(
             made = [(n, _transformed(transform, t)) for n, t in pairs] if rest else []
             if any(t is not None for _, t in made):
                 owned = {at for _, t in made if t is not None and (at := _storage_of(t)) is not None}
+                # Storages of the weights the transform left as they were.
+                kept = {
+                    at for (_, t), (_, u) in zip(pairs, made, strict=True) if u is None and (at := _storage_of(t))
+                } - owned
                 changed = [(n, t if u is None else u) for (n, t), (_, u) in zip(pairs, made, strict=True)]
                 again = _load_located(model, model_config, arena, changed, rest, zero=False)
                 if again is None:
                     again = _load_located(model, model_config, arena, changed, rest, zero=True)
                 assert again is not None
                 for name, where in again.items():
+                    if where.pieces is not None and all(
+                        p.source is None or _storage_of(p.source) in kept for p in where.pieces
+                    ):
+                        continue  # every piece from a weight left as it was: as it was (no copy to compare)
                     if where.pieces and not where.hashable_in_place() and len(where.pieces) > 1:
                         _replay_into(where)
                     found[name] = where.copy(owned, view=not copy)
