@@ -650,7 +650,7 @@ class LazyPieces:
     block, not the tensor. ``nbytes``, ``shape``, ``dtype`` as the
     parameter's; :meth:`block` gives bytes ``[start, end)``."""
 
-    def __init__(self, transform: str, where: _Located):
+    def __init__(self, transform: str | None, where: _Located):
         import math
 
         assert where.pieces is not None
@@ -677,9 +677,9 @@ class LazyPieces:
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def _piece_bytes(transform: str, src: Any, start: int, end: int) -> Any:
-    """Bytes ``[start, end)`` of ``src`` transformed (C order): only the rows
-    that hold them are read and transformed."""
+def _piece_bytes(transform: str | None, src: Any, start: int, end: int) -> Any:
+    """Bytes ``[start, end)`` of ``src`` transformed (C order; ``None``: as it
+    is): only the rows that hold them are read and transformed."""
     import torch
 
     size = src.element_size()
@@ -695,7 +695,7 @@ def _piece_bytes(transform: str, src: Any, start: int, end: int) -> Any:
         r0, r1 = first // per_row, -(-last // per_row)
         elements = src[r0:r1].contiguous().reshape(-1)[first - r0 * per_row : last - r0 * per_row]
         skip = first
-    if not _changes(transform, src):
+    if transform is None or not _changes(transform, src):
         out = elements.contiguous()
     elif transform == "truncate:bfloat16":
         out = elements.contiguous().view(torch.int32).bitwise_and(-65536).view(torch.float32)
@@ -802,7 +802,7 @@ def _rank_tensors(
                     _replay_into(where)
             hashing = _Beside(lambda located=located: _digests(located))
             try:
-                copies = {name: where.copy(set(), view=not copy) for name, where in located.items()}
+                copies = {name: _untransformed(where, copy, lazy) for name, where in located.items()}
             finally:
                 digests = hashing.result()
             wrong = [(k, name) for name, keys in keys_of.items() for k in keys if digests[name] != expected[k]]
@@ -848,7 +848,9 @@ def _rank_tensors(
                 del changed, again
             del made
             for name, tensor in found.items():
-                if tensor is _UNCHANGED or (not isinstance(tensor, LazyPieces) and _same_bytes(tensor, copies[name])):
+                if tensor is _UNCHANGED or (
+                    not isinstance(tensor, LazyPieces) and _same_bytes(tensor, _dense(copies[name]))
+                ):
                     continue  # the transform leaves this parameter as it was: it explains nothing
                 for k in keys_of[name]:
                     out[k][transform] = tensor
@@ -863,6 +865,22 @@ def _pairs_for(weights: _Weights, names: set[str] | None, keys: list[str]) -> li
         raise ExpectedDigestsError(f"{', '.join(keys)}: {_CHANGED}: {e}") from None
     except _Gone as e:
         raise ExpectedDigestsError(f"{', '.join(keys)}: cannot recompute the expected tensors: {e}") from None
+
+
+def _untransformed(where: _Located, copy: bool, lazy: bool) -> Any:
+    """The parameter's bytes as :func:`expected_tensors` gives them: a copy,
+    a view (``copy=False``, one piece of a weight) or, with ``lazy`` and no
+    copy, pieces of several weights as a :class:`LazyPieces` read when asked."""
+    if lazy and not copy and where.pieces is not None and len(where.pieces) != 1:
+        return LazyPieces(None, where)
+    return where.copy(set(), view=not copy)
+
+
+def _dense(t: Any) -> Any:
+    """A tensor of ``t``'s bytes (a :class:`LazyPieces` read whole)."""
+    if not isinstance(t, LazyPieces):
+        return t
+    return t.block(0, t.nbytes).view(t.dtype).view(t.shape)
 
 
 def _replay_into(where: _Located) -> None:
@@ -951,7 +969,9 @@ def expected_tensors(
     (``.block(start, end)``: those bytes, computed when asked) instead of a
     tensor, given wherever it changes a weight that feeds the key (its bytes
     are not compared with the untransformed ones): what an explanation that
-    tries a candidate on a few blocks wants.
+    tries a candidate on a few blocks wants. With ``copy=False`` too, an
+    untransformed tensor made of several pieces of the weights (a fused
+    ``qkv_proj``) is a :class:`LazyPieces` as well, read when asked.
 
     Raises :class:`ExpectedDigestsError`: for keys of the ``lora``, ``draft``
     and ``buffers`` scopes (not supported yet), keys not in ``expected``,
