@@ -436,3 +436,31 @@ def test_a_cause_read_from_the_weights_late_is_named_only_if_they_are_unchanged_
     else:
         assert got.keys[key].cause == "dtype-roundtrip:float16"
         assert not got.notes, got.notes
+
+
+@pytest.mark.parametrize("src", [torch.bfloat16, torch.float16, torch.float32])
+def test_a_round_trip_gives_nans_the_bits_to_gives_them(src):
+    """NaNs (either sign) among the values: the candidate's bytes are those
+    of ``t.to(through).to(t.dtype)``, as a sync bug's own conversion makes them."""
+    g = torch.Generator().manual_seed(1)
+    for shape in [(2, 4), (37, 1001), (1500, 2048), (4097,)]:
+        x = torch.randn(shape, generator=g).to(src)
+        flat = x.view(-1)
+        at = torch.randint(0, flat.numel(), (max(1, flat.numel() // 100),), generator=g)
+        flat[at] = float("nan")
+        flat[at[::2]] = -float("nan")
+        for through in {torch.float16, torch.bfloat16} - {src}:
+            want = x.to(through).to(src)
+            got = recompute._round_trip(x, through)
+            assert torch.equal(want.view(-1).view(torch.uint8), got.contiguous().view(-1).view(torch.uint8)), (
+                shape,
+                through,
+            )
+
+
+def test_a_transposed_candidate_is_a_tensor_of_its_own_even_for_a_column_major_weight():
+    # Its transpose would be the weight's own memory, which the trainer may write.
+    w = torch.randn(8, 8).t().contiguous().t()
+    got = recompute._transformed("transposed", w)
+    assert torch.equal(got, w.t()) and got.is_contiguous()
+    assert got.untyped_storage().data_ptr() != w.untyped_storage().data_ptr()

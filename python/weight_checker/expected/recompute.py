@@ -559,7 +559,9 @@ def _transformed(transform: str, tensor: Any) -> Any:
     if transform == "transposed":
         if tensor.dim() != 2 or tensor.shape[0] != tensor.shape[1]:
             return None
-        return tensor.t().contiguous()
+        # A tensor of its own even where the weight is stored column-major (then
+        # .t().contiguous() would be the weight itself, which the trainer may write).
+        return tensor.t().clone(memory_format=torch.contiguous_format)
     raise AssertionError(transform)
 
 
@@ -600,9 +602,12 @@ def _round_trip_into(out: Any, src: Any, through: Any) -> None:
             part = src[start : start + step]
             w, n = wide[: part.numel()].view(part.shape), narrow[: part.numel()].view(part.shape)
             w.copy_(part)
+            nan = w.isnan()
             n.copy_(w)
             w.copy_(n)
             out[start : start + step].copy_(w)
+            if nan.any():  # NaN's bits as .to() gives them (through float32 scratch they come out others)
+                out[start : start + step].copy_(part.to(through).to(src.dtype))
 
 
 def _elementwise_into(transform: str, where: _Located, dtypes: Mapping[str, Any]) -> Any:

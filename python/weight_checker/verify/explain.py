@@ -631,7 +631,7 @@ def _match_candidates(
             for hits in found.values():  # nothing of this candidate is kept
                 for i in [i for i, c in hits.items() if c == name]:
                     del hits[i]
-            out.notes.append(f"{name}: not tried ({err})")
+            out.notes.append(f"{name}: not tried: the weights changed while explaining ({err})")
             return
         read_late.update(k for k, f in flats.items() if isinstance(f, LazyPieces) and name in found[k].values())
 
