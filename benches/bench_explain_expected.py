@@ -2,7 +2,7 @@
 one key of a ~1 GB model, against hashing that key's tensor once.
 
     .venv/bin/python benches/bench_explain_expected.py [--tp 1] [--repeat 7] [--form dict|checkpoint] [--float32]
-        [--explain]
+        [--explain [--hosts one|two]]
 
 The checkpoint (Llama-shaped: hidden 2048, intermediate 5632, 8 layers, 16
 heads, 4 KV heads, vocab 32000: 0.49 B parameters, 0.98 GB bf16, one shard)
@@ -19,7 +19,13 @@ best and median) of
   the weights where the tensor is one piece of one), and with each candidate
   cause (each call also recomputes and checks the untransformed tensor);
 - every key of dp0 at once (the whole model mismatched), against hashing all
-  of them once.
+  of them once;
+- with ``--explain``, the whole explanation through the recompute, against
+  the expected tensors given. ``--hosts one`` (the default): the engine's
+  block digests computed on a thread of this process, on the same cores;
+  ``--hosts two`` (a deployment: the engine hashes on its own host): the
+  engine in another process pinned to core 1, this side and the reference
+  pinned to core 0, one hashing thread each.
 
 The ratio is each time over ``hash``. The cost of keeping what a recompute
 needs is measured too: ``remember`` (weak references to the weights) against
@@ -29,6 +35,8 @@ the ``expected_digests`` call that makes it.
 from __future__ import annotations
 
 import argparse
+import multiprocessing
+import os
 import statistics
 import sys
 import time
@@ -77,7 +85,14 @@ def main() -> None:
     parser.add_argument(
         "--explain", action="store_true", help="also the whole explanation through the recompute (verify's path)"
     )
+    parser.add_argument("--hosts", choices=("one", "two"), default="one", help="where the engine hashes (--explain)")
     args = parser.parse_args()
+    if args.hosts == "two":
+        if not {0, 1} <= os.sched_getaffinity(0):
+            raise SystemExit("--hosts two pins the engine to core 1 and this side to core 0: this process may not")
+        from bench_explain import pin
+
+        pin(0)  # before the core's pool starts
 
     import torch
     import weight_checker
@@ -138,24 +153,54 @@ def main() -> None:
     for label, (b, m) in got.items():
         print(f"    {label:<26} {b:.3f} / {m:.3f} s   {b / hb:5.2f}x / {m / hm:5.2f}x")
     if args.explain:
-        explain_through_recompute(expected, every, tensors, args.repeat)
+        if args.hosts == "two":
+            torch.set_num_threads(1)
+        explain_through_recompute(expected, every, tensors, args.repeat, args.hosts)
     del torch
     sys.stdout.flush()
 
 
-def explain_through_recompute(expected: Any, every: list[str], tensors: dict, repeat: int) -> None:
+def engine_process(conn: Any, core: int) -> None:
+    """The engine on its own core: loads a scenario's tensors from a file, answers block-digest requests."""
+    from bench_explain import answer, pin
+
+    pin(core)
+    from safetensors.torch import load_file
+
+    held: dict = {}
+    conn.send("ready")
+    while True:
+        msg = conn.recv()
+        if msg[0] == "stop":
+            return
+        if msg[0] == "scenario":
+            held = load_file(msg[1])
+            conn.send("ok")
+        else:
+            conn.send(answer(held, msg[1], msg[2]))
+
+
+def explain_through_recompute(expected: Any, every: list[str], tensors: dict, repeat: int, hosts: str) -> None:
     """The whole explanation (``explain``) of an engine whose tensors each
     have one element changed every 1/64 of them (no cause: every candidate
-    tried), the engine's block digests computed on a thread of this process:
-    the expected tensors recomputed from the recipe (``ExpectedSource``,
-    what ``verify`` does) against given (``TensorMap``), over hashing the
-    mismatched tensors once."""
+    tried), the engine's block digests computed on a thread of this process
+    (``hosts`` one) or in a process on core 1 (two): the expected tensors
+    recomputed from the recipe (``ExpectedSource``, what ``verify`` does)
+    against given (``TensorMap``), over hashing the mismatched tensors once."""
     from bench_explain import answer
+    from safetensors.torch import save_file
     from weight_checker.hashing.digests import digest_tensors
     from weight_checker.verify.explain import ExpectedSource, TensorMap, explain
 
     given = {k: v[None] for k, v in tensors.items()}
-    print("the whole explanation (engine on a thread of this process), over hashing the mismatched tensors once")
+    conn = None
+    if hosts == "two":
+        conn, child_end = multiprocessing.get_context("spawn").Pipe()
+        proc = multiprocessing.get_context("spawn").Process(target=engine_process, args=(child_end, 1), daemon=True)
+        proc.start()
+        assert conn.recv() == "ready"
+    where = "an engine process on core 1, this side on core 0" if hosts == "two" else "the engine on a thread here"
+    print(f"the whole explanation ({where}), over hashing the mismatched tensors once")
     for label, keys in [("embed_tokens", [every[0]]), (f"every key ({len(every)})", every)]:
         held = dict(given)
         for k in keys:
@@ -164,9 +209,19 @@ def explain_through_recompute(expected: Any, every: list[str], tensors: dict, re
             held[k] = t
         current = {k: digest_tensors([k], [v])[0][0] for k, v in held.items()}
         mismatches = dict.fromkeys(keys, "changed")
+        if conn is not None:
+            path = ROOT / ".bench" / "explain-1g" / "held.safetensors"
+            save_file({k: held[k].contiguous() for k in keys}, str(path))
+            conn.send(("scenario", str(path)))
+            assert conn.recv() == "ok"
 
-        def fetch(ks: list[str], block_bytes: int, held: dict = held) -> dict:
-            return answer(held, ks, block_bytes)
+            def fetch(ks: list[str], block_bytes: int, conn: Any = conn) -> dict:
+                conn.send(("fetch", ks, block_bytes))
+                return conn.recv()
+        else:
+
+            def fetch(ks: list[str], block_bytes: int, held: dict = held) -> dict:
+                return answer(held, ks, block_bytes)
 
         got = measure(
             {
@@ -184,6 +239,8 @@ def explain_through_recompute(expected: Any, every: list[str], tensors: dict, re
         print(f"{label}: hash {hb:.3f} / {hm:.3f} s")
         for name, (b, m) in got.items():
             print(f"    {name:<26} {b:.3f} / {m:.3f} s   {b / hb:5.2f}x / {m / hm:5.2f}x")
+    if conn is not None:
+        conn.send(("stop",))
 
 
 if __name__ == "__main__":

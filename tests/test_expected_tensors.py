@@ -464,3 +464,58 @@ def test_a_transposed_candidate_is_a_tensor_of_its_own_even_for_a_column_major_w
     got = recompute._transformed("transposed", w)
     assert torch.equal(got, w.t()) and got.is_contiguous()
     assert got.untyped_storage().data_ptr() != w.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("fault", ["scattered", "round trip"])
+def test_an_explanation_loads_and_checks_the_weights_once_and_again_only_to_confirm(models, monkeypatch, fault):
+    """The expected tensors and every transformed candidate come from one
+    recompute (one load, one check of the weights); a second runs only to
+    confirm a cause computed from the weights late. The causes are those of
+    the faults, and the scattered changes' rows are hashlib's."""
+    from weight_checker.verify.explain import ExpectedSource, explain
+
+    from .test_explain import engine_fetch
+
+    path, state = models["llama"]
+    weights = clone(state)
+    expected = weight_checker.expected_digests(path, weights, tp=1)
+    keys = [f"dp0:pp0:pcp0:tp0:model.layers.{i}.mlp.down_proj.weight" for i in range(2)]
+    given = expected_tensors(expected, keys)
+    held = {}
+    for k in keys:
+        t = given[k][None]
+        if fault == "round trip":
+            held[k] = t.float().half().bfloat16()
+        else:
+            held[k] = t.clone()
+            held[k][::3] += 1  # rows 0, 3, 6, ...: runs of one block each
+    calls: list[tuple[list[str], tuple[str, ...]]] = []
+    real = recompute.expected_tensors
+
+    def counted(expected, keys, transforms=(), **kw):
+        calls.append((list(keys), tuple(transforms)))
+        return real(expected, keys, transforms, **kw)
+
+    monkeypatch.setattr(recompute, "expected_tensors", counted)
+    got = explain(
+        dict.fromkeys(keys, "changed"), {k: sha(v) for k, v in held.items()}, dict(expected),
+        engine_fetch(held), ExpectedSource(expected),
+    )  # fmt: skip
+    if fault == "round trip":
+        assert [got.keys[k].cause for k in keys] == ["dtype-roundtrip:float16"] * 2
+        assert calls == [(keys, TRANSFORMS), (keys, ())]  # the second: the confirmation
+    else:
+        assert [got.keys[k].cause for k in keys] == ["unknown"] * 2
+        assert calls == [(keys, TRANSFORMS)]
+        for k in keys:  # the differing blocks are those whose hashlib digests differ
+            e, a = (t.contiguous().view(-1).view(torch.uint8).numpy().tobytes() for t in (given[k][None], held[k]))
+            size = got.keys[k].block_bytes
+            differ = [
+                (s, min(s + size, len(e)))
+                for s in range(0, len(e), size)
+                if hashlib.sha256(e[s : s + size]).digest() != hashlib.sha256(a[s : s + size]).digest()
+            ]
+            merged: list[tuple[int, int]] = []
+            for a_, b_ in differ:  # adjacent blocks as one range, as the explanation gives them
+                merged[-1:] = [(merged[-1][0], b_)] if merged and merged[-1][1] == a_ else [*merged[-1:], (a_, b_)]
+            assert got.keys[k].ranges == merged and len(merged) > 4

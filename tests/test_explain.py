@@ -374,3 +374,36 @@ def test_the_digest_of_zeros_is_computed_once_per_length(monkeypatch):
     assert sorted(calls) == [96, 192]
     assert got == [hashlib_blocks(t, 192) for t in zeros]
     blocks.zero_digest.cache_clear()
+
+
+def test_a_candidate_is_tried_on_later_runs_only_where_one_of_the_first_matched(monkeypatch):
+    """Changes scattered over a tensor (every other row: 32 runs of one
+    block) cost a candidate PROBE_RUNS blocks per key, not one per run;
+    where one of those first runs matched, every run is tried and named."""
+    from weight_checker.verify import explain as ex
+
+    old, new = weights(20), weights(21)
+    key = TP0 + "w"
+    hashed: list[int] = []
+    real = ex._hash_blocks
+    monkeypatch.setattr(ex, "_hash_blocks", lambda pieces: hashed.append(len(pieces)) or real(pieces))
+
+    def run(faulty):
+        hashed.clear()
+        previous = Version("step-11", {key: sha(old)}, TensorMap({key: old}))
+        return check(faulty, new, history=[previous]).block_causes
+
+    # Rows 0-6 (the first four runs) changed with no cause, the later odd rows stale.
+    faulty = new.clone()
+    for row in range(0, 64, 2):
+        faulty[row] = old[row] if row >= 8 else new[row] + 1
+    causes = run(faulty)
+    assert set(causes) == {"unknown"}  # less said, never wrong: the stale rows are not tried
+    # Expected blocks (one call per group) aside, each candidate hashed at most PROBE_RUNS blocks.
+    assert max(hashed[1:]) <= ex.PROBE_RUNS, hashed
+
+    # Row 0 stale: the version is tried on every run and names each stale row.
+    faulty[0] = old[0]
+    causes = run(faulty)
+    assert causes["version:step-11"] == [(r * 96, (r + 1) * 96) for r in [0, *range(8, 64, 2)]]
+    assert causes["unknown"] == [(r * 96, (r + 1) * 96) for r in (2, 4, 6)]

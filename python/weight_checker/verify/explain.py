@@ -46,6 +46,10 @@ from weight_checker.hashing.blocks import (
 )
 from weight_checker.keys import split_rank
 
+#: Runs of differing blocks of a key a candidate is tried on before its
+#: later runs (all of them, once one of these matched).
+PROBE_RUNS = 4
+
 #: Keys explained by default (the first, in key order): each is hashed again
 #: on the engine and on this side.
 DEFAULT_LIMIT = 64
@@ -56,6 +60,10 @@ DEFAULT_LIMIT = 64
 EXPLAINED_CLASSES = ("changed", "stale", "wrong-shard", "untouched-since-reset")
 
 
+#: ``{key: {None: expected tensor, transform: candidate}}``.
+Table = Mapping[str, Mapping[str | None, Any]]
+
+
 class ExpectedTensors(Protocol):
     """Where the expected tensors of some keys come from: for each key,
     ``{None: the tensor the rank must hold, transform: the tensor it would
@@ -64,6 +72,17 @@ class ExpectedTensors(Protocol):
     cannot give (why goes to the explanation's notes)."""
 
     def tensors(self, keys: Sequence[str], transforms: Sequence[str]) -> Mapping[str, Mapping[str | None, Any]]: ...
+
+
+def _with_candidates(source: ExpectedTensors, keys: Sequence[str]) -> tuple[Table, bool]:
+    """The expected tensors of ``keys`` and, where the source gives them at no
+    extra cost (a ``with_candidates(keys)`` method: the recompute, which
+    loads and checks the weights once for both), the transformed candidates
+    too. ``(table, whether the candidates are in it)``."""
+    both = getattr(source, "with_candidates", None)
+    if callable(both):
+        return both(keys), True
+    return source.tensors(keys, ()), False
 
 
 class TensorMap:
@@ -435,7 +454,7 @@ def _explain_blocks(
     keys = [e.key for e in pending]
     started = time.perf_counter()
     try:
-        got = tensors.tensors(keys, ())
+        got, candidates_given = _with_candidates(tensors, keys)
     except WeightCheckerError as err:
         for e in pending:
             e.note = "no expected tensor"
@@ -516,7 +535,7 @@ def _explain_blocks(
             e.note = "every block equals the expected one: the tensor changed since its digest was taken"
             continue
         unexplained[key] = differ
-    _match_candidates(unexplained, blocks, engine, got, history, shards, tensors, out)
+    _match_candidates(unexplained, blocks, engine, got if candidates_given else None, history, shards, tensors, out)
 
 
 def _numel(shape: Sequence[int] | None) -> int:
@@ -582,14 +601,16 @@ def _match_candidates(
     unexplained: dict[str, list[int]],
     blocks: dict[str, _Blocks],
     engine: Mapping[str, Mapping[str, Any]],
-    got: Mapping[str, Mapping[str | None, Any]],
+    given: Mapping[str, Mapping[str | None, Any]] | None,
     history: Sequence[Version],
     shards_of: _Shards,
     source: ExpectedTensors,
     out: Explanation,
 ) -> None:
     """Names, block by block, the first candidate whose block digest equals
-    the engine's; candidates are computed only while blocks remain."""
+    the engine's; candidates are computed only while blocks remain (the
+    transformed ones are in ``given`` where the source gave them with the
+    expected tensors)."""
     found: dict[str, dict[int, str]] = {k: {} for k in unexplained}
     # Keys a candidate computed from the weights a block at a time (after the
     # recompute checked them) matched: their weights are checked again at the end.
@@ -603,7 +624,11 @@ def _match_candidates(
         # of a run only where that one matched (a dropped bucket, a stale
         # half: a cause holds for a run). A run a candidate matches only past
         # its first block stays unexplained there: less said, never wrong.
+        # A key's later runs are tried only where one of its first
+        # PROBE_RUNS matched: changes scattered over a tensor (no cause)
+        # cost a few blocks per candidate, not half the tensor.
         flats: dict[str, Any] = {}
+        later: dict[str, list[list[int]]] = {}
         runs: list[tuple[str, list[int]]] = []
         for key, idx in remaining().items():
             t = tensor_of(key)
@@ -614,14 +639,25 @@ def _match_candidates(
             if (int(flat.nbytes) if lazy else int(flat.numel())) != blocks[key].nbytes:
                 continue
             flats[key] = flat
-            runs += [(key, run) for run in _runs(idx)]
+            cut = _runs(idx)
+            runs += [(key, run) for run in cut[:PROBE_RUNS]]
+            later[key] = cut[PROBE_RUNS:]
         try:  # a candidate computed a block at a time reads its weights now: they may have changed
-            probes = _hash_blocks([(flats[key], blocks[key].ranges[run[0]]) for key, run in runs])
             rest: list[tuple[str, int]] = []
-            for (key, run), digest in zip(runs, probes, strict=True):
-                if digest == engine[key]["digests"][run[0]]:
-                    found[key][run[0]] = name
-                    rest += [(key, i) for i in run[1:]]
+
+            def probe(runs: list[tuple[str, list[int]]]) -> set[str]:
+                hit: set[str] = set()
+                for (key, run), digest in zip(
+                    runs, _hash_blocks([(flats[key], blocks[key].ranges[run[0]]) for key, run in runs]), strict=True
+                ):
+                    if digest == engine[key]["digests"][run[0]]:
+                        found[key][run[0]] = name
+                        rest.extend((key, i) for i in run[1:])
+                        hit.add(key)
+                return hit
+
+            hit = probe(runs)
+            probe([(key, run) for key in sorted(hit) for run in later[key]])
             for (key, i), digest in zip(
                 rest, _hash_blocks([(flats[k], blocks[k].ranges[i]) for k, i in rest]), strict=True
             ):
@@ -666,11 +702,14 @@ def _match_candidates(
             continue
         try_candidate(f"shard-of:{tp}", _pick({k: {None: others.get(o)} for k, o in wanted.items()}, None))
     if remaining():
-        try:  # computed only now, for the keys still unexplained: one call (each checks its tensors once)
-            transformed = source.tensors(sorted(remaining()), TRANSFORMS)
-        except WeightCheckerError as err:
-            out.notes.append(f"the transformed candidates were not computed ({err})")
-            transformed = {}
+        if given is not None:
+            transformed = given
+        else:
+            try:  # computed only now, for the keys still unexplained: one call (each checks its tensors once)
+                transformed = source.tensors(sorted(remaining()), TRANSFORMS)
+            except WeightCheckerError as err:
+                out.notes.append(f"the transformed candidates were not computed ({err})")
+                transformed = {}
         for name in TRANSFORMS:
             if not remaining():
                 break
@@ -772,14 +811,25 @@ class ExpectedSource:
         self.expected = expected
 
     def tensors(self, keys: Sequence[str], transforms: Sequence[str]) -> Mapping[str, Mapping[str | None, Any]]:
-        from weight_checker.expected.recompute import expected_tensors
-
         # Asked for transforms, the explanation uses only the transformed
         # tensors (new tensors of their own, or computed a block at a time
         # where the transform is elementwise); the untransformed, checked
         # against its digest again, is not kept: where it is one piece of a
         # weight no copy of it is made (fused or strided ones are copied).
-        copy = not transforms
+        return self._each(keys, transforms, copy=not transforms)
+
+    def with_candidates(self, keys: Sequence[str]) -> Table:
+        """The expected tensors (copies: hashed in blocks later, while the
+        trainer may run) and every transformed candidate, from one load and
+        one check of the weights: the candidates cost nothing more to give
+        here (the elementwise ones are computed a block at a time when
+        tried, a transposed square matrix is a copy of a few MB), against a
+        second load and check of every tensor when asked for later."""
+        return self._each(keys, TRANSFORMS, copy=True)
+
+    def _each(self, keys: Sequence[str], transforms: Sequence[str], copy: bool) -> Table:
+        from weight_checker.expected.recompute import expected_tensors
+
         try:
             return expected_tensors(self.expected, list(keys), transforms, copy=copy, lazy=True)
         except WeightCheckerError:
