@@ -519,3 +519,54 @@ def test_an_explanation_loads_and_checks_the_weights_once_and_again_only_to_conf
             for a_, b_ in differ:  # adjacent blocks as one range, as the explanation gives them
                 merged[-1:] = [(merged[-1][0], b_)] if merged and merged[-1][1] == a_ else [*merged[-1:], (a_, b_)]
             assert got.keys[k].ranges == merged and len(merged) > 4
+
+
+@pytest.mark.parametrize("fault", ["zeros", "transposed"])
+def test_a_candidate_that_needs_a_second_load_is_computed_only_if_still_wanted(models, monkeypatch, fault):
+    """``transposed`` loads the transposed weights again: the explanation's
+    first recompute leaves it (``DEFERRED``), and it is computed only when
+    it is tried, i.e. never where zeros explained every block."""
+    from weight_checker.verify.explain import ExpectedSource, explain
+
+    from .test_explain import engine_fetch
+
+    path, state = models["llama"]
+    qkv = QKV.replace("tp1", "tp0")
+    weights = clone(state)
+    expected = weight_checker.expected_digests(path, weights, tp=1)
+    table = expected_tensors(expected, [qkv], ["transposed"])[qkv]
+    held = {qkv: torch.zeros_like(table[None]) if fault == "zeros" else table["transposed"]}
+    assert recompute.expected_tensors(expected, [qkv], TRANSFORMS, defer=True)[qkv]["transposed"] is recompute.DEFERRED
+    calls: list[tuple[list[str], tuple[str, ...]]] = []
+    real = recompute.expected_tensors
+
+    def counted(expected, keys, transforms=(), **kw):
+        calls.append((list(keys), tuple(transforms)))
+        return real(expected, keys, transforms, **kw)
+
+    monkeypatch.setattr(recompute, "expected_tensors", counted)
+    got = explain({qkv: "changed"}, {qkv: sha(held[qkv])}, dict(expected), engine_fetch(held), ExpectedSource(expected))
+    assert got.keys[qkv].cause == fault, got.to_json()  # transposed: q_proj's rows (k and v are not square)
+    assert calls == [([qkv], TRANSFORMS)] + ([([qkv], ("transposed",))] if fault == "transposed" else [])
+
+
+def test_a_key_whose_weights_changed_since_says_so_and_the_others_are_explained(models):
+    """A weight written in place since the digests: that key's expected
+    tensor is refused, and its note says why; the other key is explained."""
+    from weight_checker.verify.explain import ExpectedSource, explain
+
+    from .test_explain import engine_fetch
+
+    path, state = models["llama"]
+    weights = clone(state)
+    expected = weight_checker.expected_digests(path, weights, tp=1)
+    keys = [f"dp0:pp0:pcp0:tp0:model.layers.{i}.mlp.down_proj.weight" for i in range(2)]
+    held = {k: torch.zeros_like(v[None]) for k, v in expected_tensors(expected, keys).items()}
+    weights["model.layers.0.mlp.down_proj.weight"].add_(1)
+    got = explain(
+        dict.fromkeys(keys, "changed"), {k: sha(v) for k, v in held.items()}, dict(expected),
+        engine_fetch(held), ExpectedSource(expected),
+    )  # fmt: skip
+    assert got.keys[keys[1]].cause == "zeros"
+    assert got.keys[keys[0]].cause is None or got.keys[keys[0]].cause == "unknown"
+    assert "changed since" in (got.keys[keys[0]].note or ""), got.keys[keys[0]].note

@@ -393,7 +393,7 @@ def test_a_candidate_is_tried_on_later_runs_only_where_one_of_the_first_matched(
         previous = Version("step-11", {key: sha(old)}, TensorMap({key: old}))
         return check(faulty, new, history=[previous]).block_causes
 
-    # Rows 0-6 (the first four runs) changed with no cause, the later odd rows stale.
+    # Rows 0-6 (the first four runs) changed with no cause, the later even rows stale.
     faulty = new.clone()
     for row in range(0, 64, 2):
         faulty[row] = old[row] if row >= 8 else new[row] + 1
@@ -402,8 +402,59 @@ def test_a_candidate_is_tried_on_later_runs_only_where_one_of_the_first_matched(
     # Expected blocks (one call per group) aside, each candidate hashed at most PROBE_RUNS blocks.
     assert max(hashed[1:]) <= ex.PROBE_RUNS, hashed
 
-    # Row 0 stale: the version is tried on every run and names each stale row.
-    faulty[0] = old[0]
-    causes = run(faulty)
+    # Row 0 stale too: the version is tried on every run of that key, and of
+    # that key only: another key whose first four runs did not match is not.
+    other = TP0 + "v"
+    matched = faulty.clone()
+    matched[0] = old[0]
+    held = {key: matched, other: faulty}
+    history = [Version("step-11", {key: sha(old), other: sha(old)}, TensorMap({key: old, other: old}))]
+    got = explain(
+        {key: "changed", other: "changed"}, {k: sha(v) for k, v in held.items()},
+        {key: sha(new), other: sha(new)}, engine_fetch(held), TensorMap({key: new, other: new}), history=history,
+    )  # fmt: skip
+    causes = got.keys[key].block_causes
     assert causes["version:step-11"] == [(r * 96, (r + 1) * 96) for r in [0, *range(8, 64, 2)]]
     assert causes["unknown"] == [(r * 96, (r + 1) * 96) for r in (2, 4, 6)]
+    assert set(got.keys[other].block_causes) == {"unknown"}
+
+
+def test_candidates_a_source_fails_to_give_up_front_cost_nothing_else():
+    """A source whose up-front candidates fail (``with_candidates`` raises)
+    still gives the expected tensors, asked alone: the ranges are told, and
+    the candidates come from the later call as before. One whose deferred
+    candidate then fails gives a note, and the rest of the explanation."""
+    from weight_checker.errors import ExpectedDigestsError
+    from weight_checker.expected.recompute import DEFERRED, TRANSFORMS
+
+    e = weights(30, 48, 48)
+    key = TP0 + "w"
+
+    class FailsUpFront(TensorMap):
+        def with_candidates(self, keys):
+            raise ExpectedDigestsError("the weights changed while the candidates were loaded")
+
+    class DefersAndFails(TensorMap):
+        def with_candidates(self, keys):
+            return {k: {**v, "transposed": DEFERRED} for k, v in self.tensors(keys, TRANSFORMS[:3]).items()}
+
+        def tensors(self, keys, transforms):
+            if "transposed" in transforms:
+                raise ExpectedDigestsError("no second load today")
+            return super().tensors(keys, transforms)
+
+    for faulty, cause, where in [
+        (e.float().half().bfloat16(), "dtype-roundtrip:float16", None),
+        (torch.cat([e[:10], torch.zeros_like(e[10:20]), e[20:]]), "zeros", "rows 10-19 of 48"),
+        (e.t().contiguous(), "transposed", "rows 0-47 of 48"),
+    ]:
+        expected, current = {key: sha(e)}, {key: sha(faulty)}
+        got = explain({key: "changed"}, current, expected, engine_fetch({key: faulty}), FailsUpFront({key: e}))
+        assert got.keys[key].cause == cause
+        assert where is None or got.keys[key].where == where
+        got = explain({key: "changed"}, current, expected, engine_fetch({key: faulty}), DefersAndFails({key: e}))
+        if cause == "transposed":  # the one candidate it could not give: less said, and why
+            assert got.keys[key].cause == "unknown"
+            assert any("transposed: not computed (no second load today)" in n for n in got.notes), got.notes
+        else:
+            assert got.keys[key].cause == cause and not got.notes

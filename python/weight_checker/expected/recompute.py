@@ -744,6 +744,20 @@ def _changes(transform: str, tensor: Any) -> bool:
 _UNCHANGED = object()
 
 
+class _Deferred:
+    def __repr__(self) -> str:
+        return "DEFERRED"
+
+
+#: A transform's entry :func:`expected_tensors` leaves to a later call
+#: (``defer=True``): computing it means loading the transformed weights again.
+DEFERRED: Any = _Deferred()
+
+
+def _square(t: Any) -> bool:
+    return bool(t.dim() == 2 and t.shape[0] == t.shape[1])
+
+
 def _same_bytes(a: Any, b: Any) -> bool:
     import torch
 
@@ -769,6 +783,7 @@ def _rank_tensors(
     expected: ExpectedDigests,
     copy: bool = True,
     lazy: bool = False,
+    defer: bool = False,
 ) -> dict[str, dict[str | None, Any]]:
     from weight_checker.expected.digests import _on_rank, _Rank
     from weight_checker.expected.rank_model import TARGET_ARENA, _Arena, _build, in_a_clean_thread
@@ -830,6 +845,11 @@ def _rank_tensors(
                     if where.pieces is not None and (got := elementwise(transform, where, dtypes)) is not None:
                         found[name] = got
             rest = {name: p for name, p in params.items() if name not in found}
+            if defer and rest:  # what needs the transformed weights loaded again: left to a later call
+                transposing = transform == "transposed"
+                if any(_square(t) if transposing else _changes(transform, t) for _, t in pairs):
+                    found.update(dict.fromkeys(rest, DEFERRED))
+                rest = {}
             made = [(n, _transformed(transform, t)) for n, t in pairs] if rest else []
             if any(t is not None for _, t in made):
                 owned = {at for _, t in made if t is not None and (at := _storage_of(t)) is not None}
@@ -853,6 +873,10 @@ def _rank_tensors(
                 del changed, again
             del made
             for name, tensor in found.items():
+                if tensor is DEFERRED:
+                    for k in keys_of[name]:
+                        out[k][transform] = DEFERRED
+                    continue
                 if tensor is _UNCHANGED or (
                     not isinstance(tensor, LazyPieces) and _same_bytes(tensor, _dense(copies[name]))
                 ):
@@ -945,6 +969,7 @@ def expected_tensors(
     *,
     copy: bool = True,
     lazy: bool = False,
+    defer: bool = False,
 ) -> dict[str, dict[str | None, Any]]:
     """For each key, ``{None: the tensor that rank must hold}`` (a CPU
     tensor of its own, whose SHA-256 is ``expected[key]``), and for each of
@@ -977,6 +1002,13 @@ def expected_tensors(
     tries a candidate on a few blocks wants. With ``copy=False`` too, an
     untransformed tensor made of several pieces of the weights (a fused
     ``qkv_proj``) is a :class:`LazyPieces` as well, read when asked.
+
+    ``defer=True``: a transform that needs the transformed weights loaded
+    again through vLLM's loader (a transposed square weight; an elementwise
+    one whose parameter is not plainly tiled by the weights' elements) is
+    not computed: its entry is :data:`DEFERRED`, for a later call to give
+    where it is still wanted. What an explanation asks with the expected
+    tensors, when no cause is known yet.
 
     Raises :class:`ExpectedDigestsError`: for keys of the ``lora``, ``draft``
     and ``buffers`` scopes (not supported yet), keys not in ``expected``,
@@ -1016,7 +1048,7 @@ def expected_tensors(
                 config, cached = in_a_clean_thread(_private_config, recipe), False
             for rank in wanted:
                 model = CACHE.models[_rank_name(rank)][0] if cached else None
-                out.update(_rank_tensors(recipe, config, model, rank, weights, transforms, expected, copy, lazy))
+                out.update(_rank_tensors(recipe, config, model, rank, weights, transforms, expected, copy, lazy, defer))
         finally:
             weights.close()
     return out

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from weight_checker.errors import WeightCheckerError
-from weight_checker.expected.recompute import TRANSFORMS, LazyPieces
+from weight_checker.expected.recompute import DEFERRED, TRANSFORMS, LazyPieces
 from weight_checker.hashing.blocks import (
     MAX_KEYS,
     block_bytes_for,
@@ -69,7 +69,13 @@ class ExpectedTensors(Protocol):
     ``{None: the tensor the rank must hold, transform: the tensor it would
     hold had the source been transformed first}`` (a transform that does
     not apply is absent). Raises :class:`WeightCheckerError` for keys it
-    cannot give (why goes to the explanation's notes)."""
+    cannot give (why goes to the explanation's notes).
+
+    Optional: ``with_candidates(keys)``, the expected tensors and the
+    candidates it gives at no extra cost in one table (an entry
+    :data:`~weight_checker.expected.recompute.DEFERRED` is asked of
+    :meth:`tensors` when it is tried); ``refused``, key -> why a key's
+    tensor could not be given."""
 
     def tensors(self, keys: Sequence[str], transforms: Sequence[str]) -> Mapping[str, Mapping[str | None, Any]]: ...
 
@@ -81,7 +87,10 @@ def _with_candidates(source: ExpectedTensors, keys: Sequence[str]) -> tuple[Tabl
     too. ``(table, whether the candidates are in it)``."""
     both = getattr(source, "with_candidates", None)
     if callable(both):
-        return both(keys), True
+        try:
+            return both(keys), True
+        except WeightCheckerError:
+            pass  # a candidate it could not give must not cost the expected tensors: asked alone below
     return source.tensors(keys, ()), False
 
 
@@ -465,7 +474,8 @@ def _explain_blocks(
     for e in pending:
         t = (got.get(e.key) or {}).get(None)
         if t is None:
-            e.note = "no expected tensor"
+            why = (getattr(tensors, "refused", None) or {}).get(e.key)
+            e.note = f"no expected tensor ({why})" if why else "no expected tensor"
             continue
         size = block_bytes_for(list(t.shape), t.element_size())
         if size == 0:
@@ -593,8 +603,43 @@ def _runs(indices: Sequence[int]) -> list[list[int]]:
 
 
 def _pick(table: Mapping[str, Mapping[str | None, Any]], which: str | None) -> Callable[[str], Any]:
-    """``key -> table[key][which]`` (``None`` where absent)."""
-    return lambda key: (table.get(key) or {}).get(which)
+    """``key -> table[key][which]`` (``None`` where absent or not computed)."""
+
+    def pick(key: str) -> Any:
+        t = (table.get(key) or {}).get(which)
+        return None if t is DEFERRED else t
+
+    return pick
+
+
+def _resolve_deferred(
+    table: dict[str, dict[str | None, Any]],
+    keys: list[str],
+    transforms: Sequence[str],
+    source: ExpectedTensors,
+    out: Explanation,
+) -> None:
+    """Where the first of ``transforms`` was left to a later call for one of
+    ``keys`` (it needs the transformed weights loaded again), one call now
+    gives it and every later transform left so, for those keys."""
+    first = transforms[0]
+    wanted = [k for k in keys if (table.get(k) or {}).get(first) is DEFERRED]
+    if not wanted:
+        return
+    names = [t for t in transforms if any(table[k].get(t) is DEFERRED for k in wanted)]
+    try:
+        more = source.tensors(wanted, names)
+    except WeightCheckerError as err:
+        more = {}
+        out.notes.append(f"{', '.join(names)}: not computed ({err})")
+    for k in wanted:
+        for t in names:
+            if table[k].get(t) is DEFERRED:
+                got = (more.get(k) or {}).get(t)
+                if got is None:
+                    del table[k][t]
+                else:
+                    table[k][t] = got
 
 
 def _match_candidates(
@@ -702,17 +747,18 @@ def _match_candidates(
             continue
         try_candidate(f"shard-of:{tp}", _pick({k: {None: others.get(o)} for k, o in wanted.items()}, None))
     if remaining():
+        transformed: dict[str, dict[str | None, Any]] = {}
         if given is not None:
-            transformed = given
+            transformed = {k: dict(v) for k, v in given.items()}
         else:
             try:  # computed only now, for the keys still unexplained: one call (each checks its tensors once)
-                transformed = source.tensors(sorted(remaining()), TRANSFORMS)
+                transformed = {k: dict(v) for k, v in source.tensors(sorted(remaining()), TRANSFORMS).items()}
             except WeightCheckerError as err:
                 out.notes.append(f"the transformed candidates were not computed ({err})")
-                transformed = {}
-        for name in TRANSFORMS:
+        for at, name in enumerate(TRANSFORMS):
             if not remaining():
                 break
+            _resolve_deferred(transformed, sorted(remaining()), TRANSFORMS[at:], source, out)
             try_candidate(name, _pick(transformed, name))
         del transformed
     if read_late and callable(getattr(source, "confirm", None)):
@@ -809,6 +855,8 @@ class ExpectedSource:
 
     def __init__(self, expected: Any):
         self.expected = expected
+        #: Why a key's expected tensor could not be given (the explanation's note for it).
+        self.refused: dict[str, str] = {}
 
     def tensors(self, keys: Sequence[str], transforms: Sequence[str]) -> Mapping[str, Mapping[str | None, Any]]:
         # Asked for transforms, the explanation uses only the transformed
@@ -820,28 +868,34 @@ class ExpectedSource:
 
     def with_candidates(self, keys: Sequence[str]) -> Table:
         """The expected tensors (copies: hashed in blocks later, while the
-        trainer may run) and every transformed candidate, from one load and
-        one check of the weights: the candidates cost nothing more to give
-        here (the elementwise ones are computed a block at a time when
-        tried, a transposed square matrix is a copy of a few MB), against a
-        second load and check of every tensor when asked for later."""
-        return self._each(keys, TRANSFORMS, copy=True)
+        trainer may run) and the transformed candidates that need no second
+        load of the weights (the elementwise ones of parameters tiled by the
+        weights' elements, computed a block at a time when tried), from one
+        load and one check of the weights, against a second load and check
+        of every tensor when asked for later. A candidate that needs the
+        transformed weights loaded again (a transposed square weight, an
+        elementwise one through the loader's own conversion) is
+        :data:`~weight_checker.expected.recompute.DEFERRED`: computed only
+        if blocks are still unexplained when it is tried."""
+        return self._each(keys, TRANSFORMS, copy=True, defer=True)
 
-    def _each(self, keys: Sequence[str], transforms: Sequence[str], copy: bool) -> Table:
+    def _each(self, keys: Sequence[str], transforms: Sequence[str], copy: bool, defer: bool = False) -> Table:
         from weight_checker.expected.recompute import expected_tensors
 
         try:
-            return expected_tensors(self.expected, list(keys), transforms, copy=copy, lazy=True)
-        except WeightCheckerError:
+            return expected_tensors(self.expected, list(keys), transforms, copy=copy, lazy=True, defer=defer)
+        except WeightCheckerError as e:
             if len(keys) == 1:
+                self.refused[keys[0]] = str(e)
                 raise
         # One key it cannot give must not hide the others'.
         out: dict[str, Mapping[str | None, Any]] = {}
         first: WeightCheckerError | None = None
         for key in keys:
             try:
-                out.update(expected_tensors(self.expected, [key], transforms, copy=copy, lazy=True))
+                out.update(expected_tensors(self.expected, [key], transforms, copy=copy, lazy=True, defer=defer))
             except WeightCheckerError as e:
+                self.refused[key] = str(e)
                 first = first or e
         if not out and first is not None:
             raise first
