@@ -88,6 +88,7 @@ async def run_async(model: str, tp: int) -> dict:
         except weight_checker.WeightMismatchError as e:
             out["raised"] = str(e)
         await engine.collective_rpc("reload_weights")
+        out["explained"] = await explain_async(engine, model, tp)
         params = vllm.SamplingParams(max_tokens=4)
         final = None
         async for o in engine.generate({"prompt_token_ids": [1, 2, 3, 4]}, params, request_id="after-verify"):
@@ -96,6 +97,44 @@ async def run_async(model: str, tp: int) -> dict:
     finally:
         engine.shutdown()
     return out
+
+
+async def explain_async(engine, model: str, tp: int) -> dict:
+    """issue 43 on an AsyncLLM: the checkpoint pushed with the embedding
+    delivered as zeros, verified against the expected digests of the
+    checkpoint; the explanation asks this engine for block digests (through
+    its event loop) and names the cause. The engine is reloaded after."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    import torch
+    import weight_checker
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(model + "/model.safetensors")
+    expected = weight_checker.expected_digests(model, state, tp=tp)
+    faulty = Path(tempfile.mkdtemp())
+    try:
+        shutil.copy(Path(model) / "config.json", faulty / "config.json")
+        sent = {k: torch.zeros_like(v) if k == EMBED else v for k, v in state.items()}
+        save_file(sent, str(faulty / "model.safetensors"))
+
+        async def push() -> None:
+            await engine.collective_rpc("reload_weights", kwargs={"weights_path": str(faulty)})
+
+        result = await weight_checker.verify_async(engine, transfer=push, expected=expected)
+    finally:
+        await engine.collective_rpc("reload_weights")
+        shutil.rmtree(faulty, ignore_errors=True)
+    return {
+        "classes": result.classes(),
+        "explanation": result.explanation.to_json() if result.explanation is not None else None,
+        "warnings": result.warnings,
+    }
+
+
+EMBED = "model.embed_tokens.weight"
 
 
 def run_transfer(model: str, tp: int) -> dict:

@@ -88,6 +88,13 @@ def test_async_llm_in_process(jobs):
     check_cases(out, 1)
     assert out["good"]["steps"][0] == "pause" and out["good"]["steps"][-1] == "resume"
     assert out["paused_after"] is False
+    # The embedding delivered as zeros: the engine's block digests, asked on its loop, name it.
+    explained = out["explained"]
+    assert explained["explanation"] is not None, explained
+    got = {e["key"]: e for e in explained["explanation"]["keys"]}
+    embed = got["dp0:pp0:pcp0:tp0:model.embed_tokens.weight"]
+    assert (embed["cause"], embed["whole"]) == ("zeros", True), explained
+    assert not any("no block digests" in n for n in explained["explanation"]["notes"]), explained
 
 
 @pytest.mark.uses_jobs("inprocess-transfer-tp1")

@@ -939,7 +939,9 @@ def versions_from(history: Sequence[Any]) -> list[Version]:
 def fetcher_for(target: Any, engine: str) -> BlockFetcher | None:
     """How to ask ``engine`` of a verify target for block digests: this
     package's route over HTTP, the worker method over ``collective_rpc`` in
-    process or on a Ray actor; ``None`` where neither can be reached."""
+    process (an ``LLM``, or an ``AsyncLLM`` on its event loop) or on a Ray
+    actor; ``None`` where neither can be reached."""
+    from weight_checker.verify.targets.async_engines import AsyncLLMTarget, run_on_loop
     from weight_checker.verify.targets.engines import RpcTarget
     from weight_checker.verify.targets.http import HttpTarget
 
@@ -953,6 +955,22 @@ def fetcher_for(target: Any, engine: str) -> BlockFetcher | None:
             return _merge_answers(answers, engine)
 
         return fetch
+    if isinstance(target, AsyncLLMTarget):
+        from weight_checker.errors import VerifyError
+
+        client = target.engines[engine]
+
+        def fetch_async(keys: list[str], block_bytes: int) -> dict[str, Mapping[str, Any]]:
+            # Called from the workflow's thread: the call runs on the engine's loop, which stays free.
+            method = "weight_checker_block_digests"
+            try:
+                call = client.collective_rpc(method, timeout=target.timeout, args=(keys, block_bytes))
+                answers = run_on_loop(target.loop, call, target.timeout)
+            except Exception as e:
+                raise VerifyError("block digests", engine, f"collective_rpc({method!r}) failed: {e}") from e
+            return _merge_answers(answers, engine)
+
+        return fetch_async
     return None
 
 
