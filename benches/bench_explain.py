@@ -43,6 +43,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Any
 
 ROWS, COLS, N = 4096, 14336, 8
 PREFIX = "dp0:pp0:pcp0:tp0:"
@@ -125,6 +126,23 @@ def engine_process(conn, core: int) -> None:
     """The engine on its own core: holds a scenario's tensors, answers requests."""
     pin(core)
     model = Model()
+    serve(conn, model.held)
+
+
+def start_engine(target) -> Any:
+    """``target(conn, 1)`` in a fresh process (the engine on core 1), once it is ready: the pipe's end to it."""
+    ctx = multiprocessing.get_context("spawn")
+    conn, child_end = ctx.Pipe()
+    proc = ctx.Process(target=target, args=(child_end, 1), daemon=True)
+    proc.start()
+    if not conn.poll(600) or conn.recv() != "ready":
+        raise SystemExit(f"the engine process did not start (exit code {proc.exitcode})")
+    return conn
+
+
+def serve(conn, held_for) -> None:
+    """An engine's loop: ``("scenario", s)`` holds ``held_for(s)``, ``("fetch",
+    keys, block_bytes)`` answers, ``("stop",)`` returns."""
     held: dict = {}
     conn.send("ready")
     while True:
@@ -132,7 +150,7 @@ def engine_process(conn, core: int) -> None:
         if msg[0] == "stop":
             return
         if msg[0] == "scenario":
-            held = model.held(msg[1])
+            held = held_for(msg[1])
             conn.send("ok")
         else:
             conn.send(answer(held, msg[1], msg[2]))
@@ -159,10 +177,7 @@ def run(hosts: str, repeat: int) -> None:
     previous = Version("step-11", {k: sha(v) for k, v in model.old.items()}, TensorMap(model.old))
     conn = None
     if hosts == "two":
-        conn, child_end = multiprocessing.get_context("spawn").Pipe()
-        proc = multiprocessing.get_context("spawn").Process(target=engine_process, args=(child_end, 1), daemon=True)
-        proc.start()
-        assert conn.recv() == "ready"
+        conn = start_engine(engine_process)
     threads = 1 if hosts == "two" else len(os.sched_getaffinity(0))
     where = "engine on core 1, this side on core 0" if hosts == "two" else "engine and this side on every core"
     print(f"\nhosts={hosts}: {where}; {threads} hashing thread(s) for the reference")

@@ -35,7 +35,6 @@ the ``expected_digests`` call that makes it.
 from __future__ import annotations
 
 import argparse
-import multiprocessing
 import os
 import statistics
 import sys
@@ -162,22 +161,12 @@ def main() -> None:
 
 def engine_process(conn: Any, core: int) -> None:
     """The engine on its own core: loads a scenario's tensors from a file, answers block-digest requests."""
-    from bench_explain import answer, pin
+    from bench_explain import pin, serve
 
     pin(core)
     from safetensors.torch import load_file
 
-    held: dict = {}
-    conn.send("ready")
-    while True:
-        msg = conn.recv()
-        if msg[0] == "stop":
-            return
-        if msg[0] == "scenario":
-            held = load_file(msg[1])
-            conn.send("ok")
-        else:
-            conn.send(answer(held, msg[1], msg[2]))
+    serve(conn, load_file)
 
 
 def explain_through_recompute(expected: Any, every: list[str], tensors: dict, repeat: int, hosts: str) -> None:
@@ -187,7 +176,7 @@ def explain_through_recompute(expected: Any, every: list[str], tensors: dict, re
     (``hosts`` one) or in a process on core 1 (two): the expected tensors
     recomputed from the recipe (``ExpectedSource``, what ``verify`` does)
     against given (``TensorMap``), over hashing the mismatched tensors once."""
-    from bench_explain import answer
+    from bench_explain import answer, start_engine
     from safetensors.torch import save_file
     from weight_checker.hashing.digests import digest_tensors
     from weight_checker.verify.explain import ExpectedSource, TensorMap, explain
@@ -195,10 +184,7 @@ def explain_through_recompute(expected: Any, every: list[str], tensors: dict, re
     given = {k: v[None] for k, v in tensors.items()}
     conn = None
     if hosts == "two":
-        conn, child_end = multiprocessing.get_context("spawn").Pipe()
-        proc = multiprocessing.get_context("spawn").Process(target=engine_process, args=(child_end, 1), daemon=True)
-        proc.start()
-        assert conn.recv() == "ready"
+        conn = start_engine(engine_process)
     where = "an engine process on core 1, this side on core 0" if hosts == "two" else "the engine on a thread here"
     print(f"the whole explanation ({where}), over hashing the mismatched tensors once")
     for label, keys in [("embed_tokens", [every[0]]), (f"every key ({len(every)})", every)]:
@@ -241,6 +227,7 @@ def explain_through_recompute(expected: Any, every: list[str], tensors: dict, re
             print(f"    {name:<26} {b:.3f} / {m:.3f} s   {b / hb:5.2f}x / {m / hm:5.2f}x")
     if conn is not None:
         conn.send(("stop",))
+        (ROOT / ".bench" / "explain-1g" / "held.safetensors").unlink(missing_ok=True)
 
 
 if __name__ == "__main__":

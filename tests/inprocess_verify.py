@@ -124,8 +124,8 @@ async def explain_async(engine, model: str, tp: int) -> dict:
             await engine.collective_rpc("reload_weights", kwargs={"weights_path": str(faulty)})
 
         result = await weight_checker.verify_async(engine, transfer=push, expected=expected)
-    finally:
-        await engine.collective_rpc("reload_weights")
+    finally:  # reload_weights(weights_path=...) makes that folder the engine's model: back to its own
+        await engine.collective_rpc("reload_weights", kwargs={"weights_path": model})
         shutil.rmtree(faulty, ignore_errors=True)
     return {
         "classes": result.classes(),

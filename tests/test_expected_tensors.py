@@ -466,6 +466,19 @@ def test_a_transposed_candidate_is_a_tensor_of_its_own_even_for_a_column_major_w
     assert got.untyped_storage().data_ptr() != w.untyped_storage().data_ptr()
 
 
+def count_recomputes(monkeypatch) -> list[tuple[list[str], tuple[str, ...]]]:
+    """The ``(keys, transforms)`` of every ``expected_tensors`` call from now on."""
+    calls: list[tuple[list[str], tuple[str, ...]]] = []
+    real = recompute.expected_tensors
+
+    def counted(expected, keys, transforms=(), **kw):
+        calls.append((list(keys), tuple(transforms)))
+        return real(expected, keys, transforms, **kw)
+
+    monkeypatch.setattr(recompute, "expected_tensors", counted)
+    return calls
+
+
 @pytest.mark.parametrize("fault", ["scattered", "round trip"])
 def test_an_explanation_loads_and_checks_the_weights_once_and_again_only_to_confirm(models, monkeypatch, fault):
     """The expected tensors and every transformed candidate come from one
@@ -489,14 +502,7 @@ def test_an_explanation_loads_and_checks_the_weights_once_and_again_only_to_conf
         else:
             held[k] = t.clone()
             held[k][::3] += 1  # rows 0, 3, 6, ...: runs of one block each
-    calls: list[tuple[list[str], tuple[str, ...]]] = []
-    real = recompute.expected_tensors
-
-    def counted(expected, keys, transforms=(), **kw):
-        calls.append((list(keys), tuple(transforms)))
-        return real(expected, keys, transforms, **kw)
-
-    monkeypatch.setattr(recompute, "expected_tensors", counted)
+    calls = count_recomputes(monkeypatch)
     got = explain(
         dict.fromkeys(keys, "changed"), {k: sha(v) for k, v in held.items()}, dict(expected),
         engine_fetch(held), ExpectedSource(expected),
@@ -536,15 +542,11 @@ def test_a_candidate_that_needs_a_second_load_is_computed_only_if_still_wanted(m
     expected = weight_checker.expected_digests(path, weights, tp=1)
     table = expected_tensors(expected, [qkv], ["transposed"])[qkv]
     held = {qkv: torch.zeros_like(table[None]) if fault == "zeros" else table["transposed"]}
-    assert recompute.expected_tensors(expected, [qkv], TRANSFORMS, defer=True)[qkv]["transposed"] is recompute.DEFERRED
-    calls: list[tuple[list[str], tuple[str, ...]]] = []
-    real = recompute.expected_tensors
-
-    def counted(expected, keys, transforms=(), **kw):
-        calls.append((list(keys), tuple(transforms)))
-        return real(expected, keys, transforms, **kw)
-
-    monkeypatch.setattr(recompute, "expected_tensors", counted)
+    down = qkv.replace("self_attn.qkv_proj", "mlp.down_proj")
+    deferred = recompute.expected_tensors(expected, [qkv, down], TRANSFORMS, defer=True)
+    assert deferred[qkv]["transposed"] is recompute.DEFERRED
+    assert "transposed" not in deferred[down]  # no square weight feeds it: nothing to load again
+    calls = count_recomputes(monkeypatch)
     got = explain({qkv: "changed"}, {qkv: sha(held[qkv])}, dict(expected), engine_fetch(held), ExpectedSource(expected))
     assert got.keys[qkv].cause == fault, got.to_json()  # transposed: q_proj's rows (k and v are not square)
     assert calls == [([qkv], TRANSFORMS)] + ([([qkv], ("transposed",))] if fault == "transposed" else [])
@@ -570,3 +572,8 @@ def test_a_key_whose_weights_changed_since_says_so_and_the_others_are_explained(
     assert got.keys[keys[1]].cause == "zeros"
     assert got.keys[keys[0]].cause is None or got.keys[keys[0]].cause == "unknown"
     assert "changed since" in (got.keys[keys[0]].note or ""), got.keys[keys[0]].note
+    alone = explain(
+        {keys[0]: "changed"}, {keys[0]: sha(held[keys[0]])}, dict(expected), engine_fetch(held),
+        ExpectedSource(expected),
+    )  # fmt: skip
+    assert "changed since" in (alone.keys[keys[0]].note or ""), alone.keys[keys[0]].note

@@ -758,6 +758,30 @@ def _square(t: Any) -> bool:
     return bool(t.dim() == 2 and t.shape[0] == t.shape[1])
 
 
+def _reload_needed(
+    transform: str, located: Mapping[str, _Located], names: Iterable[str], pairs: list[tuple[str, Any]]
+) -> list[str]:
+    """Those of ``names`` whose bytes the transform may change, computed
+    only by loading the transformed weights again: a parameter tiled by
+    pieces of the weights, where one of those weights changes (a square one,
+    for ``transposed``); any other, where any weight of the call changes."""
+    weights = dict(pairs)
+
+    def changes(t: Any) -> bool:
+        return _square(t) if transform == "transposed" else _changes(transform, t)
+
+    out = []
+    for name in names:
+        pieces = located[name].pieces
+        feeding = {p.name for p in pieces or () if p.source is not None}
+        if pieces is not None and feeding <= weights.keys():
+            if any(changes(weights[n]) for n in feeding):
+                out.append(name)
+        elif any(changes(t) for t in weights.values()):
+            out.append(name)
+    return out
+
+
 def _same_bytes(a: Any, b: Any) -> bool:
     import torch
 
@@ -846,9 +870,7 @@ def _rank_tensors(
                         found[name] = got
             rest = {name: p for name, p in params.items() if name not in found}
             if defer and rest:  # what needs the transformed weights loaded again: left to a later call
-                transposing = transform == "transposed"
-                if any(_square(t) if transposing else _changes(transform, t) for _, t in pairs):
-                    found.update(dict.fromkeys(rest, DEFERRED))
+                found.update(dict.fromkeys(_reload_needed(transform, located, rest, pairs), DEFERRED))
                 rest = {}
             made = [(n, _transformed(transform, t)) for n, t in pairs] if rest else []
             if any(t is not None for _, t in made):

@@ -90,7 +90,10 @@ def _with_candidates(source: ExpectedTensors, keys: Sequence[str]) -> tuple[Tabl
         try:
             return both(keys), True
         except WeightCheckerError:
-            pass  # a candidate it could not give must not cost the expected tensors: asked alone below
+            refused = getattr(source, "refused", None) or {}
+            if all(k in refused for k in keys):
+                raise  # every expected tensor refused: asking for them alone would refuse them again
+            # Else a candidate it could not give: it must not cost the expected tensors, asked alone below.
     return source.tensors(keys, ()), False
 
 
@@ -465,8 +468,9 @@ def _explain_blocks(
     try:
         got, candidates_given = _with_candidates(tensors, keys)
     except WeightCheckerError as err:
+        refused = getattr(tensors, "refused", None) or {}
         for e in pending:
-            e.note = "no expected tensor"
+            e.note = f"no expected tensor ({refused[e.key]})" if e.key in refused else "no expected tensor"
         out.notes.append(f"where in each tensor: not told ({err})")
         return
     by_size: dict[int, list[KeyExplanation]] = {}
@@ -882,6 +886,8 @@ class ExpectedSource:
     def _each(self, keys: Sequence[str], transforms: Sequence[str], copy: bool, defer: bool = False) -> Table:
         from weight_checker.expected.recompute import expected_tensors
 
+        for key in keys:
+            self.refused.pop(key, None)
         try:
             return expected_tensors(self.expected, list(keys), transforms, copy=copy, lazy=True, defer=defer)
         except WeightCheckerError as e:
