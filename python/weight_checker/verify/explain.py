@@ -478,8 +478,8 @@ def _explain_blocks(
     for e in pending:
         t = (got.get(e.key) or {}).get(None)
         if t is None:
-            why = (getattr(tensors, "refused", None) or {}).get(e.key)
-            e.note = f"no expected tensor ({why})" if why else "no expected tensor"
+            reason = (getattr(tensors, "refused", None) or {}).get(e.key)
+            e.note = f"no expected tensor ({reason})" if reason else "no expected tensor"
             continue
         size = block_bytes_for(list(t.shape), t.element_size())
         if size == 0:
