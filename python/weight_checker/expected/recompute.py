@@ -557,7 +557,7 @@ def _transformed(transform: str, tensor: Any) -> Any:
             return None
         return (tensor.view(torch.int32) & -65536).view(torch.float32)
     if transform == "transposed":
-        if tensor.dim() != 2 or tensor.shape[0] != tensor.shape[1]:
+        if not _square(tensor):
             return None
         # A tensor of its own even where the weight is stored column-major (then
         # .t().contiguous() would be the weight itself, which the trainer may write).
@@ -758,6 +758,16 @@ def _square(t: Any) -> bool:
     return bool(t.dim() == 2 and t.shape[0] == t.shape[1])
 
 
+def applies(transform: str, t: Any) -> bool:
+    """Whether ``transform`` (one of :data:`TRANSFORMS`) changes a tensor like
+    ``t`` at all: a square matrix transposed, or :func:`_changes`."""
+    if transform == "transposed":
+        return _square(t)
+    if transform.startswith("dtype-roundtrip:") or transform == "truncate:bfloat16":
+        return _changes(transform, t)
+    raise ValueError(f"unknown transform {transform!r}")
+
+
 def _reload_needed(
     transform: str, located: Mapping[str, _Located], names: Iterable[str], pairs: list[tuple[str, Any]]
 ) -> list[str]:
@@ -766,18 +776,14 @@ def _reload_needed(
     pieces of the weights, where one of those weights changes (a square one,
     for ``transposed``); any other, where any weight of the call changes."""
     weights = dict(pairs)
-
-    def changes(t: Any) -> bool:
-        return _square(t) if transform == "transposed" else _changes(transform, t)
-
     out = []
     for name in names:
         pieces = located[name].pieces
         feeding = {p.name for p in pieces or () if p.source is not None}
         if pieces is not None and feeding <= weights.keys():
-            if any(changes(weights[n]) for n in feeding):
+            if any(applies(transform, weights[n]) for n in feeding):
                 out.append(name)
-        elif any(changes(t) for t in weights.values()):
+        elif any(applies(transform, t) for t in weights.values()):
             out.append(name)
     return out
 

@@ -117,16 +117,10 @@ class TensorMap:
 
 
 def applies(t: Any, name: str) -> bool:
-    """Whether transform ``name`` changes a tensor like ``t`` at all."""
-    import torch
+    """Whether transform ``name`` changes a tensor like ``t`` at all (the recompute's rule)."""
+    from weight_checker.expected.recompute import applies as changes
 
-    if name.startswith("dtype-roundtrip:"):
-        return bool(t.dtype.is_floating_point) and t.dtype != getattr(torch, name.split(":", 1)[1])
-    if name == "truncate:bfloat16":
-        return bool(t.dtype == torch.float32)
-    if name == "transposed":
-        return bool(t.dim() == 2 and t.shape[0] == t.shape[1])
-    raise ValueError(f"unknown transform {name!r}")
+    return changes(name, t)
 
 
 class LazyTransform:
@@ -468,9 +462,8 @@ def _explain_blocks(
     try:
         got, candidates_given = _with_candidates(tensors, keys)
     except WeightCheckerError as err:
-        refused = getattr(tensors, "refused", None) or {}
         for e in pending:
-            e.note = f"no expected tensor ({refused[e.key]})" if e.key in refused else "no expected tensor"
+            e.note = _no_tensor(tensors, e.key)
         out.notes.append(f"where in each tensor: not told ({err})")
         return
     by_size: dict[int, list[KeyExplanation]] = {}
@@ -478,8 +471,7 @@ def _explain_blocks(
     for e in pending:
         t = (got.get(e.key) or {}).get(None)
         if t is None:
-            reason = (getattr(tensors, "refused", None) or {}).get(e.key)
-            e.note = f"no expected tensor ({reason})" if reason else "no expected tensor"
+            e.note = _no_tensor(tensors, e.key)
             continue
         size = block_bytes_for(list(t.shape), t.element_size())
         if size == 0:
@@ -550,6 +542,12 @@ def _explain_blocks(
             continue
         unexplained[key] = differ
     _match_candidates(unexplained, blocks, engine, got if candidates_given else None, history, shards, tensors, out)
+
+
+def _no_tensor(source: ExpectedTensors, key: str) -> str:
+    """A key's note where its expected tensor was not given, with why where the source says."""
+    why = (getattr(source, "refused", None) or {}).get(key)
+    return f"no expected tensor ({why})" if why else "no expected tensor"
 
 
 def _numel(shape: Sequence[int] | None) -> int:
@@ -947,7 +945,7 @@ def fetcher_for(target: Any, engine: str) -> BlockFetcher | None:
     package's route over HTTP, the worker method over ``collective_rpc`` in
     process (an ``LLM``, or an ``AsyncLLM`` on its event loop) or on a Ray
     actor; ``None`` where neither can be reached."""
-    from weight_checker.verify.targets.async_engines import AsyncLLMTarget, run_on_loop
+    from weight_checker.verify.targets.async_engines import AsyncLLMTarget
     from weight_checker.verify.targets.engines import RpcTarget
     from weight_checker.verify.targets.http import HttpTarget
 
@@ -962,18 +960,9 @@ def fetcher_for(target: Any, engine: str) -> BlockFetcher | None:
 
         return fetch
     if isinstance(target, AsyncLLMTarget):
-        from weight_checker.errors import VerifyError
-
-        client = target.engines[engine]
 
         def fetch_async(keys: list[str], block_bytes: int) -> dict[str, Mapping[str, Any]]:
-            # Called from the workflow's thread: the call runs on the engine's loop, which stays free.
-            method = "weight_checker_block_digests"
-            try:
-                call = client.collective_rpc(method, timeout=target.timeout, args=(keys, block_bytes))
-                answers = run_on_loop(target.loop, call, target.timeout)
-            except Exception as e:
-                raise VerifyError("block digests", engine, f"collective_rpc({method!r}) failed: {e}") from e
+            answers = target.rpc(engine, "weight_checker_block_digests", (keys, block_bytes), "block digests")
             return _merge_answers(answers, engine)
 
         return fetch_async

@@ -60,11 +60,17 @@ class AsyncLLMTarget(InProcessTarget):
             call = engine.pause_generation(mode="abort") if op == "pause" else engine.resume_generation()
             return run_on_loop(self.loop, call, self.timeout)
         method, args = worker_method(op, self.include)
-        try:
-            call = engine.collective_rpc(method, timeout=self.timeout, args=args)
-            result = run_on_loop(self.loop, call, self.timeout)
-        except Exception as e:
-            raise VerifyError(step, name, f"collective_rpc({method!r}) failed: {e}") from e
+        result = self.rpc(name, method, args, step)
         if op == "dp_sharded":
             return sharded_names(result)
         return merge_workers(result, step, name, self.lora_slots) if op == "checksum" else None
+
+    def rpc(self, name: str, method: str, args: tuple[Any, ...], step: str) -> Any:
+        """Engine ``name``'s workers' answers to ``method(*args)``: scheduled on
+        the engine's loop from the calling thread (never the loop's own), which
+        stays free; any failure is a :class:`VerifyError` of ``step``."""
+        try:
+            call = self.engines[name].collective_rpc(method, timeout=self.timeout, args=args)
+            return run_on_loop(self.loop, call, self.timeout)
+        except Exception as e:
+            raise VerifyError(step, name, f"collective_rpc({method!r}) failed: {e}") from e
