@@ -55,7 +55,7 @@ from weight_checker.errors import InputError, InputTypeError, VerifyError, Weigh
 from weight_checker.scope import DEFAULT, parse_include
 from weight_checker.verify.compare import compare
 from weight_checker.verify.engine_digests import EngineDigests, decide_layout
-from weight_checker.verify.httpclient import api_key_from_env, post_json, request
+from weight_checker.httpclient import api_key_from_env, post_json, request
 from weight_checker.verify.results import VerifyResult
 
 logger = logging.getLogger("weight_checker.weight_transfer")

@@ -38,7 +38,7 @@ from pathlib import Path
 
 from weight_checker import settings
 from weight_checker.errors import HttpError
-from weight_checker.verify.httpclient import request
+from weight_checker.httpclient import request
 
 STARTUP_TIMEOUT_S = settings.get("WEIGHT_CHECKER_VLLM_STARTUP_S") or 300.0
 

@@ -2,8 +2,9 @@
 found (:mod:`.results`), the comparison once every checksum is in
 (:mod:`.compare`), how each mismatch is classed (:mod:`.classes`),
 replica consistency (:mod:`.replicas`), several engines' digests
-(:mod:`.engine_digests`), the one fan-out pool (:mod:`.fanout`), the HTTP
-client (:mod:`.httpclient`) and the engines it checks (:mod:`.targets`).
+(:mod:`.engine_digests`), the one fan-out pool (:mod:`.fanout`) and the
+engines it checks (:mod:`.targets`); the HTTP client sits a floor below, in
+:mod:`weight_checker.httpclient`.
 
 The public entry points are re-exported by the package root:
 ``weight_checker.verify``, ``verify_async``, ``replicas``.

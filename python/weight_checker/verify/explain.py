@@ -831,7 +831,7 @@ def http_fetcher(url: str, *, api_key: str | None = None, timeout: float = 600.0
 
     def fetch(keys: list[str], block_bytes: int) -> dict[str, Mapping[str, Any]]:
         from weight_checker.errors import HttpError, VerifyError
-        from weight_checker.verify.httpclient import api_key_from_env, post_json
+        from weight_checker.httpclient import api_key_from_env, post_json
 
         body = {"action": "block_digests", "keys": keys, "block_bytes": block_bytes}
         try:

@@ -1,6 +1,7 @@
 """The one HTTP client of the package: JSON over urllib, no dependencies.
 
-Used by the verify workflow, the CLI and the local-server launcher. URLs are
+Used by the verify workflow, the CLI, the expected digests (a server's config) and the
+local-server launcher: it sits below all of them. URLs are
 validated before anything is sent; an API key is sent as
 ``Authorization: Bearer``; every failure becomes an :class:`HttpError` that
 names the server.
