@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from weight_checker.tally import class_counts
+
 
 class WeightCheckerError(Exception):
     """Base class of the package's errors."""
@@ -72,8 +74,6 @@ class WeightMismatchError(WeightCheckerError):
         explanation: Any = None,
         patterns: Sequence[str] = (),
     ):
-        from weight_checker.verify.classes import class_counts
-
         parts = []
         if mismatches:
             first = ", ".join(sorted(mismatches)[:5])

@@ -9,7 +9,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
-from weight_checker.verify.classes import class_counts
+from weight_checker.tally import class_counts
 from weight_checker.verify.rank_map import RankLayerMap
 
 

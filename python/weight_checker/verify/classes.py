@@ -14,17 +14,11 @@ from collections.abc import Mapping
 
 from weight_checker.hashing.digests import compare
 from weight_checker.keys import split_rank
+from weight_checker.tally import class_counts
+
+__all__ = ["EMPTY_DIGEST", "already_zeroed_warning", "class_counts", "classify", "classify_expected"]
 
 EMPTY_DIGEST = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
-
-
-def class_counts(classes: Mapping[str, str]) -> str:
-    """``"2 changed, 1 stale"``: how many mismatching keys each class has,
-    from ``key -> class``; the one wording of every report."""
-    counts: dict[str, int] = {}
-    for c in classes.values():
-        counts[c] = counts.get(c, 0) + 1
-    return ", ".join(f"{n} {c}" for c, n in sorted(counts.items()))
 
 
 def classify(

@@ -23,8 +23,11 @@ do. The same slot walk (:func:`lora_slot_tensors`) runs in the engine and in
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Iterable, Iterator
 from typing import Any
+
+from weight_checker.hashing.walk import collect, persistent_buffers
 
 #: The attribute of a LoRA-wrapped layer and the key suffix it is hashed under.
 SLOT_BUFFERS = (("lora_a_stacked", "lora_a"), ("lora_b_stacked", "lora_b"))
@@ -110,17 +113,26 @@ def patch_lora_module(module: Any) -> None:
             remember_adapter_names(cls)
 
 
+def vllm_checksum_targets(model: Any) -> list[tuple[str, Any]] | None:
+    """The ``(name, tensor)`` pairs the running vLLM's own checksum covers,
+    where vLLM says (its main branch's ``_iter_checksum_targets``: parameters
+    and persistent buffers); ``None`` where it walks the parameters as
+    0.32/0.33 do (:mod:`weight_checker.hashing.walk`)."""
+    try:
+        weight_checksum = importlib.import_module("vllm.model_executor.model_loader.weight_checksum")
+    except ImportError:
+        return None
+    targets = getattr(weight_checksum, "_iter_checksum_targets", None)
+    return list(targets(model)) if callable(targets) else None
+
+
 def scoped_pairs(worker: Any, include: Iterable[str], prefix: str) -> tuple[list[tuple[str, Any]], dict[str, Any]]:
     """``([(key, tensor)], extra)`` of a worker's scope; ``extra`` holds
     ``lora_slots`` (slot -> adapter name) when ``lora`` is in scope."""
-    from weight_checker.hashing.walk import collect
-
     runner = worker.model_runner
     pairs: list[tuple[str, Any]] = []
     extra: dict[str, Any] = {}
     if "target" in include:
-        from weight_checker.integrations.vllm.worker import vllm_checksum_targets
-
         model = runner.get_model()
         targets = vllm_checksum_targets(model)  # what the running vLLM's own checksum covers
         names, tensors = collect(model if targets is None else targets)
@@ -131,8 +143,6 @@ def scoped_pairs(worker: Any, include: Iterable[str], prefix: str) -> tuple[list
             names, tensors = collect(draft)
             pairs += [(f"{prefix}draft:{n}", t) for n, t in zip(names, tensors, strict=True)]
     if "buffers" in include:
-        from weight_checker.hashing.walk import persistent_buffers
-
         pairs += [(f"{prefix}buffer:{n}", t) for n, t in persistent_buffers(runner.get_model())]
     if "lora" in include:
         manager = getattr(runner, "lora_manager", None)

@@ -12,7 +12,15 @@ import os
 import time
 from typing import Any
 
-from weight_checker.integrations.vllm import logger
+from weight_checker._core import __version__, kernel, last_run, set_threads
+from weight_checker.hashing import blocks as limits
+from weight_checker.hashing.blocks import block_digests
+from weight_checker.hashing.digests import checksum_sized, digest_tensors, reset
+from weight_checker.hashing.walk import collect
+from weight_checker.integrations.vllm import commit_digests, logger
+from weight_checker.integrations.vllm.scope_walk import scoped_pairs, vllm_checksum_targets
+from weight_checker.keys import rank_prefix
+from weight_checker.scope import parse_include, scope_of
 
 _threads_set = False
 
@@ -30,9 +38,8 @@ def worker_prefix(worker: Any) -> str:
         own = getattr(worker, name, None)
         if callable(own):
             return str(own())
+    # vllm: imported where it runs, inside a vLLM worker; the package imports without vLLM.
     from vllm.distributed import parallel_state as ps
-
-    from weight_checker.keys import rank_prefix
 
     pcp = ps.get_pcp_group().rank_in_group if hasattr(ps, "get_pcp_group") else 0
     cfg = worker.parallel_config
@@ -62,8 +69,6 @@ def _set_thread_budget(worker: Any) -> None:
     if _threads_set:
         return
     _threads_set = True
-    from weight_checker import _core
-
     try:
         affinity = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -73,31 +78,12 @@ def _set_thread_budget(worker: Any) -> None:
     except Exception:  # a plugin must never take vLLM down
         logger.exception("weight_checker: cannot size the thread budget; using all cores")
         return
-    _core.set_threads(share)
-
-
-def vllm_checksum_targets(model: Any) -> list[tuple[str, Any]] | None:
-    """The ``(name, tensor)`` pairs the running vLLM's own checksum covers,
-    where vLLM says (its main branch's ``_iter_checksum_targets``: parameters
-    and persistent buffers); ``None`` where it walks the parameters as
-    0.32/0.33 do (:mod:`weight_checker.hashing.walk`)."""
-    import importlib
-
-    try:
-        weight_checksum = importlib.import_module("vllm.model_executor.model_loader.weight_checksum")
-    except ImportError:
-        return None
-    targets = getattr(weight_checksum, "_iter_checksum_targets", None)
-    return list(targets(model)) if callable(targets) else None
+    set_threads(share)
 
 
 def weight_checker_checksums(self: Any) -> dict[str, str]:
     """``{prefix + name: sha256 hex}`` of this worker's model, by the Rust
     core: the tensors vLLM's own checksum covers, under its own key prefix."""
-    import weight_checker
-    from weight_checker import _core
-    from weight_checker.hashing.digests import checksum_sized
-
     _set_thread_budget(self)
     prefix = worker_prefix(self)
     model = self.model_runner.get_model()
@@ -113,9 +99,9 @@ def weight_checker_checksums(self: Any) -> dict[str, str]:
         seconds,
         nbytes / seconds / 1e9 if seconds > 0 else 0.0,
         prefix.rstrip(":"),
-        weight_checker.__version__,
-        weight_checker.kernel(),
-        _core.last_run() or "device tensors staged through pinned host memory",
+        __version__,
+        kernel(),
+        last_run() or "device tensors staged through pinned host memory",
     )
     return digests
 
@@ -125,10 +111,6 @@ def weight_checker_scope_checksums(self: Any, include: Any = None) -> dict[str, 
     of the scope ``include`` (``target``, ``draft``, ``lora``; see
     :mod:`.scope_walk`), plus ``lora_slots`` (slot -> adapter name) when
     adapters are in scope."""
-    from weight_checker.hashing.digests import digest_tensors
-    from weight_checker.integrations.vllm.scope_walk import scoped_pairs
-    from weight_checker.scope import parse_include
-
     scope = parse_include(include)
     _set_thread_budget(self)
     prefix = worker_prefix(self)
@@ -154,20 +136,14 @@ def weight_checker_scope_checksums(self: Any, include: Any = None) -> dict[str, 
 def weight_checker_reset(self: Any, include: Any = None) -> None:
     """Zeroes every tensor the checksum of ``include`` covers, in place (the
     target model when ``include`` is ``None``, as vLLM's ``reset_weights``)."""
-    import weight_checker
-    from weight_checker.integrations.vllm import commit_digests
-
     commit_digests.end()  # what was hashed early no longer holds
     if include is None:
-        weight_checker.reset(self.model_runner.get_model())
+        reset(self.model_runner.get_model())
         scope: tuple[str, ...] = ("target",)
     else:
-        from weight_checker.integrations.vllm.scope_walk import scoped_pairs
-        from weight_checker.scope import parse_include
-
         scope = parse_include(include)
         pairs, _ = scoped_pairs(self, scope, "")
-        weight_checker.reset(pairs)
+        reset(pairs)
     logger.info("weight_checker: %s reset on %s", ", ".join(scope), worker_prefix(self).rstrip(":"))
 
 
@@ -175,6 +151,7 @@ def weight_checker_vllm_reference(self: Any) -> dict[str, str]:
     """vLLM's own built-in digests of this worker's model (its
     ``compute_tensor_digests``, one tensor at a time): lets a deployment check,
     in place, that the plugin's digests are byte-identical."""
+    # vllm: imported where it runs, inside a vLLM worker.
     from vllm.model_executor.model_loader.weight_checksum import compute_tensor_digests
 
     prefix = worker_prefix(self)
@@ -187,16 +164,12 @@ def weight_checker_begin_update_digests(self: Any) -> dict[str, Any]:
     :func:`weight_checker_finish_weight_update` to use. ``{"early": bool,
     "rank": ...}``: false where this vLLM gives nothing to follow (the
     finish then hashes everything)."""
-    from weight_checker.integrations.vllm import commit_digests
-
     _set_thread_budget(self)
     return {"early": commit_digests.begin(), "rank": worker_prefix(self).rstrip(":")}
 
 
 def weight_checker_end_update_digests(self: Any) -> None:
     """Drops this worker's early digests (an update without the flag follows)."""
-    from weight_checker.integrations.vllm import commit_digests
-
     commit_digests.end()
 
 
@@ -212,8 +185,6 @@ def weight_checker_finish_weight_update(self: Any, include: Any = None) -> dict[
     The update is committed first, whatever the hash does: a hash that fails
     after it answers ``{"error": message, "rank": ...}`` (the caller then
     takes a checksum) rather than raising out of a finish that did happen."""
-    from weight_checker.integrations.vllm import commit_digests
-
     session = commit_digests.current()
     if session is not None:
         session.stop_queueing()  # copies made by the finish are still counted
@@ -236,9 +207,6 @@ def _finish_digests(self: Any, include: Any, session: Any) -> dict[str, Any]:
     """The answer of :func:`weight_checker_finish_weight_update`, from the
     same walk as a checksum of ``include``, with the session's early digests
     where they still hold and the rest hashed now."""
-    from weight_checker.hashing.digests import digest_tensors
-    from weight_checker.hashing.walk import collect
-
     _set_thread_budget(self)
     prefix = worker_prefix(self)
     start = time.perf_counter()
@@ -249,9 +217,6 @@ def _finish_digests(self: Any, include: Any, session: Any) -> dict[str, Any]:
         names, tensors = collect(model if targets is None else targets)
         keys = [prefix + n for n in names]
     else:
-        from weight_checker.integrations.vllm.scope_walk import scoped_pairs
-        from weight_checker.scope import parse_include
-
         scope = parse_include(include)
         pairs, more = scoped_pairs(self, scope, prefix)
         keys, tensors = [k for k, _ in pairs], [t for _, t in pairs]
@@ -282,6 +247,7 @@ def weight_checker_dp_sharded(self: Any) -> list[str]:
     flattened with the TP ranks, or spreads whole experts with expert
     parallelism), so its DP ranks are not replicas. Empty for a dense model,
     whose DP replicas are engines of their own with a DP group of one."""
+    # vllm: imported where it runs, inside a vLLM worker.
     from vllm.distributed import parallel_state as ps
 
     if ps.get_dp_group().world_size <= 1:
@@ -301,11 +267,6 @@ def weight_checker_block_digests(self: Any, keys: Any, block_bytes: Any) -> dict
     "shape", "dtype"}}, "errors": {key: why}}``. Only the named tensors are
     read; keys of other ranks are left to their workers. A block size above
     a tensor's size is an error for that key (nothing is hashed then)."""
-    from weight_checker.hashing import blocks as limits
-    from weight_checker.hashing.blocks import block_digests
-    from weight_checker.integrations.vllm.scope_walk import scoped_pairs
-    from weight_checker.scope import scope_of
-
     prefix = worker_prefix(self)
     wanted = [k for k in keys if isinstance(k, str) and k.startswith(prefix)]
     answer: dict[str, Any] = {"rank": prefix.rstrip(":"), "blocks": {}, "errors": {}}
@@ -354,14 +315,12 @@ def patch_worker_class(worker_cls: type) -> None:
     setattr(worker_cls, "weight_checker_finish_weight_update", weight_checker_finish_weight_update)  # noqa: B010
     setattr(worker_cls, "weight_checker_begin_update_digests", weight_checker_begin_update_digests)  # noqa: B010
     setattr(worker_cls, "weight_checker_end_update_digests", weight_checker_end_update_digests)  # noqa: B010
-    from weight_checker.integrations.vllm.commit_digests import ends_session
-
     # Early digests never outlive the update they were taken in.
     for name in ("_start_weight_update", "start_weight_update", "start_draft_weight_update", "reload_weights",
                  "load_model"):  # fmt: skip
         method = worker_cls.__dict__.get(name)
         if callable(method):
-            setattr(worker_cls, name, ends_session(method))
+            setattr(worker_cls, name, commit_digests.ends_session(method))
     missing = [m for m in ("compute_weight_checksums", "reset_weights") if not hasattr(worker_cls, m)]
     if missing:
         logger.info(
