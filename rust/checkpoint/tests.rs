@@ -1,5 +1,8 @@
 //! Tests of the checkpoint reader: header validation and lane windows.
 
+use std::path::PathBuf;
+
+use super::mapped::{MIN_CHUNK_BYTES, READ_AHEAD_TOTAL_BYTES, RESIDENT_BYTES};
 use super::*;
 
 #[test]
