@@ -83,9 +83,9 @@ def main() -> None:
     import torch
     from safetensors.torch import load_file
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from weight_checker.httpclient import post_json
     from weight_checker.testing.gloo_engine import GlooTrainer, GlooTrainerInitInfo
     from weight_checker.testing.launch import free_port, vllm_server
-    from weight_checker.httpclient import post_json
 
     bench = ROOT / ".bench"
     bench.mkdir(exist_ok=True)

@@ -30,7 +30,9 @@ def test_a_circle_and_a_private_import_are_found(tmp_path):
     (pkg / "sub" / "b.py").write_text("def f():\n    from ..a import _hidden\n")
     mods = house.modules(tmp_path)
     private = house.read_imports(mods)
-    assert [(p.importer, p.source, p.name) for p in private] == [("weight_checker.sub.b", "weight_checker.a", "_hidden")]
+    assert [(p.importer, p.source, p.name) for p in private] == [
+        ("weight_checker.sub.b", "weight_checker.a", "_hidden")
+    ]
     assert house.circles(mods) == [["weight_checker.a", "weight_checker.sub.b"]]
 
 
@@ -53,4 +55,6 @@ def test_a_long_rust_file_says_why_it_stays_whole():
         lines = path.read_text().splitlines()
         if len(lines) > RUST_MAX_LINES:
             head = " ".join(lines[:12]).lower()
-            assert "whole" in head, f"{path.relative_to(RUST_ROOT)}: {len(lines)} lines and no word on why it stays whole"
+            assert "whole" in head, (
+                f"{path.relative_to(RUST_ROOT)}: {len(lines)} lines and no word on why it stays whole"
+            )

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 import weight_checker
-from weight_checker.testing.launch import free_port, vllm_available
 from weight_checker.httpclient import request
+from weight_checker.testing.launch import free_port, vllm_available
 
 from . import vllm_checks as checks
 from .cli import run_cli

@@ -8,11 +8,11 @@ from collections.abc import Iterable
 from typing import Any
 
 from weight_checker.errors import DuplicateKeysError, InputError, VerifyError
+from weight_checker.httpclient import clip
 from weight_checker.keys import merge_digests
 from weight_checker.scope import DEFAULT
 from weight_checker.verify.engine_digests import Layout
 from weight_checker.verify.fanout import DEFAULT_CONCURRENCY, NOTHING_TO_PAUSE, EngineSet, Progress
-from weight_checker.httpclient import clip
 
 
 def worker_method(op: str, include: tuple[str, ...]) -> tuple[str, tuple[Any, ...]]:

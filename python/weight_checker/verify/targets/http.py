@@ -7,10 +7,10 @@ from collections.abc import Iterable
 from typing import Any
 
 from weight_checker.errors import HttpError, InputError, VerifyError
+from weight_checker.httpclient import api_key_from_env, clip, post_json, request, validate_url
 from weight_checker.scope import DEFAULT
 from weight_checker.verify.engine_digests import Layout
 from weight_checker.verify.fanout import DEFAULT_CONCURRENCY, EngineSet, Progress
-from weight_checker.httpclient import api_key_from_env, clip, post_json, request, validate_url
 from weight_checker.verify.targets.engines import sharded_names
 
 #: Why a scoped checksum came back without its scope.
