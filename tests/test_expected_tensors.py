@@ -16,7 +16,7 @@ import pytest
 import torch
 import weight_checker
 from weight_checker.errors import ExpectedDigestsError
-from weight_checker.expected import recompute
+from weight_checker.expected import locate, recompute, transforms
 from weight_checker.expected.manifest import ExpectedDigests
 from weight_checker.expected.recompute import TRANSFORMS, can_recompute, expected_tensors
 from weight_checker.testing.launch import vllm_available
@@ -200,13 +200,13 @@ def test_a_key_loads_only_the_weights_that_feed_it_and_falls_back_to_all(models,
     weights = clone(state)
     expected = weight_checker.expected_digests(path, weights, tp=2)
     loads: list[set[str]] = []
-    real = recompute._load_located
+    real = locate.load_located
 
     def recorded(model, model_config, arena, pairs, params, zero):
         loads.append({n for n, _ in pairs})
         return real(model, model_config, arena, pairs, params, zero)
 
-    monkeypatch.setattr(recompute, "_load_located", recorded)
+    monkeypatch.setattr(locate, "load_located", recorded)
     experts = "dp0:pp0:pcp0:tp1:model.layers.1.block_sparse_moe.experts.routed_experts.w13_weight"
     cases = {
         QKV: {f"model.layers.1.self_attn.{p}_proj.weight" for p in "qkv"},
@@ -224,7 +224,7 @@ def test_a_key_loads_only_the_weights_that_feed_it_and_falls_back_to_all(models,
     got = expected_tensors(expected, [QKV], ["dtype-roundtrip:float16", "transposed"])
     assert len(loads) == 2 and set(got[QKV]) == {None, "dtype-roundtrip:float16", "transposed"}
     # A filter that finds the wrong weights: its result fails the digest, the whole rank is loaded.
-    monkeypatch.setattr(recompute, "_feeding", lambda model, names, sources: [{"model.norm.weight"}])
+    monkeypatch.setattr(locate, "feeding", lambda model, names, sources: [{"model.norm.weight"}])
     loads.clear()
     got = expected_tensors(expected, [QKV])
     assert sha(got[QKV][None]) == expected[QKV]
@@ -451,7 +451,7 @@ def test_a_round_trip_gives_nans_the_bits_to_gives_them(src):
         flat[at[::2]] = -float("nan")
         for through in {torch.float16, torch.bfloat16} - {src}:
             want = x.to(through).to(src)
-            got = recompute._round_trip(x, through)
+            got = transforms._round_trip(x, through)
             assert torch.equal(want.view(-1).view(torch.uint8), got.contiguous().view(-1).view(torch.uint8)), (
                 shape,
                 through,
@@ -461,7 +461,7 @@ def test_a_round_trip_gives_nans_the_bits_to_gives_them(src):
 def test_a_transposed_candidate_is_a_tensor_of_its_own_even_for_a_column_major_weight():
     # Its transpose would be the weight's own memory, which the trainer may write.
     w = torch.randn(8, 8).t().contiguous().t()
-    got = recompute._transformed("transposed", w)
+    got = transforms.transformed("transposed", w)
     assert torch.equal(got, w.t()) and got.is_contiguous()
     assert got.untyped_storage().data_ptr() != w.untyped_storage().data_ptr()
 

@@ -173,7 +173,8 @@ class DeferredWrites(TorchFunctionMode):
             return None
         return self._starts[i]
 
-    def _replay(self, start: int) -> None:
+    def replay(self, start: int) -> None:
+        """Writes the pending pieces of the parameter at ``start`` into the arena."""
         import torch
 
         for piece in self.pending.pop(start, []):
@@ -186,10 +187,15 @@ class DeferredWrites(TorchFunctionMode):
                     region.view(piece.dtype).view(piece.shape).copy_(piece.source)
             self.replayed_bytes += piece.nbytes
 
+    def release(self) -> None:
+        """Drops the pending pieces and the weights noted: nothing here keeps the weights alive any longer."""
+        self.pending.clear()
+        self._sources.clear()
+
     def flush(self) -> None:
         """Replay every pending write; later writes in this load are real."""
         for start in list(self.pending):
-            self._replay(start)
+            self.replay(start)
         self._passthrough = True
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -260,7 +266,7 @@ class DeferredWrites(TorchFunctionMode):
                 if name == "zero_" or _zero(value):
                     self.pending.setdefault(start, []).append(_Piece(offset, dst.nbytes, dst.shape, dst.dtype, None))
                     return True
-        self._replay(start)
+        self.replay(start)
         self._real.add(start)
         return False
 
@@ -297,12 +303,12 @@ class DeferredWrites(TorchFunctionMode):
         deferred: dict[int, list[_Piece]] = {}
         for start in {s for s in whole if s is not None and s in self.pending}:
             pieces = self.tiled(start, span[start] - start)
-            if pieces is not None and all(p.source is None or _rows_contiguous(p.source) for p in pieces):
+            if pieces is not None and all(p.source is None or rows_contiguous(p.source) for p in pieces):
                 deferred[start] = pieces
             elif pieces is not None and len(pieces) == 1 and pieces[0].source is not None:
                 deferred[start] = pieces  # one piece of any layout: hashed now, from where it lies
         for start in [s for s in self.pending if s not in deferred]:
-            self._replay(start)  # hashed from the arena, so its bytes must be there
+            self.replay(start)  # hashed from the arena, so its bytes must be there
         now: list[int] = []
         sources: list[Any] = []
         for i, at in enumerate(whole):
@@ -310,7 +316,7 @@ class DeferredWrites(TorchFunctionMode):
             if pieces is None:
                 now.append(i)
                 sources.append(tensors[i])
-            elif len(pieces) == 1 and pieces[0].source is not None and not _rows_contiguous(pieces[0].source):
+            elif len(pieces) == 1 and pieces[0].source is not None and not rows_contiguous(pieces[0].source):
                 pieces[0].check()
                 now.append(i)
                 sources.append(pieces[0].source)
@@ -320,12 +326,11 @@ class DeferredWrites(TorchFunctionMode):
         hexes, _ = digest_tensors([names[i] for i in now], sources)
         # Nothing here keeps the weights alive any longer (a checkpoint's
         # mapping is released when the call ends, not at the next collection).
-        self.pending.clear()
-        self._sources.clear()
+        self.release()
         return {prefix + names[i]: h for i, h in zip(now, hexes, strict=True)}
 
 
-def _rows_contiguous(t: Any) -> bool:
+def rows_contiguous(t: Any) -> bool:
     """Whether ``t``'s rows are contiguous (a ``MultiHasher`` reads them in place)."""
     return bool(t.is_contiguous() or (t.dim() >= 1 and t.stride(-1) == 1))
 

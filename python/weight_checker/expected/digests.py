@@ -26,28 +26,28 @@ narrows a zero-copy view, so a rank touches only the pages of its shard
 
 from __future__ import annotations
 
-import contextlib
-import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from weight_checker.errors import ExpectedDigestsError
 from weight_checker.expected.manifest import ExpectedDigests
-from weight_checker.expected.rank_groups import rank_groups
+from weight_checker.expected.rank import Rank, on_rank
 from weight_checker.expected.rank_model import (
     CACHE,
     DRAFT_ARENA,
+    LOCK,
     TARGET_ARENA,
     build_and_load,
     cache_key,
-    engine_config,
     import_vllm,
     in_a_clean_thread,
+    rank_config,
     refuse_quantized_config,
     unwritten_of,
 )
+from weight_checker.expected.recipe import remember
 from weight_checker.expected.weights import weights_source
 from weight_checker.keys import rank_prefix
 
@@ -56,39 +56,9 @@ if TYPE_CHECKING:  # .deferred needs torch, which `import weight_checker` must n
 
 __all__ = ["ExpectedDigests", "expected_digests"]
 
-#: One call at a time: the arenas and the model cache are the process's.
-_LOCK = threading.Lock()
-
-
-class _Rank:
-    """What one rank gives: keys under its prefix. ``dp_rank`` is 0 but for a
-    MoE model's data-parallel ranks, which hold different experts; a dense
-    model's DP replicas hold their dp0 rank's digests."""
-
-    def __init__(self, pp_rank: int, tp_rank: int, dp_rank: int | None = None):
-        self.pp_rank, self.tp_rank, self.dp_rank = pp_rank, tp_rank, dp_rank or 0
-        self.name = f"pp{pp_rank}:tp{tp_rank}" if dp_rank is None else f"dp{dp_rank}:pp{pp_rank}:tp{tp_rank}"
-        self.prefix = rank_prefix(self.dp_rank, pp_rank, 0, tp_rank)
-        self.digests: dict[str, str] = {}
-        self.unwritten: list[str] = []
-        self._skipped: set[str] = set()
-
-    def add(self, namespace: str, digests: dict[str, str], unwritten: list[str]) -> None:
-        skipped = {self.prefix + namespace + n for n in unwritten}
-        self._skipped |= skipped
-        self.unwritten += sorted(skipped)
-        self.put(digests)
-
-    def put(self, digests: Mapping[str, str]) -> None:
-        """Digests of this rank's keys, less those of unwritten parameters."""
-        for key, digest in digests.items():
-            # A SharedWeightParameter or tensor subclass reports name.{part}.
-            if key.startswith(self.prefix) and key not in self._skipped and key.rsplit(".", 1)[0] not in self._skipped:
-                self.digests[key] = digest
-
 
 def _unwritten(
-    model: Any, loaded: set[str] | None, what: str, rank: _Rank, out: ExpectedDigests, allow: bool
+    model: Any, loaded: set[str] | None, what: str, rank: Rank, out: ExpectedDigests, allow: bool
 ) -> list[str]:
     """The parameters the weights never wrote: an error unless ``allow``."""
     if loaded is None and not any("load_weights does not return" in w for w in out.warnings):
@@ -182,7 +152,7 @@ def expected_digests(
 
         args = lora_engine_arguments(args)
     layout = {name: args.pop(name, 1) for name in ("tp", "pp", "dp")}
-    with _LOCK:
+    with LOCK:
         out = _expected_digests(
             model, weights, tp=layout["tp"], pp=layout["pp"], dp=layout["dp"], dtype=args.pop("dtype", None),
             allow_unwritten=allow_unwritten, progress=progress, enable_lora=bool(args.pop("enable_lora", False)),
@@ -275,7 +245,7 @@ def _expected_digests(
     for dp_rank in range(dp) if moe_dp else [None]:
         for pp_rank in range(pp):
             for tp_rank in range(tp):
-                rank = _Rank(pp_rank, tp_rank, dp_rank)
+                rank = Rank(pp_rank, tp_rank, dp_rank)
                 if progress is not None:
                     progress(rank.name)
                 _target_rank(
@@ -296,8 +266,6 @@ def _expected_digests(
             replica = rank_prefix(d, rank.pp_rank, 0, rank.tp_rank)
             out.update({replica + k[len(rank.prefix) :]: v for k, v in rank.digests.items()})
             out.unwritten += [replica + k[len(rank.prefix) :] for k in rank.unwritten]
-    from weight_checker.expected.recompute import remember
-
     # What expected_tensors needs to recompute these tensors: weak references to the weights, never the weights.
     out._recompute = remember(
         model, weights, checkpoint, key, source, tp=tp, pp=pp, dp=dp, dtype=dtype, engine_args=dict(engine_args),
@@ -327,60 +295,13 @@ def _prepare(
     """vLLM's modules imported and the configuration made (cached): run in a
     clean thread, before any frame that holds the caller's weights runs vLLM's code."""
     import_vllm(lora=lora, draft=draft)
-    return CACHE.config_for(key, lambda: _engine_config(model, tp, pp, dp, dtype, engine_args))
-
-
-def _engine_config(model: Any, tp: int, pp: int, dp: int, dtype: str | None, engine_args: Mapping[str, Any]) -> Any:
-    """vLLM's configuration of each rank: a dense model's DP replicas are
-    independent engines (DP size 1, as vLLM reconfigures them); a MoE model's
-    ranks are configured with the engine's DP size."""
-    config = engine_config(model, tp, pp, dtype, engine_args)
-    if dp > 1 and config.model_config.is_moe:
-        config = engine_config(model, tp, pp, dtype, {**engine_args, "data_parallel_size": dp})
-    return config
-
-
-@contextlib.contextmanager
-def _on_rank(
-    config: Any,
-    vllm_config: Any,
-    model_config: Any,
-    rank: _Rank,
-    tp: int,
-    pp: int,
-    dp: int,
-    cached: Any,
-    lora: bool = False,
-) -> Iterator[None]:
-    """vLLM set up to build and load ``rank``'s model of ``vllm_config`` on
-    the CPU: its parallel state, current config and dtype (and the CPU
-    punica wrapper for LoRA). A model built anew must not meet the layer
-    names registered by an earlier one (the target and draft configs share them)."""
-    from vllm.config import set_current_vllm_config
-
-    from weight_checker.expected.default_dtype import thread_default_dtype
-    from weight_checker.expected.lora import cpu_punica
-
-    if cached is None:
-        config.compilation_config.static_forward_context.clear()
-        moe_layers = getattr(config.compilation_config, "static_all_moe_layers", None)
-        if isinstance(moe_layers, list):
-            moe_layers.clear()
-    moe_dp = config.parallel_config.data_parallel_size > 1
-    with (
-        rank_groups(rank.tp_rank, tp, rank.pp_rank, pp, rank.dp_rank if moe_dp else 0, dp if moe_dp else 1),
-        set_current_vllm_config(vllm_config),
-        # vLLM's set_default_torch_dtype, for this thread only (torch's is the process's).
-        thread_default_dtype(model_config.dtype, factories=False),
-        cpu_punica() if lora else contextlib.nullcontext(),
-    ):
-        yield
+    return CACHE.config_for(key, lambda: rank_config(model, tp, pp, dp, dtype, engine_args))
 
 
 def _target_rank(
     config: Any,
     source: Any,
-    rank: _Rank,
+    rank: Rank,
     tp: int,
     pp: int,
     dp: int,
@@ -397,7 +318,7 @@ def _target_rank(
     model_config = config.model_config
     cached, manager = CACHE.models.get(rank.name, (None, None))
     started = time.perf_counter()
-    with _on_rank(config, config, model_config, rank, tp, pp, dp, cached, lora=enable_lora):
+    with on_rank(config, config, model_config, rank, tp, pp, dp, cached, lora=enable_lora):
         rank_model, loaded, deferred = build_and_load(config, model_config, source, TARGET_ARENA, cached)
         unwritten = _unwritten(rank_model, loaded, "target", rank, out, allow_unwritten)
         if enable_lora and manager is None:
@@ -448,7 +369,7 @@ def _wrapped(model: Any, config: Any) -> tuple[Any, Any]:
 def _draft_rank(
     config: Any,
     source: Any,
-    rank: _Rank,
+    rank: Rank,
     tp: int,
     pp: int,
     dp: int,
@@ -461,7 +382,7 @@ def _draft_rank(
     draft_config, draft_model_config = draft_configs(config)
     cached, _ = CACHE.models.get("draft:" + rank.name, (None, None))
     started = time.perf_counter()
-    with _on_rank(config, draft_config, draft_model_config, rank, tp, pp, dp, cached):
+    with on_rank(config, draft_config, draft_model_config, rank, tp, pp, dp, cached):
         model, loaded, deferred = build_and_load(
             draft_config,
             draft_model_config,

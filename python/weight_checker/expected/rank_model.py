@@ -46,7 +46,7 @@ _UNSET: tuple[Any, ...] = (None, False, "auto", "linear", {}, [])
 _SCALAR = (type(None), bool, int, str, dict, list)
 
 
-class _Arena:
+class Arena:
     """One rank's parameter memory, kept from call to call.
 
     A freshly built model's parameters are untouched allocations, so the
@@ -88,8 +88,8 @@ class _Arena:
 
 
 #: The target's ranks, and the draft's (hashed while the target's are kept).
-TARGET_ARENA = _Arena()
-DRAFT_ARENA = _Arena()
+TARGET_ARENA = Arena()
+DRAFT_ARENA = Arena()
 
 
 class ModelCache:
@@ -114,6 +114,9 @@ class ModelCache:
 
 
 CACHE = ModelCache()
+
+#: One call at a time (``expected_digests``, ``expected_tensors``): the arenas and the model cache are the process's.
+LOCK = threading.Lock()
 
 
 def release_buffers() -> None:
@@ -256,11 +259,21 @@ def engine_config(model: Any, tp: int, pp: int, dtype: str | None, engine_args: 
         raise ExpectedDigestsError(f"vLLM cannot configure this model: {reason}") from e
 
 
+def rank_config(model: Any, tp: int, pp: int, dp: int, dtype: str | None, engine_args: Mapping[str, Any]) -> Any:
+    """vLLM's configuration of each rank: a dense model's DP replicas are
+    independent engines (DP size 1, as vLLM reconfigures them); a MoE model's
+    ranks are configured with the engine's DP size."""
+    config = engine_config(model, tp, pp, dtype, engine_args)
+    if dp > 1 and config.model_config.is_moe:
+        config = engine_config(model, tp, pp, dtype, {**engine_args, "data_parallel_size": dp})
+    return config
+
+
 def build_and_load(
     vllm_config: Any,
     model_config: Any,
     source: WeightsSource,
-    arena: _Arena,
+    arena: Arena,
     model: Any = None,
     **build: Any,
 ) -> tuple[Any, set[str] | None, DeferredWrites]:
@@ -282,28 +295,28 @@ def build_and_load(
     from weight_checker.expected.deferred import DeferredWrites
 
     if model is None:
-        model = in_a_clean_thread(_build, vllm_config, model_config, build)
+        model = in_a_clean_thread(build_model, vllm_config, model_config, build)
     _restore_buffers(model)
     weights = source.read()
     if not weights.stable:
         params = arena.bind(model, zero=True)
         deferred = DeferredWrites(arena.buffer, params)
-        return model, _load(model, model_config, weights, None, deferred), deferred
+        return model, load_weights_into(model, model_config, weights, None, deferred), deferred
     params = arena.bind(model, zero=False)
     tracker = LoadTracker(model)
     for p in params:
         if not tracker.tracked(p):
             p.data.zero_()
     deferred = DeferredWrites(arena.buffer, params)
-    loaded = _load(model, model_config, weights, tracker, deferred)
+    loaded = load_weights_into(model, model_config, weights, tracker, deferred)
     if tracker.incomplete([p for _, p in model.named_parameters()]):
         params = arena.bind(model, zero=True)
         deferred = DeferredWrites(arena.buffer, params)
-        loaded = _load(model, model_config, source.read(), LoadTracker(model), deferred)
+        loaded = load_weights_into(model, model_config, source.read(), LoadTracker(model), deferred)
     return model, loaded, deferred
 
 
-def _build(vllm_config: Any, model_config: Any, build: dict[str, Any]) -> Any:
+def build_model(vllm_config: Any, model_config: Any, build: dict[str, Any]) -> Any:
     """A rank's model, as vLLM builds it on the CPU (the caller set vLLM's
     current config, dtype and rank groups; run in a clean thread)."""
     import torch
@@ -379,9 +392,11 @@ def _tie_as_the_engine_started(model: Any, model_config: Any) -> None:
         raise ExpectedDigestsError(f"vLLM's loader failed on the checkpoint's embeddings: {one_line(e)}") from e
 
 
-def _load(
+def load_weights_into(
     model: Any, model_config: Any, weights: Pass, tracker: LoadTracker | None, deferred: DeferredWrites
 ) -> set[str] | None:
+    """``weights`` fed to ``model``'s own ``load_weights`` under ``tracker``
+    and ``deferred``: the names it says it loaded (``None``: it does not say)."""
     # Only a stable pass's tensors may be read after the loader moves on.
     # No re-tie after the load: vLLM ties the word embeddings again only once,
     # at the engine's start, from its own checkpoint (as the model was built

@@ -109,11 +109,11 @@ class Pass:
 #: What holds its pairs already, and hands out the tensors it holds: a dict
 #: (a state dict), a list, a tuple, a dict's ``items()``. Exact types only: a
 #: subclass may make its items as they are asked for.
-_HELD: tuple[type, ...] = (dict, OrderedDict, list, tuple, type({}.items()), type(OrderedDict().items()))
+HELD: tuple[type, ...] = (dict, OrderedDict, list, tuple, type({}.items()), type(OrderedDict().items()))
 
 
 def _held(weights: Any) -> bool:
-    return type(weights) in _HELD
+    return type(weights) in HELD
 
 
 class WeightsSource:
@@ -125,12 +125,13 @@ class WeightsSource:
     def __init__(self, read: Callable[[], Pass], fresh_per_rank: bool = False, checkpoint: Any = None):
         self.read = read
         self.fresh_per_rank = fresh_per_rank
-        self._checkpoint = checkpoint
+        #: The :class:`CheckpointWeights` read (``None``: the trainer's tensors), whose files a recompute checks.
+        self.checkpoint = checkpoint
 
     def forget_others(self) -> None:
         """Drops the checkpoint mappings kept from earlier calls that this one did not use."""
-        if self._checkpoint is not None:
-            self._checkpoint.forget_others()
+        if self.checkpoint is not None:
+            self.checkpoint.forget_others()
 
 
 def _checkpoint_source(weights: CheckpointWeights) -> WeightsSource:
