@@ -263,14 +263,14 @@ def test_an_expected_block_the_engine_holds_as_zeros_is_scanned_not_hashed():
     # The engine has answered: where it holds zeros, this side's block is
     # scanned: zeros here too are equal (the zeros' digest), anything else
     # differs without being hashed.
-    from weight_checker.verify import explain as ex
+    from weight_checker.verify import explain_blocks as ex
 
     e = weights(1, rows=64, cols=48)
     e[16:32] = 0  # zeros expected here too
     engine = e.clone()
     engine[:32] = 0
     block = block_bytes_for(list(e.shape), 2, target=8)
-    b = ex._Blocks(e, block)
+    b = ex.Blocks(e, block)
     answer = engine_fetch({"k": engine})(["k"], block)
     mine = ex._hash_expected([("k", b)], answer)["k"]
     want = hashlib_blocks(e, block)
@@ -286,7 +286,7 @@ def test_zeros_on_the_engine_are_explained_alike_whenever_its_answer_comes(monke
     # One group (this side hashes all before looking at the answer) or one
     # key a group (the answer is used as soon as it is in): the same ranges
     # and causes, from hashlib's block digests of both sides.
-    from weight_checker.verify import explain as ex
+    from weight_checker.verify import explain_blocks as ex
 
     monkeypatch.setattr(ex, "GROUP_BYTES", group_bytes)
     keys = [f"{TP0}layers.{i}.w" for i in range(4)]
@@ -306,7 +306,7 @@ def test_zeros_on_the_engine_are_explained_alike_whenever_its_answer_comes(monke
         mine, theirs = hashlib_blocks(want[k], block), hashlib_blocks(held[k], block)
         ranges = block_ranges(want[k].nbytes, block)
         differ = [ranges[i] for i in range(len(ranges)) if mine[i] != theirs[i]]
-        assert result.keys[k].ranges == ex._merge(differ), k
+        assert result.keys[k].ranges == ex.merge_ranges(differ), k
         assert result.keys[k].cause == "zeros", k
     assert result.keys[keys[0]].whole and not result.keys[keys[1]].whole
     assert result.keys[keys[2]].where == "rows 0-7 of 64"
@@ -381,12 +381,13 @@ def test_a_candidate_is_tried_on_later_runs_only_where_one_of_the_first_matched(
     block) cost a candidate PROBE_RUNS blocks per key, not one per run;
     where one of those first runs matched, every run is tried and named."""
     from weight_checker.verify import explain as ex
+    from weight_checker.verify import explain_blocks as blocks_mod
 
     old, new = weights(20), weights(21)
     key = TP0 + "w"
     hashed: list[int] = []
-    real = ex._hash_blocks
-    monkeypatch.setattr(ex, "_hash_blocks", lambda pieces: hashed.append(len(pieces)) or real(pieces))
+    real = blocks_mod._hash_blocks
+    monkeypatch.setattr(blocks_mod, "_hash_blocks", lambda pieces: hashed.append(len(pieces)) or real(pieces))
 
     def run(faulty):
         hashed.clear()

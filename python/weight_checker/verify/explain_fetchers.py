@@ -1,0 +1,125 @@
+"""The engine's block digests: how each kind of engine is asked (HTTP route, ``LLM``, ``AsyncLLM``, Ray actor)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from weight_checker.errors import HttpError, VerifyError, WeightCheckerError
+from weight_checker.hashing.blocks import MAX_KEYS
+from weight_checker.httpclient import api_key_from_env, post_json
+from weight_checker.verify.targets.async_engines import AsyncLLMTarget
+from weight_checker.verify.targets.engines import RpcTarget
+from weight_checker.verify.targets.http import HttpTarget
+
+#: ``fetch(keys, block_bytes)`` -> ``{key: {"digests", "nbytes", "shape",
+#: "dtype", "block_bytes"}}``: the engine's block digests of those keys.
+BlockFetcher = Callable[[list[str], int], Mapping[str, Mapping[str, Any]]]
+
+
+def fetch_all(
+    fetch: BlockFetcher, keys: list[str], block_bytes: int
+) -> tuple[dict[str, Mapping[str, Any]], dict[str, str]]:
+    """The engine's block digests of ``keys``, asked :data:`MAX_KEYS` at a
+    time (what the route takes); a request refused is asked again key by
+    key, so that one key (a tensor smaller than expected) hides no other.
+    ``(answers, key -> why refused)``."""
+    answers: dict[str, Mapping[str, Any]] = {}
+    refused: dict[str, str] = {}
+    for at in range(0, len(keys), MAX_KEYS):
+        chunk = keys[at : at + MAX_KEYS]
+        try:
+            answers.update(fetch(chunk, block_bytes))
+            continue
+        except WeightCheckerError as err:
+            if len(chunk) == 1:
+                refused[chunk[0]] = str(err)
+                continue
+        for key in chunk:
+            try:
+                answers.update(fetch([key], block_bytes))
+            except WeightCheckerError as err:
+                refused[key] = str(err)
+    return answers, refused
+
+
+def _merge_answers(answers: Any, source: str) -> dict[str, Mapping[str, Any]]:
+    """One map of every worker's ``weight_checker_block_digests`` answer; an
+    error a worker reports is raised, naming the key."""
+    if not isinstance(answers, list) or not all(isinstance(a, dict) for a in answers):
+        raise VerifyError("block digests", source, f"unexpected answer {str(answers)[:200]}")
+    out: dict[str, Mapping[str, Any]] = {}
+    for answer in answers:
+        errors = answer.get("errors") or {}
+        if errors:
+            key = min(errors)
+            raise VerifyError("block digests", source, f"{key}: {errors[key]}")
+        out.update(answer.get("blocks") or {})
+    return out
+
+
+def llm_fetcher(engine: Any) -> BlockFetcher:
+    """Block digests from an in-process ``vllm.LLM`` (every worker, through
+    ``collective_rpc``; this package's plugin gives the worker method)."""
+
+    def fetch(keys: list[str], block_bytes: int) -> dict[str, Mapping[str, Any]]:
+        try:
+            answers = engine.collective_rpc("weight_checker_block_digests", args=(keys, block_bytes))
+        except Exception as e:  # an engine without the plugin's method, or a worker that failed
+            raise VerifyError("block digests", "in-process engine", f"collective_rpc failed: {e}") from e
+        return _merge_answers(answers, "in-process engine")
+
+    return fetch
+
+
+#: Why a server gives no block digests (vLLM's own route knows only its three actions).
+NO_BLOCK_ROUTE = (
+    "the server's /weight_checker gives no block digests (vLLM's built-in route): start it with "
+    "VLLM_PLUGINS=weight_checker,weight_checker_route to see where in each tensor"
+)
+
+
+def http_fetcher(url: str, *, api_key: str | None = None, timeout: float = 600.0) -> BlockFetcher:
+    """Block digests from a server through this package's route
+    (``{"action": "block_digests", "keys": [...], "block_bytes": B}``)."""
+
+    def fetch(keys: list[str], block_bytes: int) -> dict[str, Mapping[str, Any]]:
+        body = {"action": "block_digests", "keys": keys, "block_bytes": block_bytes}
+        try:
+            answer = post_json(url, "/weight_checker", body, timeout=timeout, api_key=api_key_from_env(api_key))
+        except HttpError as e:
+            own_route = "'action' must be one of" in e.message  # this package's route, too old for it
+            vllms_route = "literal_error" in e.message or "Input should be 'checksum'" in e.message
+            message = NO_BLOCK_ROUTE if (own_route or vllms_route) and e.status == 400 else e.message
+            raise VerifyError("block digests", url, message) from e
+        blocks = answer.get("block_digests") if isinstance(answer, dict) else None
+        if not isinstance(blocks, dict):
+            raise VerifyError("block digests", url, f"unexpected answer {str(answer)[:200]}")
+        return blocks
+
+    return fetch
+
+
+def fetcher_for(target: Any, engine: str) -> BlockFetcher | None:
+    """How to ask ``engine`` of a verify target for block digests: this
+    package's route over HTTP, the worker method over ``collective_rpc`` in
+    process (an ``LLM``, or an ``AsyncLLM`` on its event loop) or on a Ray
+    actor; ``None`` where neither can be reached."""
+    if isinstance(target, HttpTarget):
+        return http_fetcher(engine, api_key=target.api_key, timeout=target.timeout)
+    if isinstance(target, RpcTarget):
+        handle = target.engines[engine]
+
+        def fetch(keys: list[str], block_bytes: int) -> dict[str, Mapping[str, Any]]:
+            answers = handle.rpc("weight_checker_block_digests", (keys, block_bytes), "block digests")
+            return _merge_answers(answers, engine)
+
+        return fetch
+    if isinstance(target, AsyncLLMTarget):
+
+        def fetch_async(keys: list[str], block_bytes: int) -> dict[str, Mapping[str, Any]]:
+            answers = target.rpc(engine, "weight_checker_block_digests", (keys, block_bytes), "block digests")
+            return _merge_answers(answers, engine)
+
+        return fetch_async
+    return None
