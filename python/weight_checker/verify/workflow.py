@@ -66,7 +66,8 @@ class _Run:
         self.result.steps.append(Step(name, seconds, ok, detail, slowest))
 
 
-def _check_digest_map(digests: Mapping[str, str] | None, what: str) -> Mapping[str, str] | None:
+def check_digest_map(digests: Mapping[str, str] | None, what: str) -> Mapping[str, str] | None:
+    """``digests`` checked to be a mapping key -> sha256 hex (``None`` passes); ``what`` names it in the error."""
     if digests is None:
         return None
     if not isinstance(digests, Mapping) or not all(
@@ -84,7 +85,7 @@ def _resolve_expected(expected: Callable[[], Any]) -> Mapping[str, str]:
         raise
     except Exception as e:
         raise VerifyError("expected digests", None, f"{type(e).__name__}: {e}") from e
-    checked = _check_digest_map(digests, "the expected digests callable's result")
+    checked = check_digest_map(digests, "the expected digests callable's result")
     if checked is None:
         raise VerifyError("expected digests", None, "the expected digests callable returned None")
     return checked
@@ -230,9 +231,9 @@ def _run(
     history: Any = (),
 ) -> VerifyResult:
     """The workflow on ``t``, its inputs checked (``name``: the caller, for messages)."""
-    baseline = _check_digest_map(baseline, "baseline")
+    baseline = check_digest_map(baseline, "baseline")
     later = expected if callable(expected) else None
-    expected = None if callable(expected) else _check_digest_map(expected, "expected")
+    expected = None if callable(expected) else check_digest_map(expected, "expected")
     mode = _mode(transfer, baseline, expected if later is None else later, name)
     values: dict[str, Any] = {"expected": expected, "baseline_manifest": baseline}
     run = _Run(t)

@@ -17,7 +17,7 @@ from weight_checker.integrations.vllm.plugin import dev_mode_enabled
 from weight_checker.server import EngineAdapter, mount
 
 
-async def _all_engines(engine_client: Any, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
+async def all_engines(engine_client: Any, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
     """``collective_rpc(method, args=args)`` on every worker of every engine
     behind this API server, flattened. ``engine_client.collective_rpc`` alone
     answers for one engine only under data parallelism."""
@@ -39,19 +39,19 @@ def adapter_for(engine_client: Any) -> EngineAdapter:
     every engine core."""
 
     async def checksums() -> list[dict[str, str]]:
-        return await _all_engines(engine_client, "weight_checker_checksums")
+        return await all_engines(engine_client, "weight_checker_checksums")
 
     async def reset() -> None:
-        await _all_engines(engine_client, "weight_checker_reset")
+        await all_engines(engine_client, "weight_checker_reset")
 
     async def scoped_checksums(include: list[str]) -> list[dict[str, Any]]:
-        return await _all_engines(engine_client, "weight_checker_scope_checksums", (include,))
+        return await all_engines(engine_client, "weight_checker_scope_checksums", (include,))
 
     async def scoped_reset(include: list[str]) -> None:
-        await _all_engines(engine_client, "weight_checker_reset", (include,))
+        await all_engines(engine_client, "weight_checker_reset", (include,))
 
     async def block_digests(keys: list[str], block_bytes: int) -> list[dict[str, Any]]:
-        return await _all_engines(engine_client, "weight_checker_block_digests", (keys, block_bytes))
+        return await all_engines(engine_client, "weight_checker_block_digests", (keys, block_bytes))
 
     return EngineAdapter(
         checksums=checksums,
@@ -76,16 +76,16 @@ def weight_update_routes_for(app: Any, engine_client: Any) -> Any:
         except ImportError:
             record = contextlib.nullcontext()
         with record:
-            return await _all_engines(engine_client, "weight_checker_finish_weight_update", (include,))
+            return await all_engines(engine_client, "weight_checker_finish_weight_update", (include,))
 
     async def set_weight_version(version: str) -> None:
         await engine_client.update_weight_version(version)
 
     async def begin_digests() -> None:
-        await _all_engines(engine_client, "weight_checker_begin_update_digests")
+        await all_engines(engine_client, "weight_checker_begin_update_digests")
 
     async def end_digests() -> None:
-        await _all_engines(engine_client, "weight_checker_end_update_digests")
+        await all_engines(engine_client, "weight_checker_end_update_digests")
 
     return WeightUpdateRoutes(
         app.state.weight_checker_original_routes,
