@@ -94,6 +94,10 @@ class WeightMismatchError(WeightCheckerError):
         self.patterns = list(patterns)
 
 
+class UsageError(WeightCheckerError):
+    """Bad input to the CLI (a flag, a manifest file): one line on stderr, exit 2."""
+
+
 class HttpError(WeightCheckerError):
     """A request that failed: connection, HTTP status or a non-JSON answer."""
 

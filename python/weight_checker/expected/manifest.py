@@ -1,10 +1,16 @@
 """What :func:`weight_checker.expected_digests` returns: the digests, with
-what produced them, as the manifest ``weight-checker expect`` writes."""
+what produced them, as the manifest ``weight-checker expect`` writes; and a
+manifest read back from a file (by the CLI and by the library alike)."""
 
 from __future__ import annotations
 
+import json
+import sys
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
+
+from weight_checker.errors import UsageError
 
 
 class ExpectedDigests(dict[str, str]):
@@ -77,3 +83,42 @@ class ExpectedDigests(dict[str, str]):
             warnings=strings(data.get("warnings")),
             weight_version=str(version) if isinstance(version, (str, int)) and not isinstance(version, bool) else None,
         )
+
+
+def load_expected(path: str) -> ExpectedDigests:
+    """An ``expect`` manifest (or any manifest) as :class:`ExpectedDigests`."""
+    digests = load_manifest(path, [False])
+    try:
+        raw = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        raw = {}
+    return ExpectedDigests.from_manifest(raw if isinstance(raw, dict) else {}, digests)
+
+
+def load_manifest(path: str, stdin_used: list[bool]) -> dict[str, str]:
+    """``{"checksums": {...}}`` or a bare ``{key: hex}`` mapping, from a file or ``-``."""
+    if path == "-":
+        if stdin_used[0]:
+            raise UsageError("only one of BASELINE and CURRENT can be '-'")
+        stdin_used[0] = True
+        text, where = sys.stdin.read(), "<stdin>"
+    else:
+        try:
+            text, where = Path(path).read_text(), path
+        except (OSError, ValueError) as e:  # incl. UnicodeDecodeError, an embedded NUL in the path
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else e
+            raise UsageError(f"{path}: cannot read: {reason}") from e
+    try:
+        data = json.loads(text)
+    except RecursionError as e:
+        raise UsageError(f"{where}: invalid JSON: nested too deeply") from e
+    except ValueError as e:  # JSONDecodeError, or a number too long to convert
+        raise UsageError(f"{where}: invalid JSON: {e}") from e
+    if isinstance(data, dict) and "checksums" in data and set(data) <= ExpectedDigests.FIELDS:
+        data = data["checksums"]
+    if not isinstance(data, dict):
+        raise UsageError(f'{where}: expected {{key: sha256 hex}} or {{"checksums": {{...}}}}')
+    for k, v in data.items():
+        if not isinstance(v, str):
+            raise UsageError(f"{where}: key {k!r:.80}: digest must be a string, got {str(v)[:40]!r}")
+    return data
