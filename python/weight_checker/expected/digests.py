@@ -235,6 +235,7 @@ def _expected_digests(
         out.layout["draft"] = str(draft)
     if buffers:
         out.layout["buffers"] = True
+    # torch: deferred.py imports it; loaded only when expected digests are computed
     from weight_checker.expected.deferred import PendingDigests
 
     later = PendingDigests()
@@ -312,6 +313,7 @@ def _target_rank(
     later: PendingDigests,
     buffers: bool = False,
 ) -> None:
+    # torch: default_dtype.py imports it; loaded only when a rank is built
     from weight_checker.expected.default_dtype import thread_default_dtype
     from weight_checker.expected.lora import add_adapters
 
@@ -359,6 +361,7 @@ def _wrapped(model: Any, config: Any) -> tuple[Any, Any]:
     caller's vLLM config and rank groups, which are the process's)."""
     import torch
 
+    # torch: default_dtype.py imports it; loaded only when a rank is built
     from weight_checker.expected.default_dtype import thread_default_dtype
     from weight_checker.expected.lora import wrap
 

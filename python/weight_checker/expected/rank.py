@@ -61,6 +61,7 @@ def on_rank(
     # vllm and .default_dtype (torch): imported when a rank is built, so `import weight_checker` runs without them.
     from vllm.config import set_current_vllm_config
 
+    # torch: default_dtype.py imports it; loaded only when a rank is built
     from weight_checker.expected.default_dtype import thread_default_dtype
 
     if cached is None:

@@ -292,6 +292,7 @@ def build_and_load(
     arena, so no byte of an earlier load is ever hashed. Other weights are
     read once: the arena is zeroed whole first, and every copy is made as the
     loader reads it."""
+    # torch: deferred.py imports it; loaded only when a rank's weights are loaded
     from weight_checker.expected.deferred import DeferredWrites
 
     if model is None:
@@ -322,6 +323,7 @@ def build_model(vllm_config: Any, model_config: Any, build: dict[str, Any]) -> A
     import torch
     from vllm.model_executor.model_loader.utils import initialize_model
 
+    # torch: default_dtype.py imports it; loaded only when a rank is built
     from weight_checker.expected.default_dtype import thread_default_dtype
 
     try:

@@ -66,6 +66,7 @@ def weight_update_routes_for(app: Any, engine_client: Any) -> Any:
     """The weight-update routes' glue (:mod:`weight_checker.server.weight_update`)
     over vLLM's engine client: every worker of every engine finishes the update
     and hashes its weights in one call (the plugin's worker method)."""
+    # Loaded only where this vLLM has the weight-update API (>= 0.32).
     from weight_checker.server.weight_update import WeightUpdateRoutes
 
     async def finish_and_hash(include: list[str] | None) -> list[dict[str, Any]]:
@@ -122,6 +123,7 @@ class WeightCheckerEndpoint:
     def _attach_weight_update(self, app: Any) -> None:
         """``/update_weights`` and ``/finish_weight_update`` over vLLM's own
         (where this vLLM has them: ≥ 0.32), for digests as each update commits."""
+        # Loaded only where this vLLM has the weight-update API (>= 0.32).
         from weight_checker.server.weight_update import UPDATE, create_weight_update_router, original_routes
 
         originals = original_routes(app)
