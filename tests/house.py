@@ -143,3 +143,34 @@ def report() -> str:
 
 if __name__ == "__main__":
     print(report())
+
+
+#: The package's top-level modules that every room may use: the ground floor.
+GROUND = frozenset({"errors", "tally", "keys", "settings", "scope", "httpclient", "_core"})
+#: Top-level modules kept only as import paths of earlier releases (re-exports).
+KEPT_PATHS = frozenset({"checkpoint", "staging", "vllm", "ray"})
+
+
+def room_of(module: str) -> str:
+    """The room a module is in, as docs/design.md names rooms: ``ground``,
+    ``kept paths``, ``weight_checker`` (the package root), or a subpackage
+    (``hashing/``, ``integrations/vllm/``, ``integrations/`` for the rest)."""
+    parts = module.split(".")[1:]
+    if not parts:
+        return PACKAGE
+    if len(parts) == 1 and parts[0] in GROUND:
+        return "ground"
+    if len(parts) == 1 and parts[0] in KEPT_PATHS:
+        return "kept paths"
+    if parts[0] == "integrations" and len(parts) > 1 and parts[1] == "vllm":
+        return "integrations/vllm/"
+    return f"{parts[0]}/"
+
+
+def room_imports(mods: dict[str, Module]) -> dict[str, set[str]]:
+    """``{room: the other rooms its modules import}`` (call :func:`read_imports` first)."""
+    out: dict[str, set[str]] = {}
+    for module in mods.values():
+        here = room_of(module.name)
+        out.setdefault(here, set()).update(room_of(i) for i in module.imports if room_of(i) != here)
+    return out

@@ -58,3 +58,29 @@ def test_a_long_rust_file_says_why_it_stays_whole():
             assert "whole" in head, (
                 f"{path.relative_to(RUST_ROOT)}: {len(lines)} lines and no word on why it stays whole"
             )
+
+
+DESIGN = Path(__file__).resolve().parent.parent / "docs" / "design.md"
+
+
+def documented_floors() -> dict[str, set[str]]:
+    """docs/design.md's table of floors: ``{room: the rooms it may import}``."""
+    text = DESIGN.read_text()
+    table = text[text.index("### The floors") : text.index("### The rooms")]
+    floors: dict[str, set[str]] = {}
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 3 or not cells[0].startswith("`"):
+            continue
+        floors[cells[0].strip("`")] = {w.strip("`") for w in cells[1].split()}
+    return floors
+
+
+def test_each_room_imports_only_the_floors_design_md_gives_it():
+    mods = house.modules()
+    house.read_imports(mods)
+    floors = documented_floors()
+    actual = house.room_imports(mods)
+    assert set(actual) == set(floors), "a room missing from docs/design.md's floors, or one that is gone"
+    beyond = {room: sorted(used - floors[room]) for room, used in actual.items() if used - floors[room]}
+    assert beyond == {}, f"imports above what docs/design.md allows: {beyond}"
