@@ -10,9 +10,9 @@ PY := .venv/bin/python
 env:
 	scripts/dev-env.sh
 
-## .venv only (no vLLM 0.31 environment): what the demo needs.
+## .venv only (no vLLM 0.31 or SGLang environment): what the demo needs.
 env-main:
-	WEIGHT_CHECKER_NO_VLLM031=1 scripts/dev-env.sh
+	WEIGHT_CHECKER_NO_VLLM031=1 WEIGHT_CHECKER_NO_SGLANG=1 scripts/dev-env.sh
 
 ## Everything CI runs: lint, Rust tests, the wheel, the Python suite (real vLLM
 ## servers and engines included, every kernel checked against hashlib).

@@ -4,7 +4,7 @@
 # vLLM 0.31 (no built-in weight checker), for the version-matrix tests.
 # Idempotent: when the requirement files are unchanged it only rebuilds the
 # package (seconds, cargo is incremental). WEIGHT_CHECKER_NO_VLLM031=1 skips
-# the second environment.
+# the second environment; .venv-sglang (SGLang, over .venv) is made below.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -56,6 +56,25 @@ if [ "${WEIGHT_CHECKER_NO_VLLM031:-0}" != "1" ]; then
     rm -rf target/wheels-dev
     .venv/bin/maturin build --release -q -o target/wheels-dev >/dev/null 2>&1 || { echo "dev-env: maturin build failed" >&2; exit 1; }
     "${pip031[@]}" install --no-deps --force-reinstall target/wheels-dev/*.whl
+fi
+# SGLang 0.5.23 (the SGLang tests' real servers): .venv-sglang, a venv over
+# .venv (a .pth adds .venv's site-packages after its own), so it shares torch
+# 2.13.0, the pinned set and this package (editable), and holds only what SGLang
+# adds, pinned and --no-deps: nothing in .venv changes. WEIGHT_CHECKER_NO_SGLANG=1 skips it.
+if [ "${WEIGHT_CHECKER_NO_SGLANG:-0}" != "1" ]; then
+    sgl=.venv-sglang
+    [ -x $sgl/bin/python ] || "$python" -m venv $sgl
+    main_site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    sgl_site=$($sgl/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    echo "import site; site.addsitedir('$main_site')" > "$sgl_site/zz_weight_checker_main_venv.pth"
+    stamp_sgl=$sgl/.weight-checker-requirements
+    if [ "$(cat "$stamp_sgl" 2>/dev/null)" != "$want" ]; then
+        echo "dev-env: installing SGLang into $sgl" >&2
+        $sgl/bin/python -m pip --disable-pip-version-check -q install --no-deps -r requirements/sglang.txt
+        echo "$want" > "$stamp_sgl"
+    fi
+    $sgl/bin/python -c "import sglang, torch, weight_checker; assert torch.__version__.startswith('2.13.0'), torch.__version__" \
+        || { echo "dev-env: the SGLang environment ($sgl) does not import" >&2; exit 1; }
 fi
 # The HTML report's test (tests/test_rank_map.py) opens the page in a real
 # headless browser: Debian's chromium, installed here when missing and we are
