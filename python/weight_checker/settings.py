@@ -106,6 +106,23 @@ SETTINGS: tuple[Setting, ...] = (
         _switch,
     ),
     Setting(
+        "WEIGHT_CHECKER_SGLANG_PLUGIN",
+        "1, 0 (or true/false, yes/no, on/off)",
+        "1",
+        "0 leaves SGLang's ranks and server as they are (the package installed but unused).",
+        "python",
+        _switch,
+    ),
+    Setting(
+        "WEIGHT_CHECKER_SGLANG_DEV_MODE",
+        "1, 0 (or true/false, yes/no, on/off)",
+        "0",
+        "1 serves `POST /weight_checker` on an SGLang server (SGLang has no dev mode of its own; as vLLM's "
+        "`VLLM_SERVER_DEV_MODE`, the route that resets weights is for development only).",
+        "python",
+        _switch,
+    ),
+    Setting(
         "WEIGHT_CHECKER_DEBUG",
         "1, 0 (or true/false, yes/no, on/off)",
         "0",
@@ -127,6 +144,21 @@ SETTINGS: tuple[Setting, ...] = (
         ".venv-vllm031/bin/python",
         "The vLLM 0.31 environment of the version-matrix tests.",
         "tests",
+    ),
+    Setting(
+        "WEIGHT_CHECKER_SGLANG_PYTHON",
+        "a path to a Python interpreter",
+        ".venv-sglang/bin/python",
+        "The SGLang environment of the SGLang tests (`weight_checker.testing.sglang`).",
+        "tests",
+    ),
+    Setting(
+        "WEIGHT_CHECKER_SGLANG_STARTUP_S",
+        "a positive number (seconds)",
+        "600",
+        "How long `weight_checker.testing.sglang` waits for an SGLang server to become healthy.",
+        "tests",
+        _positive_number,
     ),
     Setting(
         "WEIGHT_CHECKER_URLS",

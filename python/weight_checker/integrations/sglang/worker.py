@@ -1,0 +1,90 @@
+"""What each SGLang rank answers: the Rust core's checksum and reset of the
+tensors SGLang's own weight checker walks, keyed ``dp{d}:pp{p}:pcp0:tp{t}:{name}``.
+
+SGLang already carries a request to every rank and back: ``/weights_checker``
+reaches each scheduler's ``WeightChecker.handle(action, ...)`` and gathers
+one answer per tensor-parallel rank. :func:`handle` wraps that method (an
+around-hook, :mod:`.plugin`) and answers this package's actions itself;
+every other action is SGLang's own. The tensors are the ones SGLang's
+checksum covers: the model's parameters, then its buffers, less the rotary
+caches and the parameters it marks to skip (its own ``_model_state`` and
+``_is_skip_weight_check``, so both walks stay one walk).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from weight_checker.hashing.digests import checksum_sized, reset
+from weight_checker.integrations.sglang import logger
+from weight_checker.keys import rank_prefix
+
+#: The actions this package adds to SGLang's ``WeightChecker.handle``.
+CHECKSUM = "weight_checker.checksum"
+RESET = "weight_checker.reset"
+ACTIONS = (CHECKSUM, RESET)
+
+
+def handle(
+    original: Any,
+    checker: Any,
+    action: str,
+    allow_quant_error: bool = False,
+    skip_tensor_list: list[str] | None = None,
+    *,
+    role: str,
+) -> dict[str, Any] | None:
+    """An around-hook on ``WeightChecker.handle``: this package's actions
+    here, SGLang's own by ``original``."""
+    if action == CHECKSUM:
+        return checksum(checker, role)
+    if action == RESET:
+        reset(walk(checker))
+        logger.info("weight_checker: %s weights reset on %s", role, prefix_of(checker).rstrip(":"))
+        return None
+    return original(checker, action, allow_quant_error, skip_tensor_list, role=role)
+
+
+def prefix_of(checker: Any) -> str:
+    """The rank's key prefix, from the placement SGLang's checker captured
+    (its ``dp_rank`` is ``None`` without data parallelism: 0)."""
+    placement = checker._placement
+    return rank_prefix(placement.get("dp_rank") or 0, placement["pp_rank"], 0, placement["tp_rank"])
+
+
+def walk(checker: Any) -> list[tuple[str, Any]]:
+    """``(name, tensor)`` of what SGLang's own checksum covers, in its order."""
+    # sglang: imported in the scheduler, where SGLang runs; the package imports without it.
+    from sglang.srt.utils.weight_checker import _is_skip_weight_check
+
+    return [(name, t) for name, t in checker._model_state() if not _is_skip_weight_check(name, t, None)]
+
+
+def checksum(checker: Any, role: str) -> dict[str, Any]:
+    """One rank's answer in SGLang's shape (``ChecksumInfo``: ``checksums``,
+    ``per_gpu_checksum``, ``parallelism_info``), with this package's keys
+    and full SHA-256 digests. A draft model's keys carry ``draft:`` after the
+    rank, as on vLLM (SGLang adds its ``{role}.`` in front, which the route
+    takes off)."""
+    # sglang: imported in the scheduler, where SGLang runs.
+    from sglang.srt.utils.weight_checker import overall_checksum
+
+    start = time.perf_counter()
+    prefix = prefix_of(checker) + ("" if role == "target" else "draft:")
+    checksums, nbytes = checksum_sized(walk(checker), prefix)
+    seconds = time.perf_counter() - start
+    logger.info(
+        "weight_checker: %d tensors (%s), %d bytes in %.4f s (%.2f GB/s) on %s by the Rust core",
+        len(checksums),
+        role,
+        nbytes,
+        seconds,
+        nbytes / seconds / 1e9 if seconds > 0 else 0.0,
+        prefix.rstrip(":"),
+    )
+    return {
+        "checksums": checksums,
+        "per_gpu_checksum": overall_checksum(checksums),
+        "parallelism_info": checker._parallelism_info(role=role).model_dump(),
+    }
