@@ -147,6 +147,8 @@ if __name__ == "__main__":
 
 #: The package's top-level modules that every room may use: the ground floor.
 GROUND = frozenset({"errors", "tally", "keys", "settings", "scope", "httpclient", "_core"})
+#: The subpackages of ``integrations/`` that run inside an engine's processes: rooms of their own.
+ENGINE_GLUE = frozenset({"vllm", "sglang"})
 #: Top-level modules kept only as import paths of earlier releases (re-exports).
 KEPT_PATHS = frozenset({"checkpoint", "staging", "vllm", "ray"})
 
@@ -154,7 +156,7 @@ KEPT_PATHS = frozenset({"checkpoint", "staging", "vllm", "ray"})
 def room_of(module: str) -> str:
     """The room a module is in, as docs/design.md names rooms: ``ground``,
     ``kept paths``, ``weight_checker`` (the package root), or a subpackage
-    (``hashing/``, ``integrations/vllm/``, ``integrations/`` for the rest)."""
+    (``hashing/``, ``integrations/vllm/``, ``integrations/sglang/``, ``integrations/`` for the rest)."""
     parts = module.split(".")[1:]
     if not parts:
         return PACKAGE
@@ -162,8 +164,8 @@ def room_of(module: str) -> str:
         return "ground"
     if len(parts) == 1 and parts[0] in KEPT_PATHS:
         return "kept paths"
-    if parts[0] == "integrations" and len(parts) > 1 and parts[1] == "vllm":
-        return "integrations/vllm/"
+    if parts[0] == "integrations" and len(parts) > 1 and parts[1] in ENGINE_GLUE:
+        return f"integrations/{parts[1]}/"
     return f"{parts[0]}/"
 
 
