@@ -25,6 +25,9 @@ BAD = {
     "WEIGHT_CHECKER_GUARD": "perhaps",
     "WEIGHT_CHECKER_DEBUG": "verbose",
     "WEIGHT_CHECKER_VLLM_STARTUP_S": "-5",
+    "WEIGHT_CHECKER_SGLANG_PLUGIN": "sometimes",
+    "WEIGHT_CHECKER_SGLANG_DEV_MODE": "dev",
+    "WEIGHT_CHECKER_SGLANG_STARTUP_S": "0",
 }
 
 
@@ -35,7 +38,8 @@ def env_with(name: str, value: str) -> dict[str, str]:
 
 def test_every_read_variable_has_a_bad_value_here():
     read = {s.name for s in settings.SETTINGS if s.read_by in ("core", "python", "tests")} - {
-        "WEIGHT_CHECKER_VLLM031_PYTHON"  # a path: any value is one
+        "WEIGHT_CHECKER_VLLM031_PYTHON",  # a path: any value is one
+        "WEIGHT_CHECKER_SGLANG_PYTHON",
     }
     assert read == set(BAD)
 
