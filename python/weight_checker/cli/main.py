@@ -24,6 +24,7 @@ from weight_checker import settings
 from weight_checker.cli.files import UsageError
 from weight_checker.cli.offline import DEFAULT_PREFIX, cmd_checksum, cmd_compare, cmd_expect
 from weight_checker.cli.online import EXIT_BAD, EXIT_INTERRUPTED, cmd_replicas, cmd_verify
+from weight_checker.engines import DEFAULT_PAUSE, FAMILIES, PAUSE_MODES
 from weight_checker.errors import SettingsError
 
 DEBUG_ENV = "WEIGHT_CHECKER_DEBUG"
@@ -80,6 +81,7 @@ def _server_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request to each server (default 600)")
     p.add_argument("--concurrency", type=positive, default=32, help="servers asked at once (default 32)")
     p.add_argument("--api-key", metavar="KEY", help="the servers' API key (default: $VLLM_API_KEY)")
+    p.add_argument("--engine", choices=FAMILIES, help="the servers' inference engine (default: read from each server)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -163,7 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("verify", help="run the RL weight-update check against vLLM API servers")
     _server_options(v)
     t = v.add_mutually_exclusive_group()
-    t.add_argument("--transfer", choices=["reload"], help="reload: POST /collective_rpc reload_weights on every server")
+    t.add_argument(
+        "--transfer", choices=["reload"], help="reload: every server loads its checkpoint again (vLLM: /collective_rpc "
+        "reload_weights; SGLang: /update_weights_from_disk)",
+    )  # fmt: skip
     t.add_argument("--transfer-cmd", metavar="CMD", help="shell command that transfers the weights")
     t.add_argument("--wait", action="store_true", help="wait for Enter while the trainer transfers")
     t.add_argument("--baseline", metavar="FILE", help="no pause, reset or transfer: compare the current digests")
@@ -182,6 +187,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--explain", metavar="N", type=_keys_to_explain, default=64,
         help="on a mismatch against expected digests, explain the first N keys: where in each tensor and the likely "
         "cause (default 64; 0: none)",
+    )  # fmt: skip
+    v.add_argument(
+        "--pause", choices=PAUSE_MODES, default=DEFAULT_PAUSE,
+        help="how generation is paused for the check: abort the requests in flight (default), wait for them, or keep "
+        "them to go on after (SGLang: abort or keep)",
     )  # fmt: skip
     f = v.add_mutually_exclusive_group()
     f.add_argument("--fleet", action="store_true", help="the servers are replicas: each compared on its own")

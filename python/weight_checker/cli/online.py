@@ -12,6 +12,7 @@ from typing import Any
 
 from weight_checker.cli.files import UsageError, load_expected, load_manifest
 from weight_checker.cli.report import print_rank_map, print_verify_report, verify_verdict, write_report
+from weight_checker.engines import DEFAULT_PAUSE
 from weight_checker.errors import InputError, VerifyError
 from weight_checker.scope import DEFAULT
 from weight_checker.verify.engine_digests import Layout
@@ -33,6 +34,8 @@ def http_target(
             concurrency=args.concurrency,
             layout=layout,
             include=include,
+            engine=args.engine,
+            pause=getattr(args, "pause", DEFAULT_PAUSE),
         )
     except InputError as e:
         raise UsageError(str(e)) from e
@@ -42,7 +45,7 @@ def transfer_for(args: argparse.Namespace, target: HttpTarget) -> Callable[[], N
     """The transfer step ``--transfer``, ``--transfer-cmd`` or ``--wait`` asks for."""
     if args.transfer == "reload":
 
-        def reload() -> None:  # POST /collective_rpc reload_weights, every server at once
+        def reload() -> None:  # every server loads its checkpoint again, all at once (its family says how)
             target.each("reload", "transfer")
 
         return reload

@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, TypedDict, Unpack
 
+from weight_checker.engines import DEFAULT_PAUSE
 from weight_checker.errors import InputError, InputTypeError, VerifyError
 from weight_checker.scope import DEFAULT, parse_include, scope_of
 from weight_checker.verify.compare import compare
@@ -309,7 +310,12 @@ class VerifyOptions(TypedDict, total=False):
       tensor, and the likely cause (``result.explanation``; see
       :mod:`weight_checker.verify.explain`); nothing is asked on a match;
     - ``history``: the expected digests of previous versions, newest first
-      (or ``(label, digests)`` pairs), for causes like ``version:step-11``.
+      (or ``(label, digests)`` pairs), for causes like ``version:step-11``;
+    - ``engine``: the servers' inference engine, ``"vllm"`` or ``"sglang"``
+      (default: read from each server); URLs only;
+    - ``pause``: how generation is paused, ``"abort"`` (default), ``"wait"``
+      or ``"keep"`` (the requests in flight go on after the resume; SGLang:
+      abort or keep); URLs only.
     """
 
     baseline: Mapping[str, str] | None
@@ -321,6 +327,8 @@ class VerifyOptions(TypedDict, total=False):
     merge: bool
     include: Any
     explain: bool | int
+    engine: str | None
+    pause: str
     history: Any
 
 
@@ -353,6 +361,8 @@ def _prepare(target: Any, options: VerifyOptions, loop: asyncio.AbstractEventLoo
         layout=layout,
         loop=loop,
         include=scope,
+        engine=options.get("engine"),
+        pause=options.get("pause", DEFAULT_PAUSE),
     )
 
 

@@ -23,6 +23,7 @@ import asyncio
 import inspect
 from typing import Any, Protocol
 
+from weight_checker.engines import DEFAULT_PAUSE
 from weight_checker.errors import InputTypeError
 from weight_checker.scope import parse_include
 from weight_checker.verify.engine_digests import EngineDigests, Layout
@@ -80,6 +81,8 @@ def target_for(
     layout: Layout | None = None,
     loop: asyncio.AbstractEventLoop | None = None,
     include: Any = None,
+    engine: str | None = None,
+    pause: str = DEFAULT_PAUSE,
 ) -> Target:
     """The :class:`Target` for ``target``: URL(s), an ``LLM``, an ``AsyncLLM``
     (``loop``: the event loop it runs on), a Ray actor handle, a list of any
@@ -95,8 +98,17 @@ def target_for(
         raise InputTypeError("nothing to verify: an empty list")
     if all(isinstance(t, str) for t in items):
         return HttpTarget(
-            items, api_key=api_key, timeout=timeout, concurrency=concurrency, layout=layout, include=scope
+            items,
+            api_key=api_key,
+            timeout=timeout,
+            concurrency=concurrency,
+            layout=layout,
+            include=scope,
+            engine=engine,
+            pause=pause,
         )
+    if engine is not None or pause != DEFAULT_PAUSE:
+        raise InputTypeError("engine and pause are options of servers (URLs); an in-process engine pauses as it can")
     rpcs = [getattr(t, "collective_rpc", None) for t in items]
     if all(r is not None and inspect.iscoroutinefunction(r) for r in rpcs):
         if loop is None:

@@ -15,14 +15,9 @@ import concurrent.futures
 from collections.abc import Coroutine, Iterable
 from typing import Any
 
+from weight_checker.engines.vllm import sharded_names
 from weight_checker.errors import VerifyError
-from weight_checker.verify.targets.engines import (
-    InProcessTarget,
-    in_process_vllm_version,
-    merge_workers,
-    sharded_names,
-    worker_method,
-)
+from weight_checker.verify.targets.engines import InProcessTarget, in_process_vllm_version, merge_workers, worker_method
 
 
 def run_on_loop(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any], timeout: float | None) -> Any:

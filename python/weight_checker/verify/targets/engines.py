@@ -7,6 +7,7 @@ import sys
 from collections.abc import Iterable
 from typing import Any
 
+from weight_checker.engines.vllm import sharded_names
 from weight_checker.errors import DuplicateKeysError, InputError, VerifyError
 from weight_checker.httpclient import clip
 from weight_checker.keys import merge_digests
@@ -40,13 +41,6 @@ def merge_workers(results: Any, step: str, name: str, slots: dict[str, Any] | No
         return merge_digests(results)
     except DuplicateKeysError as e:
         raise VerifyError(step, name, f"two workers produced the same keys: {e.keys[:5]}") from e
-
-
-def sharded_names(results: Any) -> list[str] | None:
-    """The workers' ``weight_checker_dp_sharded`` answers as one list (``None``: not such answers)."""
-    if not isinstance(results, list) or not all(isinstance(r, list) for r in results):
-        return None
-    return sorted({n for r in results for n in r if isinstance(n, str)})
 
 
 def in_process_vllm_version() -> str | None:

@@ -6,12 +6,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from weight_checker.engines import DEFAULT_PAUSE, FAMILIES, EngineFamily, check_pause_mode, detect, family_named
 from weight_checker.errors import HttpError, InputError, VerifyError
 from weight_checker.httpclient import api_key_from_env, clip, post_json, request, validate_url
 from weight_checker.scope import DEFAULT
 from weight_checker.verify.engine_digests import Layout
 from weight_checker.verify.fanout import DEFAULT_CONCURRENCY, EngineSet, Progress
-from weight_checker.verify.targets.engines import sharded_names
 
 #: Why a scoped checksum came back without its scope.
 IGNORED_SCOPE = (
@@ -22,7 +22,9 @@ IGNORED_SCOPE = (
 
 
 class HttpTarget(EngineSet):
-    """API servers, each by its URL."""
+    """API servers, each by its URL. ``engine``: their family (``vllm``,
+    ``sglang``; default: read from each server, :func:`weight_checker.engines.detect`);
+    ``pause``: how generation is paused (:data:`weight_checker.engines.PAUSE_MODES`)."""
 
     def __init__(
         self,
@@ -34,6 +36,8 @@ class HttpTarget(EngineSet):
         progress: Progress | None = None,
         layout: Layout | None = None,
         include: tuple[str, ...] = DEFAULT,
+        engine: str | None = None,
+        pause: str = DEFAULT_PAUSE,
     ):
         urls = [urls] if isinstance(urls, str) else list(urls)
         if not urls:
@@ -46,6 +50,19 @@ class HttpTarget(EngineSet):
         self.urls = valid
         self.api_key = api_key_from_env(api_key)
         self.timeout = 600.0 if timeout is None else timeout
+        self.pause_mode = check_pause_mode(pause)
+        if engine is not None and engine not in FAMILIES:
+            raise InputError(f"unknown engine {engine!r}: expected {', '.join(FAMILIES)}")
+        self._families: dict[str, EngineFamily] = {u: family_named(engine) for u in valid} if engine else {}
+
+    def family(self, url: str) -> EngineFamily:
+        """The server's engine family: as given, else read from the server once."""
+        if url not in self._families:
+            self._families[url] = detect(self._get, url)
+        return self._families[url]
+
+    def _get(self, url: str, path: str) -> tuple[int, Any]:
+        return request("GET", url, path, timeout=min(self.timeout, 30), api_key=self.api_key)
 
     def _post(self, url: str, path: str, body: Any, step: str) -> Any:
         try:
@@ -54,26 +71,28 @@ class HttpTarget(EngineSet):
             raise VerifyError(step, url, e.message) from e
 
     def _call(self, url: str, op: str, step: str) -> Any:
+        family = self.family(url)
         if op == "pause":
-            return self._post(url, "/pause?mode=abort", None, step)
+            try:
+                return family.pause(self._post, url, self.pause_mode, step)
+            except InputError as e:
+                raise VerifyError(step, url, str(e)) from e
         if op == "resume":
-            return self._post(url, "/resume", None, step)
+            return family.resume(self._post, url, step)
         scope = {"include": list(self.include)} if self.include != DEFAULT else {}
         if op == "reset":
             return self._post(url, "/weight_checker", {"action": "reset", **scope}, step)
         if op == "reload":  # the CLI's --transfer reload
-            return self._post(url, "/collective_rpc", {"method": "reload_weights"}, step)
-        if op == "version":
             try:
-                status, body = request("GET", url, "/version", timeout=min(self.timeout, 30), api_key=self.api_key)
-            except HttpError:
-                return None  # the version is reported where it is known, never fatal
-            return body.get("version") if status == 200 and isinstance(body, dict) else None
+                return family.reload(self._post, self._get, url, step)
+            except InputError as e:
+                raise VerifyError(step, url, str(e)) from e
+        if op == "version":
+            return family.version(self._get, url)
         if op == "weight_version":
-            return self._weight_version(url)
+            return family.weight_version(self._get, url)
         if op == "dp_sharded":
-            answer = self._post(url, "/collective_rpc", {"method": "weight_checker_dp_sharded"}, step)
-            return sharded_names(answer.get("results") if isinstance(answer, dict) else None)
+            return family.dp_sharded(self._post, url, step)
         answer = self._post(url, "/weight_checker", {"action": "checksum", **scope}, step)
         sums = answer.get("checksums") if isinstance(answer, dict) else None
         if not isinstance(sums, dict) or not all(isinstance(v, str) for v in sums.values()):
@@ -83,11 +102,3 @@ class HttpTarget(EngineSet):
                 raise VerifyError(step, url, IGNORED_SCOPE)
             self.lora_slots[url] = answer.get("lora_slots")
         return sums
-
-    def _weight_version(self, url: str) -> str | None:
-        try:
-            status, body = request("GET", url, "/weight_info", timeout=min(self.timeout, 30), api_key=self.api_key)
-        except HttpError:
-            return None
-        version = body.get("weight_version") if status == 200 and isinstance(body, dict) else None
-        return version if isinstance(version, str) else None

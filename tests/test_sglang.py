@@ -1,9 +1,12 @@
-"""This package's route on a real SGLang 0.5.23 server (CPU, the test-only
-kernel stand-in): every rank's digests, against three oracles that do not
-use this package's code: ``hashlib`` over the tensors SGLang's loader makes
-of the checkpoint (tests/sglang_oracle.py), SGLang's own ``/weights_checker``
-(whose value on CPU is the first 16 hex digits of the same SHA-256), and the
-keys SGLang's checker walks. Then reset, compare, bad input and the API key.
+"""This package on a real SGLang 0.5.23 server (CPU, the test-only kernel
+stand-in). The route: every rank's digests, against three oracles that do
+not use this package's code: ``hashlib`` over the tensors SGLang's loader
+makes of the checkpoint (tests/sglang_oracle.py), SGLang's own
+``/weights_checker`` (whose value on CPU is the first 16 hex digits of the
+same SHA-256), and the keys SGLang's checker walks; then reset, compare, bad
+input and the API key. The check: ``weight-checker verify`` and
+``weight_checker.verify`` on an SGLang URL, its family read from the server,
+paused and resumed through SGLang's own calls in the mode asked for.
 
 Two servers, each started once for this module: a Llama at TP=1 (behind an
 API key) and a Qwen2 at TP=2 (q/k/v biases, KV heads split)."""
@@ -11,6 +14,7 @@ API key) and a Qwen2 at TP=2 (q/k/v biases, KV heads split)."""
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import subprocess
 from pathlib import Path
@@ -20,6 +24,7 @@ from weight_checker.integrations.sglang.endpoint import rank_digests
 from weight_checker.testing.sglang.launch import sglang_python, sglang_server
 from weight_checker.testing.sglang.models import write_tiny_sglang_model
 
+from .cli import run_cli
 from .sglang_oracle import rank_tensors, sha256
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -178,3 +183,76 @@ def test_a_draft_models_keys_lose_the_role_sglang_puts_in_front():
     ]
     assert rank_digests(ranks) == [{"dp0:pp0:pcp0:tp1:w": "a" * 64, "dp0:pp0:pcp0:tp1:draft:w": "b" * 64}]
     assert rank_digests([]) == []
+
+
+def restore(server) -> None:
+    """The server's weights loaded again from its checkpoint (after a check that left them reset)."""
+    status, body = server.post("/update_weights_from_disk", {"model_path": server.model})
+    assert status == 200 and body["success"], body
+
+
+def cli_verify(server, *args: str):
+    key = ["--api-key", server.api_key] if server.api_key else []
+    return run_cli("verify", "--url", server.url, *key, *args)
+
+
+@needs_sglang
+@pytest.mark.parametrize("pause", ["abort", "keep"])
+def test_verify_with_a_reload_matches_on_sglang_in_either_pause_mode(sglang, pause):
+    before = ours(sglang)
+    done = cli_verify(sglang, "--transfer", "reload", "--pause", pause)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "MATCH" in done.stdout and f"{len(before)} keys" in done.stdout, done.stdout
+    assert ours(sglang) == before
+    status, body = sglang.get("/model_info")
+    assert status == 200 and body["model_path"] == sglang.model
+    generates(sglang)
+
+
+@needs_sglang
+def test_a_transfer_that_did_nothing_is_every_key_untouched_since_reset(sglang):
+    before = ours(sglang)
+    try:
+        done = cli_verify(sglang, "--transfer-cmd", "true", "--json")
+        assert done.returncode == 1, done.stdout + done.stderr
+        report = json.loads(done.stdout)
+        assert report["match"] is False
+        assert sorted(report["classes"]["untouched-since-reset"]) == sorted(before)
+    finally:
+        restore(sglang)
+    assert ours(sglang) == before
+    generates(sglang)
+
+
+@needs_sglang
+def test_the_library_reads_the_engine_from_the_server_and_verifies(sglang):
+    import weight_checker
+    from weight_checker.verify.targets.http import HttpTarget
+
+    assert HttpTarget(sglang.url, api_key=sglang.api_key).family(sglang.url).name == "sglang"
+    result = weight_checker.verify(
+        sglang.url, lambda: restore(sglang), api_key=sglang.api_key, pause="keep", engine="sglang"
+    )
+    assert result.match and not result.mismatches, result.to_json()
+    generates(sglang)
+
+
+@needs_sglang
+def test_a_pause_mode_sglang_lacks_is_refused_in_one_line_and_nothing_is_left_paused(sglang):
+    before = ours(sglang)
+    done = cli_verify(sglang, "--transfer", "reload", "--pause", "wait")
+    assert done.returncode == 2, done.stdout + done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert "SGLang has no 'wait' pause" in last and "Traceback" not in done.stderr, done.stderr
+    assert ours(sglang) == before
+    generates(sglang)
+
+
+@needs_sglang
+def test_forcing_the_wrong_engine_fails_at_the_pause_and_changes_nothing(sglang):
+    before = ours(sglang)
+    done = cli_verify(sglang, "--transfer", "reload", "--engine", "vllm")
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "pause" in done.stderr.strip().splitlines()[-1], done.stderr
+    assert ours(sglang) == before
+    generates(sglang)

@@ -1,0 +1,64 @@
+"""SGLang's servers: paused and resumed by ``/pause_generation`` and
+``/continue_generation``, reloaded by ``/update_weights_from_disk`` (the
+checkpoint it runs, read at ``/model_info``), its version at
+``/server_info`` and its weight version at ``/model_info``.
+
+SGLang's pause modes: ``abort`` (the requests in flight are aborted),
+``in_place`` (they stay where they are and go on after the resume: this
+package's ``keep``) and ``retract`` (they go back to the queue and are
+recomputed). It has no ``wait``; a check asked to wait on SGLang is refused."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from weight_checker.engines.family import Get, Post
+from weight_checker.errors import HttpError, InputError
+
+#: This package's pause modes in SGLang's words.
+SGLANG_MODES = {"abort": "abort", "keep": "in_place"}
+
+
+class SGLangFamily:
+    name = "sglang"
+    pause_modes: tuple[str, ...] = tuple(SGLANG_MODES)
+
+    def pause(self, post: Post, url: str, mode: str, step: str) -> Any:
+        if mode not in SGLANG_MODES:
+            raise InputError(f"SGLang has no {mode!r} pause: use {' or '.join(SGLANG_MODES)}")
+        return post(url, "/pause_generation", {"mode": SGLANG_MODES[mode]}, step)
+
+    def resume(self, post: Post, url: str, step: str) -> Any:
+        return post(url, "/continue_generation", {}, step)
+
+    def reload(self, post: Post, get: Get, url: str, step: str) -> Any:
+        # The checkpoint the server runs now (after an earlier update from disk, that one), as SGLang says.
+        try:
+            status, body = get(url, "/model_info")
+        except HttpError as e:
+            raise InputError(f"{url}: cannot read the model it serves: {e.message}") from e
+        path = body.get("model_path") if status == 200 and isinstance(body, dict) else None
+        if not isinstance(path, str):
+            raise InputError(f"{url}: /model_info names no model_path")
+        answer = post(url, "/update_weights_from_disk", {"model_path": path}, step)
+        if isinstance(answer, dict) and answer.get("success") is False:
+            raise InputError(f"{url}: update_weights_from_disk: {answer.get('message')}")
+        return answer
+
+    def version(self, get: Get, url: str) -> str | None:
+        # What the version is compared with today: the vLLM version that computed expected digests.
+        return None
+
+    def weight_version(self, get: Get, url: str) -> str | None:
+        try:
+            status, body = get(url, "/model_info")
+        except HttpError:
+            return None
+        version = body.get("weight_version") if status == 200 and isinstance(body, dict) else None
+        return version if isinstance(version, str) else None
+
+    def dp_sharded(self, post: Post, url: str, step: str) -> list[str] | None:
+        return None  # not told: the classes then read replicas from the keys alone
+
+
+SGLANG = SGLangFamily()
