@@ -196,23 +196,29 @@ def start_server(
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
     server = Server(f"http://127.0.0.1:{port}", str(model), log, proc, api_key)
+    wait_until_healthy(server, "vLLM", STARTUP_TIMEOUT_S, health_timeout=2, poll=0.25)
+    return server
+
+
+def wait_until_healthy(server: Server, name: str, limit_s: float, *, health_timeout: float, poll: float) -> None:
+    """Returns once ``GET /health`` answers 200; stops the server (its whole
+    group) and raises, with the log's end, if it exits or ``limit_s`` passes first."""
     try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        deadline = time.monotonic() + limit_s
         while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited with {proc.returncode}:\n{server.log_text()[-4000:]}")
+            if server.proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with {server.proc.returncode}:\n{server.log_text()[-4000:]}")
             try:
-                if server.get("/health", timeout=2)[0] == 200:
-                    break
+                if server.get("/health", timeout=health_timeout)[0] == 200:
+                    return
             except HttpError:
                 pass
             if time.monotonic() > deadline:
-                raise RuntimeError(f"vLLM not healthy after {STARTUP_TIMEOUT_S}s:\n{server.log_text()[-4000:]}")
-            time.sleep(0.25)
+                raise RuntimeError(f"{name} not healthy after {limit_s}s:\n{server.log_text()[-4000:]}")
+            time.sleep(poll)
     except BaseException:
-        stop(proc)
+        stop(server.proc)
         raise
-    return server
 
 
 @contextlib.contextmanager

@@ -18,13 +18,11 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from weight_checker import settings
-from weight_checker.errors import HttpError
-from weight_checker.testing.launch import Server, ci, free_port, stop
+from weight_checker.testing.launch import Server, ci, free_port, wait_until_healthy
 from weight_checker.testing.sglang import STANDIN_DIR
 
 STARTUP_TIMEOUT_S = settings.get("WEIGHT_CHECKER_SGLANG_STARTUP_S") or 600.0
@@ -87,23 +85,8 @@ def start_sglang_server(
             cmd, stdout=out, stderr=subprocess.STDOUT, env=sglang_env(tp, env), start_new_session=True
         )
     server = Server(f"http://127.0.0.1:{port}", str(model), log, proc, api_key)
-    try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"SGLang exited with {proc.returncode}:\n{server.log_text()[-4000:]}")
-            try:
-                # /health runs a one-token generation: ready means it can serve.
-                if server.get("/health", timeout=10, api_key=None)[0] == 200:
-                    break
-            except HttpError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"SGLang not healthy after {STARTUP_TIMEOUT_S}s:\n{server.log_text()[-4000:]}")
-            time.sleep(0.5)
-    except BaseException:
-        stop(proc)
-        raise
+    # /health runs a one-token generation: ready means it can serve.
+    wait_until_healthy(server, "SGLang", STARTUP_TIMEOUT_S, health_timeout=10, poll=0.5)
     return server
 
 
