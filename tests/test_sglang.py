@@ -40,10 +40,11 @@ SERVERS = {"llama-tp1": ("llama", 1, KEY), "qwen2-tp2": ("qwen2", 2, None)}
 
 
 @pytest.fixture(scope="module", params=list(SERVERS))
-def sglang(request, tmp_path_factory):
+def sglang(request, tmp_path_factory, models):
     arch, tp, key = SERVERS[request.param]
     root = tmp_path_factory.mktemp(f"sglang-{request.param}")
-    model = write_tiny_sglang_model(root / arch, arch)
+    with models.exclusive():  # transformers' lazy imports race the shared servers' checkpoint writers
+        model = write_tiny_sglang_model(root / arch, arch)
     assert PYTHON is not None
     with sglang_server(model, root / "server.log", PYTHON, tp=tp, api_key=key) as server:
         server.tp = tp  # type: ignore[attr-defined]
@@ -246,6 +247,8 @@ def test_a_pause_mode_sglang_lacks_is_refused_in_one_line_and_nothing_is_left_pa
     assert "SGLang has no 'wait' pause" in last and "Traceback" not in done.stderr, done.stderr
     assert ours(sglang) == before
     generates(sglang)
+    forced = cli_verify(sglang, "--transfer", "reload", "--pause", "wait", "--engine", "sglang")
+    assert forced.returncode == 2 and "SGLang has no 'wait' pause" in forced.stderr, forced.stderr
 
 
 @needs_sglang

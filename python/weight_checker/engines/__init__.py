@@ -41,16 +41,17 @@ def family_named(name: str) -> EngineFamily:
     return _BY_NAME[name]
 
 
-def detect(get: Get, url: str) -> EngineFamily:
+def detect(get: Get, url: str) -> EngineFamily | None:
     """The family of the server at ``url``, read from what it answers: an
     SGLang server describes the model it serves at ``/model_info`` (its
     ``model_path``, whether it ``is_generation``), a path vLLM does not
-    serve. Any other answer, or none, is vLLM's, the family this package
-    served first (so a vLLM server is asked nothing new but one cheap 404)."""
+    serve. Any other answer is vLLM's, the family this package served first
+    (a vLLM server is asked nothing new but one cheap 404). ``None`` where
+    nothing answered: nothing is known yet."""
     try:
         status, body = get(url, "/model_info")
     except HttpError:
-        return family_named("vllm")
+        return None
     if status == 200 and isinstance(body, dict) and "model_path" in body and "is_generation" in body:
         return family_named("sglang")
     return family_named("vllm")

@@ -24,6 +24,8 @@ class EngineFamily(Protocol):
 
     #: ``"vllm"``, ``"sglang"``.
     name: str
+    #: As people write it: ``"vLLM"``, ``"SGLang"``.
+    display: str
     #: The :data:`PAUSE_MODES` this engine has.
     pause_modes: tuple[str, ...]
 

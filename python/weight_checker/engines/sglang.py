@@ -21,6 +21,7 @@ SGLANG_MODES = {"abort": "abort", "keep": "in_place"}
 
 class SGLangFamily:
     name = "sglang"
+    display = "SGLang"
     pause_modes: tuple[str, ...] = tuple(SGLANG_MODES)
 
     def pause(self, post: Post, url: str, mode: str, step: str) -> Any:

@@ -12,6 +12,7 @@ from weight_checker.errors import HttpError
 
 class VLLMFamily:
     name = "vllm"
+    display = "vLLM"
     #: vLLM's own ``pause_generation`` modes, the same three words.
     pause_modes: tuple[str, ...] = ("abort", "wait", "keep")
 

@@ -6,9 +6,14 @@ reaches each scheduler's ``WeightChecker.handle(action, ...)`` and gathers
 one answer per tensor-parallel rank. :func:`handle` wraps that method (an
 around-hook, :mod:`.plugin`) and answers this package's actions itself;
 every other action is SGLang's own. The tensors are the ones SGLang's
-checksum covers: the model's parameters, then its buffers, less the rotary
+checksum walks: the model's parameters, then its buffers, less the rotary
 caches and the parameters it marks to skip (its own ``_model_state`` and
-``_is_skip_weight_check``, so both walks stay one walk).
+``_is_skip_weight_check``, so both walks stay one walk). Two differences,
+both stricter: a quantized weight and its scale are hashed as they are held
+(SGLang hashes the weight dequantized and drops the scale; expected digests
+refuse quantization anyway), and a buffer that shares a parameter's name is
+kept, not collapsed. The route asks for the target model only (SGLang's
+``selector="target"``); a draft model is not covered yet (docs/sglang.md).
 """
 
 from __future__ import annotations
@@ -64,9 +69,9 @@ def walk(checker: Any) -> list[tuple[str, Any]]:
 def checksum(checker: Any, role: str) -> dict[str, Any]:
     """One rank's answer in SGLang's shape (``ChecksumInfo``: ``checksums``,
     ``per_gpu_checksum``, ``parallelism_info``), with this package's keys
-    and full SHA-256 digests. A draft model's keys carry ``draft:`` after the
-    rank, as on vLLM (SGLang adds its ``{role}.`` in front, which the route
-    takes off)."""
+    and full SHA-256 digests. Were a draft model asked for, its keys would
+    carry ``draft:`` after the rank, as on vLLM (SGLang adds its ``{role}.``
+    in front, which :func:`.endpoint.rank_digests` takes off)."""
     # sglang: imported in the scheduler, where SGLang runs.
     from sglang.srt.utils.weight_checker import overall_checksum
 

@@ -3,6 +3,7 @@ or a fleet of replicas; every step on all of them at once."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 from typing import Any
 
@@ -54,12 +55,35 @@ class HttpTarget(EngineSet):
         if engine is not None and engine not in FAMILIES:
             raise InputError(f"unknown engine {engine!r}: expected {', '.join(FAMILIES)}")
         self._families: dict[str, EngineFamily] = {u: family_named(engine) for u in valid} if engine else {}
+        self._families_lock = threading.Lock()  # the fan-out's threads detect at once
+        if engine is not None and self.pause_mode not in self._families[valid[0]].pause_modes:
+            family = self._families[valid[0]]
+            raise InputError(
+                f"{family.display} has no {self.pause_mode!r} pause: use {' or '.join(family.pause_modes)}"
+            )
 
     def family(self, url: str) -> EngineFamily:
-        """The server's engine family: as given, else read from the server once."""
-        if url not in self._families:
-            self._families[url] = detect(self._get, url)
-        return self._families[url]
+        """The server's engine family: as given, else read from the server
+        (kept once it answered; a server that did not answer is asked again
+        next time, and meanwhile taken for vLLM, as before there were families)."""
+        with self._families_lock:
+            known = self._families.get(url)
+        if known is not None:
+            return known
+        found = detect(self._get, url)
+        if found is None:
+            return family_named("vllm")
+        with self._families_lock:
+            return self._families.setdefault(url, found)
+
+    def pause(self) -> None:
+        """Refuses, before any server is paused, a pause mode one of them lacks."""
+        for url in self.names:
+            family = self.family(url)
+            if self.pause_mode not in family.pause_modes:
+                modes = " or ".join(family.pause_modes)
+                raise VerifyError("pause", url, f"{family.display} has no {self.pause_mode!r} pause: use {modes}")
+        super().pause()
 
     def _get(self, url: str, path: str) -> tuple[int, Any]:
         return request("GET", url, path, timeout=min(self.timeout, 30), api_key=self.api_key)
@@ -71,6 +95,11 @@ class HttpTarget(EngineSet):
             raise VerifyError(step, url, e.message) from e
 
     def _call(self, url: str, op: str, step: str) -> Any:
+        scope = {"include": list(self.include)} if self.include != DEFAULT else {}
+        if op == "reset":  # checksum and reset: one contract on every engine, asked of no family
+            return self._post(url, "/weight_checker", {"action": "reset", **scope}, step)
+        if op == "checksum":
+            return self._checksum(url, scope, step)
         family = self.family(url)
         if op == "pause":
             try:
@@ -79,9 +108,6 @@ class HttpTarget(EngineSet):
                 raise VerifyError(step, url, str(e)) from e
         if op == "resume":
             return family.resume(self._post, url, step)
-        scope = {"include": list(self.include)} if self.include != DEFAULT else {}
-        if op == "reset":
-            return self._post(url, "/weight_checker", {"action": "reset", **scope}, step)
         if op == "reload":  # the CLI's --transfer reload
             try:
                 return family.reload(self._post, self._get, url, step)
@@ -93,6 +119,9 @@ class HttpTarget(EngineSet):
             return family.weight_version(self._get, url)
         if op == "dp_sharded":
             return family.dp_sharded(self._post, url, step)
+        raise ValueError(f"unknown step operation {op!r}")
+
+    def _checksum(self, url: str, scope: dict[str, Any], step: str) -> dict[str, str]:
         answer = self._post(url, "/weight_checker", {"action": "checksum", **scope}, step)
         sums = answer.get("checksums") if isinstance(answer, dict) else None
         if not isinstance(sums, dict) or not all(isinstance(v, str) for v in sums.values()):
