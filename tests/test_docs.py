@@ -118,11 +118,12 @@ def test_no_run_weight_checker_commands_parse(doc):
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
+def workdir(tmp_path_factory, models):
     from weight_checker.testing.models import write_tiny_llama
 
     base = tmp_path_factory.mktemp("docs")
-    write_tiny_llama(base / "ckpt")
+    with models.exclusive():  # transformers' lazy imports race the shared servers' checkpoint writers
+        write_tiny_llama(base / "ckpt")
     return base
 
 
