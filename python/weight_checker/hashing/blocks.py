@@ -111,6 +111,37 @@ def block_digests(
     return out
 
 
+def worker_blocks(named: Sequence[tuple[str, Any]], block_bytes: int, rank: str) -> dict[str, Any]:
+    """One worker's answer to a ``block_digests`` request, whatever the
+    engine: ``{"rank": rank, "blocks": {key: {"digests", "block_bytes",
+    "nbytes", "shape", "dtype"}}, "errors": {key: why}}`` for the ``(key,
+    tensor)`` pairs it holds. A block size above a tensor's size, or one that
+    cuts it into more than :data:`MAX_BLOCKS` blocks, is an error for that
+    key, and then nothing is hashed."""
+    answer: dict[str, Any] = {"rank": rank, "blocks": {}, "errors": {}}
+    for key, tensor in named:
+        nbytes = tensor.numel() * tensor.element_size()
+        if block_bytes > nbytes:
+            answer["errors"][key] = f"block_bytes {block_bytes} is above the tensor's {nbytes} bytes"
+        elif -(-nbytes // block_bytes) > MAX_BLOCKS:
+            answer["errors"][key] = (
+                f"block_bytes {block_bytes} cuts the tensor's {nbytes} bytes into {-(-nbytes // block_bytes)} "
+                f"blocks: at most {MAX_BLOCKS}"
+            )
+    if answer["errors"] or not named:
+        return answer
+    digests = block_digests([t for _, t in named], [int(block_bytes)] * len(named), [k for k, _ in named])
+    for (key, tensor), blocks in zip(named, digests, strict=True):
+        answer["blocks"][key] = {
+            "digests": blocks,
+            "block_bytes": int(block_bytes),
+            "nbytes": tensor.numel() * tensor.element_size(),
+            "shape": list(tensor.shape),
+            "dtype": str(tensor.dtype).removeprefix("torch."),
+        }
+    return answer
+
+
 #: Bytes read from the start of each block to rule it out as all zero: a
 #: real weight's block has a non-zero byte within its first few elements.
 ZERO_PROBE_BYTES = 64

@@ -11,12 +11,13 @@ admin key where one is set, else the API key).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from weight_checker.errors import WeightCheckerError
 from weight_checker.integrations.sglang import logger
-from weight_checker.integrations.sglang.worker import CHECKSUM, RESET
+from weight_checker.integrations.sglang.worker import BLOCKS, BLOCKS_ENTRY, CHECKSUM, RESET
 from weight_checker.server import EngineAdapter, mount
 
 ROUTE = "/weight_checker"
@@ -41,11 +42,12 @@ def adapter_for(check_weights: Callable[[Any], Any]) -> EngineAdapter:
     """The route's engine adapter over ``check_weights(request)``: SGLang's
     ``TokenizerManager.check_weights`` (its fan-out to every rank)."""
 
-    async def ask(action: str) -> list[dict[str, Any]]:
+    async def ask(action: str, args: list[str] | None = None) -> list[dict[str, Any]]:
         # sglang: imported in the server, where SGLang runs; the package imports without it.
         from sglang.srt.managers.io_struct import CheckWeightsReqInput
 
-        success, message, ranks, _ = await check_weights(CheckWeightsReqInput(action=action, selector="target"))
+        request = CheckWeightsReqInput(action=action, selector="target", skip_tensor_list=args)
+        success, message, ranks, _ = await check_weights(request)
         if not success:
             raise WeightCheckerError(f"SGLang's ranks answered {action!r} with: {message}")
         return list(ranks or ())
@@ -56,7 +58,11 @@ def adapter_for(check_weights: Callable[[Any], Any]) -> EngineAdapter:
     async def reset() -> None:
         await ask(RESET)
 
-    return EngineAdapter(checksums=checksums, reset=reset)
+    async def block_digests(keys: list[str], block_bytes: int) -> list[dict[str, Any]]:
+        ranks = await ask(BLOCKS, [str(int(block_bytes)), *keys])
+        return [json.loads(rank["checksums"][BLOCKS_ENTRY]) for rank in ranks]
+
+    return EngineAdapter(checksums=checksums, reset=reset, block_digests=block_digests)
 
 
 def mount_route() -> bool:

@@ -18,9 +18,11 @@ kept, not collapsed. The route asks for the target model only (SGLang's
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
+from weight_checker.hashing.blocks import worker_blocks
 from weight_checker.hashing.digests import checksum_sized, reset
 from weight_checker.integrations.sglang import logger
 from weight_checker.keys import rank_prefix
@@ -28,7 +30,11 @@ from weight_checker.keys import rank_prefix
 #: The actions this package adds to SGLang's ``WeightChecker.handle``.
 CHECKSUM = "weight_checker.checksum"
 RESET = "weight_checker.reset"
-ACTIONS = (CHECKSUM, RESET)
+BLOCKS = "weight_checker.block_digests"
+ACTIONS = (CHECKSUM, RESET, BLOCKS)
+#: The one entry of a rank's ``checksums`` that carries its block digests:
+#: SGLang's answer is ``{str: str}``, so the answer travels as JSON.
+BLOCKS_ENTRY = "weight_checker.blocks"
 
 
 def handle(
@@ -48,6 +54,10 @@ def handle(
         reset(walk(checker))
         logger.info("weight_checker: %s weights reset on %s", role, prefix_of(checker).rstrip(":"))
         return None
+    if action == BLOCKS:
+        # SGLang's request carries one list of strings: the block size, then the keys.
+        size, *keys = skip_tensor_list or ["0"]
+        return blocks(checker, role, keys, int(size))
     return original(checker, action, allow_quant_error, skip_tensor_list, role=role)
 
 
@@ -91,5 +101,21 @@ def checksum(checker: Any, role: str) -> dict[str, Any]:
     return {
         "checksums": checksums,
         "per_gpu_checksum": overall_checksum(checksums),
+        "parallelism_info": checker._parallelism_info(role=role).model_dump(),
+    }
+
+
+def blocks(checker: Any, role: str, keys: list[str], block_bytes: int) -> dict[str, Any]:
+    """Block digests of the named keys this rank holds
+    (:func:`weight_checker.hashing.blocks.worker_blocks`), in SGLang's answer
+    shape: the answer as JSON under :data:`BLOCKS_ENTRY`."""
+    prefix = prefix_of(checker) + ("" if role == "target" else "draft:")
+    wanted = [k for k in keys if k.startswith(prefix)]
+    held = dict(walk(checker)) if wanted else {}
+    named = [(k, held[k[len(prefix) :]]) for k in wanted if k[len(prefix) :] in held]
+    answer = worker_blocks(named, block_bytes, prefix.rstrip(":"))
+    return {
+        "checksums": {BLOCKS_ENTRY: json.dumps(answer)},
+        "per_gpu_checksum": "",
         "parallelism_info": checker._parallelism_info(role=role).model_dump(),
     }

@@ -13,8 +13,7 @@ import time
 from typing import Any
 
 from weight_checker._core import __version__, kernel, last_run, set_threads
-from weight_checker.hashing import blocks as limits
-from weight_checker.hashing.blocks import block_digests
+from weight_checker.hashing.blocks import worker_blocks
 from weight_checker.hashing.digests import checksum_sized, digest_tensors, reset
 from weight_checker.hashing.walk import collect
 from weight_checker.integrations.vllm import commit_digests, logger
@@ -269,35 +268,13 @@ def weight_checker_block_digests(self: Any, keys: Any, block_bytes: Any) -> dict
     a tensor's size is an error for that key (nothing is hashed then)."""
     prefix = worker_prefix(self)
     wanted = [k for k in keys if isinstance(k, str) and k.startswith(prefix)]
-    answer: dict[str, Any] = {"rank": prefix.rstrip(":"), "blocks": {}, "errors": {}}
     if not wanted:
-        return answer
+        return worker_blocks([], block_bytes, prefix.rstrip(":"))
     _set_thread_budget(self)
     scope = sorted({scope_of(k) for k in wanted})
     pairs, _ = scoped_pairs(self, scope, prefix)
     held = dict(pairs)
-    named = [(k, held[k]) for k in wanted if k in held]
-    for key, tensor in named:
-        nbytes = tensor.numel() * tensor.element_size()
-        if block_bytes > nbytes:
-            answer["errors"][key] = f"block_bytes {block_bytes} is above the tensor's {nbytes} bytes"
-        elif -(-nbytes // block_bytes) > limits.MAX_BLOCKS:
-            answer["errors"][key] = (
-                f"block_bytes {block_bytes} cuts the tensor's {nbytes} bytes into {-(-nbytes // block_bytes)} "
-                f"blocks: at most {limits.MAX_BLOCKS}"
-            )
-    if answer["errors"]:
-        return answer
-    digests = block_digests([t for _, t in named], [int(block_bytes)] * len(named), [k for k, _ in named])
-    for (key, tensor), blocks in zip(named, digests, strict=True):
-        answer["blocks"][key] = {
-            "digests": blocks,
-            "block_bytes": int(block_bytes),
-            "nbytes": tensor.numel() * tensor.element_size(),
-            "shape": list(tensor.shape),
-            "dtype": str(tensor.dtype).removeprefix("torch."),
-        }
-    return answer
+    return worker_blocks([(k, held[k]) for k in wanted if k in held], int(block_bytes), prefix.rstrip(":"))
 
 
 def patch_worker_class(worker_cls: type) -> None:
