@@ -106,15 +106,21 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_checksum)
 
     e = sub.add_parser(
-        "expect", help="the digests every rank must hold after loading a checkpoint (vLLM's own loader, on the CPU)"
-    )
+        "expect", help="the digests every rank must hold after loading a checkpoint (vLLM's or SGLang's own loader, "
+        "on the CPU)"
+    )  # fmt: skip
     e.add_argument(
         "checkpoint", metavar="CKPT", nargs="?", help="model directory: config.json and *.safetensors "
         "(with --server: the weights; default: the server's model)"
     )  # fmt: skip
     e.add_argument(
-        "--server", metavar="URL", help="the engine of this running (dev-mode) vLLM server: its model, dtype, layout, "
-        "config overrides, LoRA settings and draft read from its /server_info (a flag that contradicts it is an error)"
+        "--server", metavar="URL", help="the engine of this running (dev-mode) vLLM server, or SGLang server: its "
+        "model, dtype, layout, config overrides, LoRA settings and draft read from its /server_info (a flag that "
+        "contradicts it is an error)"
+    )  # fmt: skip
+    e.add_argument(
+        "--engine", choices=FAMILIES, help="the engine whose model classes make the tensors (default: vllm, or the "
+        "--server's)"
     )  # fmt: skip
     e.add_argument("--api-key", metavar="KEY", help="the server's API key, with --server (default: $VLLM_API_KEY)")
     e.add_argument("--tp", type=positive, help="tensor-parallel size (default 1)")

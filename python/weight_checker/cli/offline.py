@@ -95,6 +95,7 @@ def cmd_expect(args: argparse.Namespace) -> int:
             weight_version=args.weight_version,
             like=args.server,
             buffers=args.buffers,
+            engine=args.engine,
             **lora_settings,
             **({"enable_expert_parallel": True} if args.enable_expert_parallel else {}),
             **({"hf_overrides": args.hf_overrides} if args.hf_overrides is not None else {}),

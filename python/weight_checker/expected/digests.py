@@ -93,6 +93,7 @@ def expected_digests(
     weight_version: str | None = None,
     like: str | None = None,
     buffers: bool = False,
+    engine: str | None = None,
     **engine_args: Any,
 ) -> ExpectedDigests:
     """``{key: hex}`` for every key an engine started with this model and
@@ -128,6 +129,9 @@ def expected_digests(
     ``draft:{name}``. ``weight_version``: the version the engine must claim
     with the weights (checked by ``verify``). ``buffers``: the target's
     persistent buffers too, keys ``buffer:{name}`` (the ``buffers`` scope).
+    ``engine``: ``"vllm"`` (the default) or ``"sglang"``: the engine family
+    whose model classes and loader make the tensors (read from the server
+    with ``like``; :mod:`.sglang_digests` says what SGLang's covers).
 
     Raises :class:`ExpectedDigestsError` naming the tensor, the adapter or the
     reason, and, unless ``allow_unwritten``, when the weights leave a
@@ -136,7 +140,7 @@ def expected_digests(
     """
     given = {
         "tp": tp, "pp": pp, "dp": dp, "dtype": dtype, "enable_lora": enable_lora or bool(loras) or None,
-        "draft": draft, "num_speculative_tokens": num_speculative_tokens, **engine_args,
+        "draft": draft, "num_speculative_tokens": num_speculative_tokens, "engine": engine, **engine_args,
     }  # fmt: skip
     if like is not None:
         from weight_checker.expected.server_config import reconcile, server_engine
@@ -152,6 +156,22 @@ def expected_digests(
 
         args = lora_engine_arguments(args)
     layout = {name: args.pop(name, 1) for name in ("tp", "pp", "dp")}
+    family = args.pop("engine", None) or "vllm"
+    if family not in ("vllm", "sglang"):
+        raise ExpectedDigestsError(f"engine must be 'vllm' or 'sglang', got {family!r}")
+    if family == "sglang":
+        from weight_checker.expected.sglang_digests import sglang_expected_digests
+
+        if loras or draft_weights is not None or buffers:
+            raise ExpectedDigestsError("not covered for an SGLang engine: LoRA adapters, a draft model, buffers")
+        with LOCK:
+            out: ExpectedDigests = sglang_expected_digests(
+                model, weights, tp=layout["tp"], pp=layout["pp"], dp=layout["dp"], dtype=args.pop("dtype", None),
+                allow_unwritten=allow_unwritten, progress=progress, weight_version=weight_version, arguments=args,
+            )  # fmt: skip
+        if like is not None:
+            out.layout["server"] = like
+        return out
     with LOCK:
         out = _expected_digests(
             model, weights, tp=layout["tp"], pp=layout["pp"], dp=layout["dp"], dtype=args.pop("dtype", None),

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from weight_checker.errors import ExpectedDigestsError, HttpError
+from weight_checker.expected.sglang_server import is_sglang_info, sglang_engine
 from weight_checker.httpclient import api_key_from_env, request, validate_url
 
 
@@ -108,6 +109,9 @@ def server_engine(url: str, *, api_key: str | None = None, timeout: float = 60.0
         )
     if status in (401, 403):
         raise ExpectedDigestsError(f"{url}: unauthorized (HTTP {status}): pass the server's API key")
+    if status == 200 and is_sglang_info(body):
+        model, tp, pp, dp, arguments = sglang_engine(url, body)
+        return ServerEngine(url, model, tp, pp, dp, arguments)
     config = _get(body, "vllm_config")
     if status != 200 or not isinstance(config, dict):
         raise ExpectedDigestsError(f"{url}: /server_info did not give a configuration (HTTP {status})")
@@ -126,6 +130,7 @@ def server_engine(url: str, *, api_key: str | None = None, timeout: float = 60.0
     spec = config.get("speculative_config")
     if isinstance(spec, dict):
         _draft_arguments(url, spec, tp, args)
+    args["engine"] = "vllm"
     return ServerEngine(
         url,
         model,

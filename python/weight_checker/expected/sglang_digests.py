@@ -1,0 +1,292 @@
+"""The digests every rank of an SGLang engine must hold, computed through
+SGLang's own model classes and ``load_weights``, rank by rank, on the CPU.
+
+    expected = weight_checker.expected_digests(None, trainer_state, like="http://sglang:30000")
+    expected = weight_checker.expected_digests("ckpt/", tp=2, engine="sglang")
+
+For rank ``tp_rank`` of ``tp``, SGLang's runtime context is built for that
+rank (``create_context``, used only while the model is built and loaded: the
+process's own context, an in-process engine's included, is restored) and its
+tensor-parallel groups are plain ``(rank, size)`` stand-ins (nothing is
+communicated while a model is built and loaded). SGLang itself then pads the
+vocabulary (to 64 rows, or ``64 * tp``), fuses ``qkv_proj`` and
+``gate_up_proj``, splits rows and columns and replicates KV heads. The
+tensors hashed are the ones the plugin hashes in the engine
+(:func:`weight_checker.integrations.sglang.worker.walk`: SGLang's own
+checker's walk), keyed ``dp{d}:pp0:pcp0:tp{t}:{name}``. The model's
+post-load processing is never run: on a GPU it changes no unquantized
+weight, and what it would change is refused (:mod:`.sglang_server`).
+
+SGLang is imported here, in the caller's process, on its CPU engine
+(``SGLANG_USE_CPU_ENGINE=1``, set before the first import); its kernel
+module must import (a GPU host's ``sgl_kernel``; on a CPU-only host a build
+for the CPU, or the test suite's stand-in). A kernel that would repack the
+weights for the CPU (Intel AMX) is refused by name for an engine on the CPU.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from weight_checker.errors import ExpectedDigestsError
+from weight_checker.expected.manifest import ExpectedDigests
+from weight_checker.expected.recipe import pairs_for, read_again, remember
+from weight_checker.expected.sglang_server import SGLANG
+from weight_checker.expected.transforms import transformed
+from weight_checker.expected.weights import weights_source
+from weight_checker.hashing.blocks import flat_bytes
+from weight_checker.hashing.digests import checksum_sized
+from weight_checker.integrations.sglang.plugin import KNOWN_VERSIONS
+from weight_checker.integrations.sglang.worker import walk
+from weight_checker.keys import rank_prefix, split_rank
+
+CPU_ENGINE = "SGLANG_USE_CPU_ENGINE"
+
+
+def import_sglang() -> Any:
+    """SGLang's modules, on its CPU engine; refused in one line where they cannot be."""
+    if "sglang" not in sys.modules:
+        os.environ.setdefault(CPU_ENGINE, "1")
+    if os.environ.get(CPU_ENGINE) != "1":
+        raise ExpectedDigestsError(
+            f"SGLang was imported in this process without {CPU_ENGINE}=1: the expected digests build SGLang's model "
+            "on the CPU; set it before SGLang is first imported"
+        )
+    try:
+        import sglang
+        from sglang.srt import runtime_context
+    except ImportError as e:
+        raise ExpectedDigestsError(
+            f"expected digests for an SGLang engine need SGLang {KNOWN_VERSIONS[0]} here ({e}): pip install "
+            f"sglang=={KNOWN_VERSIONS[0]}"
+        ) from e
+    if sglang.__version__ not in KNOWN_VERSIONS:
+        raise ExpectedDigestsError(
+            f"SGLang {sglang.__version__} is installed here; expected digests know SGLang {', '.join(KNOWN_VERSIONS)}"
+        )
+    return runtime_context
+
+
+class _Group:
+    """A tensor-parallel group as SGLang's layers read it while they are
+    built and loaded: a rank and a size (any other use would communicate)."""
+
+    def __init__(self, rank: int, size: int):
+        self.rank_in_group = self.rank = rank
+        self.world_size = size
+        self.is_first_rank = rank == 0
+        self.is_last_rank = rank == size - 1
+        self.device_group = self.cpu_group = None
+
+    def __getattr__(self, name: str) -> Any:
+        raise ExpectedDigestsError(f"SGLang's model asked its process group for {name!r} while it was built")
+
+
+def server_args(model: str, tp: int, dtype: str | None, revision: str | None) -> Any:
+    from sglang.srt.server_args import ServerArgs
+
+    args = ServerArgs(
+        model_path=model, device="cpu", tp_size=tp, attention_backend="torch_native", dtype=dtype or "auto",
+        revision=revision, disable_cuda_graph=True,
+    )  # fmt: skip
+    args.resolve_once()
+    return args
+
+
+def refuse_repacking(device: str | None) -> None:
+    """An engine on the CPU whose kernel module packs weights for AMX holds
+    them repacked: refused where this host's SGLang would do it too."""
+    from sglang.srt.utils.common import cpu_has_amx_support
+
+    if device == "cpu" and cpu_has_amx_support():
+        raise ExpectedDigestsError(
+            "an SGLang engine on the CPU with sgl_kernel's AMX kernels repacks its weights after loading "
+            "(convert_weight_packed): not reproduced"
+        )
+
+
+def build_rank(args: Any, tp_rank: int, tp: int, pairs: Any) -> tuple[Any, list[str]]:
+    """``(model, names of parameters the weights never wrote)`` of one rank."""
+    runtime_context = sys.modules["sglang.srt.runtime_context"]
+    import torch
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.model_loader.loader import _initialize_model
+    from sglang.srt.model_loader.utils import set_default_torch_dtype
+
+    ranks = runtime_context.SpawnRanks(
+        world_rank=runtime_context.spawn_world_rank(args, tp_rank=tp_rank, pp_rank=0), dp_rank=None, gpu_id=0
+    )
+    context = runtime_context.create_context(args, role="scheduler", ranks=ranks)
+    group = _Group(tp_rank, tp)
+    with runtime_context.use_context(context):
+        with runtime_context.get_parallel().override(
+            pp_group=_Group(0, 1), tp_group=group, moe_tp_group=group, attn_tp_group=group
+        ):
+            model_config = ModelConfig.from_server_args(args)
+            if model_config.quantization is not None:
+                raise ExpectedDigestsError(
+                    f"quantized model ({model_config.quantization}): its post-load processing changes bytes"
+                )
+            with set_default_torch_dtype(model_config.dtype), torch.device("cpu"):
+                model = _initialize_model(model_config, LoadConfig(load_format="auto"), None)
+            params = dict(model.named_parameters())
+            for p in params.values():
+                flat_bytes(p).fill_(SENTINEL)
+            model.load_weights(iter(pairs))
+    # SGLang's loaders write through ``param.data``, which no version counter
+    # sees: a row that still holds the sentinel everywhere was never written.
+    unwritten = [name for name, p in params.items() if _has_unwritten_row(p)]
+    return model, unwritten
+
+
+#: The byte every parameter is filled with before the weights are loaded.
+SENTINEL = 0xA5
+
+
+def _has_unwritten_row(p: Any) -> bool:
+    """Whether some row of ``p`` (an element, for a vector) is the sentinel
+    in every byte: no weight's row is, while a weight the loader skipped, or
+    one part of a fused weight (``k_proj`` of ``qkv_proj``), is."""
+    flat = flat_bytes(p)
+    if flat.numel() == 0:
+        return False
+    rows = flat.reshape(p.shape[0] if p.dim() > 1 else p.numel(), -1)
+    return bool((rows == SENTINEL).all(dim=1).any())
+
+
+class _Checker:
+    """What :func:`~weight_checker.integrations.sglang.worker.walk` reads of SGLang's checker."""
+
+    def __init__(self, model: Any):
+        self.model = model
+
+    def _model_state(self) -> Any:
+        yield from self.model.named_parameters()
+        yield from self.model.named_buffers()
+
+
+class SGLangExpectedDigests(ExpectedDigests):
+    """Expected digests of an SGLang engine; :meth:`tensors` gives the
+    tensors behind them again (the explanation's source), rebuilt from the
+    same weights, which must still be what they were."""
+
+    def tensors(self, keys: Sequence[str], transforms: Sequence[str]) -> dict[str, dict[str | None, Any]]:
+        recipe = self._recompute
+        if recipe is None or recipe.refusal:
+            raise ExpectedDigestsError(
+                f"{', '.join(keys)}: cannot recompute the expected tensors: "
+                f"{getattr(recipe, 'refusal', None) or 'digests read from a manifest'}"
+            )
+        settings = recipe.settings
+        wanted: dict[int, list[str]] = {}
+        for key in keys:
+            if key not in self:
+                raise ExpectedDigestsError(f"{key}: not a key of these expected digests")
+            rank, _ = split_rank(key)
+            wanted.setdefault(int(rank.split(":")[3].removeprefix("tp")), []).append(key)
+        weights = read_again(recipe, list(keys))
+        out: dict[str, dict[str | None, Any]] = {}
+        try:
+            args = server_args(settings["path"], settings["tp"], settings["dtype"], settings["revision"])
+            for tp_rank, rank_keys in sorted(wanted.items()):
+                model, _ = build_rank(args, tp_rank, settings["tp"], pairs_for(weights, None, rank_keys))
+                held = dict(walk(_Checker(model)))
+                for key in rank_keys:
+                    t = held[split_rank(key)[1]].detach()
+                    digests, _ = checksum_sized([("t", t)], "")
+                    if digests["t"] != self[key]:
+                        raise ExpectedDigestsError(
+                            f"{key}: the expected tensors changed since the digests were computed"
+                        )
+                    out[key] = {None: t}
+                    for name in transforms:
+                        candidate = transformed(name, t)
+                        if candidate is not None:
+                            out[key][name] = candidate
+        finally:
+            weights.close()
+        return out
+
+
+def sglang_expected_digests(
+    model: Any,
+    weights: Any,
+    *,
+    tp: int,
+    pp: int,
+    dp: int,
+    dtype: str | None,
+    allow_unwritten: bool,
+    progress: Callable[[str], None] | None,
+    weight_version: str | None,
+    arguments: Mapping[str, Any],
+) -> SGLangExpectedDigests:
+    """:func:`weight_checker.expected_digests` for an SGLang engine
+    (``engine="sglang"``, or ``like=`` an SGLang server)."""
+    unsupported = sorted(k for k, v in arguments.items() if k not in ("device", "revision") and v not in (None, False))
+    if unsupported:
+        raise ExpectedDigestsError(f"not covered for an SGLang engine: {', '.join(unsupported)}")
+    for label, n in (("tp", tp), ("pp", pp), ("dp", dp)):
+        if not isinstance(n, int) or n < 1:
+            raise ExpectedDigestsError(f"{label} must be a positive integer, got {n!r}")
+    if pp != 1:
+        raise ExpectedDigestsError("SGLang pipeline parallelism (pp > 1) is not covered yet")
+    if not isinstance(model, (str, Path)):
+        raise ExpectedDigestsError("an SGLang engine's model is its checkpoint directory (or like=URL)")
+    checkpoint = Path(model)
+    if not (checkpoint / "config.json").is_file():
+        raise ExpectedDigestsError(f"{checkpoint}: no config.json (an SGLang engine's model is a local checkpoint)")
+    source = weights_source(weights, checkpoint if weights is None else None, tp)
+    import_sglang()
+    refuse_repacking(arguments.get("device"))
+    import sglang
+
+    args = server_args(str(checkpoint), tp, dtype, arguments.get("revision"))
+    out = SGLangExpectedDigests(weight_version=weight_version)
+    start = time.perf_counter()
+    for tp_rank in range(tp):
+        name = f"pp0:tp{tp_rank}"
+        if progress is not None:
+            progress(name)
+        model_obj, unwritten = build_rank(args, tp_rank, tp, source.read().pairs)
+        loaded = time.perf_counter()
+        out.seconds["load"] += loaded - start
+        if unwritten and not allow_unwritten:
+            shown = ", ".join(unwritten[:5]) + (" ..." if len(unwritten) > 5 else "")
+            raise ExpectedDigestsError(f"the weights never wrote {len(unwritten)} parameter(s) of {name}: {shown}")
+        skip = set(unwritten)
+        held_dtype = str(next(model_obj.parameters()).dtype).removeprefix("torch.")
+        digests, _ = checksum_sized([(n, t) for n, t in walk(_Checker(model_obj)) if n not in skip], "")
+        for d in range(dp):
+            prefix = rank_prefix(d, 0, 0, tp_rank)
+            out.update({prefix + n: v for n, v in digests.items()})
+            out.unwritten += [prefix + n for n in unwritten]
+        del model_obj
+        start = time.perf_counter()
+        out.seconds["hash"] += start - loaded
+    out.layout = {
+        "tp": tp, "pp": 1, "dp": dp, "dtype": held_dtype, "engine": SGLANG, "sglang_version": sglang.__version__,
+        "architecture": _architecture(checkpoint),
+    }  # fmt: skip
+    out._recompute = remember(
+        checkpoint, weights, checkpoint if weights is None else None, None, source,
+        path=str(checkpoint), tp=tp, dtype=dtype, revision=arguments.get("revision"),
+    )  # fmt: skip
+    source.forget_others()
+    return out
+
+
+def _architecture(checkpoint: Path) -> str | None:
+    import json
+
+    try:
+        archs = json.loads((checkpoint / "config.json").read_text()).get("architectures") or [None]
+    except (OSError, ValueError):
+        return None
+    return str(archs[0]) if archs[0] is not None else None
