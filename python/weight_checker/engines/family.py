@@ -33,8 +33,9 @@ class EngineFamily(Protocol):
 
     def resume(self, post: Post, url: str, step: str) -> Any: ...
 
-    def reload(self, post: Post, get: Get, url: str, step: str) -> Any:
-        """The weights loaded again from the checkpoint the server runs (``--transfer reload``)."""
+    def reload(self, post: Post, get: Get, url: str, step: str, pause_mode: str = "abort") -> Any:
+        """The weights loaded again from the checkpoint the server runs
+        (``--transfer reload``), while it is paused in ``pause_mode``."""
 
     def version(self, get: Get, url: str) -> str | None: ...
 

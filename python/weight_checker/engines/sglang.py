@@ -32,7 +32,7 @@ class SGLangFamily:
     def resume(self, post: Post, url: str, step: str) -> Any:
         return post(url, "/continue_generation", {}, step)
 
-    def reload(self, post: Post, get: Get, url: str, step: str) -> Any:
+    def reload(self, post: Post, get: Get, url: str, step: str, pause_mode: str = "abort") -> Any:
         # The checkpoint the server runs now (after an earlier update from disk, that one), as SGLang says.
         try:
             status, body = get(url, "/model_info")
@@ -41,7 +41,11 @@ class SGLangFamily:
         path = body.get("model_path") if status == 200 and isinstance(body, dict) else None
         if not isinstance(path, str):
             raise InputError(f"{url}: /model_info names no model_path")
-        answer = post(url, "/update_weights_from_disk", {"model_path": path}, step)
+        # Requests kept in place hold their cache: SGLang refuses to flush it
+        # under them (the update then reports a failure), as its own in-place
+        # updates do not flush. Otherwise the prefixes the old weights cached go.
+        body = {"model_path": path, "flush_cache": pause_mode != "keep"}
+        answer = post(url, "/update_weights_from_disk", body, step)
         if isinstance(answer, dict) and answer.get("success") is False:
             raise InputError(f"{url}: update_weights_from_disk: {answer.get('message')}")
         return answer

@@ -22,7 +22,7 @@ class VLLMFamily:
     def resume(self, post: Post, url: str, step: str) -> Any:
         return post(url, "/resume", None, step)
 
-    def reload(self, post: Post, get: Get, url: str, step: str) -> Any:
+    def reload(self, post: Post, get: Get, url: str, step: str, pause_mode: str = "abort") -> Any:
         return post(url, "/collective_rpc", {"method": "reload_weights"}, step)
 
     def version(self, get: Get, url: str) -> str | None:

@@ -110,7 +110,7 @@ class HttpTarget(EngineSet):
             return family.resume(self._post, url, step)
         if op == "reload":  # the CLI's --transfer reload
             try:
-                return family.reload(self._post, self._get, url, step)
+                return family.reload(self._post, self._get, url, step, self.pause_mode)
             except InputError as e:
                 raise VerifyError(step, url, str(e)) from e
         if op == "version":
