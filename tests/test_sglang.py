@@ -21,10 +21,11 @@ from pathlib import Path
 
 import pytest
 from weight_checker.integrations.sglang.endpoint import rank_digests
-from weight_checker.testing.sglang.launch import sglang_python, sglang_server
+from weight_checker.testing.sglang.launch import sglang_env, sglang_python, sglang_server
 from weight_checker.testing.sglang.models import write_tiny_sglang_model
 
 from .cli import run_cli
+from .pause_stress import stress
 from .sglang_oracle import rank_tensors, sha256
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,9 +46,11 @@ def sglang(request, tmp_path_factory, models):
     root = tmp_path_factory.mktemp(f"sglang-{request.param}")
     with models.exclusive():  # transformers' lazy imports race the shared servers' checkpoint writers
         model = write_tiny_sglang_model(root / arch, arch)
+        seed1 = write_tiny_sglang_model(root / f"{arch}-seed1", arch, seed=1)
     assert PYTHON is not None
     with sglang_server(model, root / "server.log", PYTHON, tp=tp, api_key=key) as server:
         server.tp = tp  # type: ignore[attr-defined]
+        server.seed1 = str(seed1)  # type: ignore[attr-defined]
         yield server
 
 
@@ -258,4 +261,146 @@ def test_forcing_the_wrong_engine_fails_at_the_pause_and_changes_nothing(sglang)
     assert done.returncode == 2, done.stdout + done.stderr
     assert "pause" in done.stderr.strip().splitlines()[-1], done.stderr
     assert ours(sglang) == before
+    generates(sglang)
+
+
+def in_sglangs_env(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """``python ARGS`` in SGLang's environment: the trainer side of the
+    SGLang checks imports SGLang (its model classes, its serializer). Its
+    output goes to files, not pipes: a process it leaves behind (torch's
+    shared-memory manager) must not keep this waiting."""
+    import tempfile
+
+    assert PYTHON is not None
+    env = {k: v for k, v in sglang_env(1).items() if k != "WEIGHT_CHECKER_SGLANG_DEV_MODE"}
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        code = subprocess.run([str(PYTHON), *args], env=env, stdout=out, stderr=err, timeout=timeout, cwd=ROOT)
+        out.seek(0), err.seek(0)
+        return subprocess.CompletedProcess(code.args, code.returncode, out.read(), err.read())
+
+
+def sglang_cli(server, *args: str) -> subprocess.CompletedProcess:
+    key = ["--api-key", server.api_key] if server.api_key else []
+    return in_sglangs_env("-m", "weight_checker.cli", *args, *key)
+
+
+@needs_sglang
+def test_block_digests_are_hashlibs_of_each_block_of_the_engines_tensor(sglang):
+    keys, want = [], {}
+    for rank in range(sglang.tp):
+        tensors = rank_tensors(Path(sglang.model), sglang.tp, rank)
+        for name in ("model.embed_tokens.weight", "model.layers.0.self_attn.qkv_proj.weight"):
+            key = f"dp0:pp0:pcp0:tp{rank}:{name}"
+            raw = tensors[name].contiguous().view(-1).view(torch_uint8()).numpy().tobytes()
+            keys.append(key)
+            want[key] = [hashlib.sha256(raw[i : i + 1024]).hexdigest() for i in range(0, len(raw), 1024)]
+    status, body = sglang.post("/weight_checker", {"action": "block_digests", "keys": keys, "block_bytes": 1024})
+    assert status == 200, body
+    assert {k: v["digests"] for k, v in body["block_digests"].items()} == want
+    status, body = sglang.post("/weight_checker", {"action": "block_digests", "keys": ["dp0:pp0:pcp0:tp0:nope"],
+                                                   "block_bytes": 1024})  # fmt: skip
+    assert status == 400 and "nope" in body["error"]["message"], body
+    generates(sglang)
+
+
+def torch_uint8():
+    import torch
+
+    return torch.uint8
+
+
+@pytest.fixture(scope="module")
+def updates(sglang):
+    """The update scenarios of tests/sglang_updates.py, run once per server."""
+    done = in_sglangs_env(
+        str(ROOT / "tests" / "sglang_updates.py"), sglang.url, sglang.api_key or "", sglang.model, sglang.seed1
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@needs_sglang
+def test_expected_digests_like_the_server_equal_the_engine_key_for_key(sglang, updates):
+    assert updates["expected0"] == ours(sglang)
+    assert updates["expected1"] == {
+        f"dp0:pp0:pcp0:tp{r}:{n}": sha256(t)
+        for r in range(sglang.tp)
+        for n, t in rank_tensors(Path(sglang.seed1), sglang.tp, r).items()
+    }
+
+
+@needs_sglang
+@pytest.mark.parametrize("how", ["tensor", "distributed"])
+def test_an_update_through_sglangs_session_matches_the_expected_digests(sglang, updates, how):
+    result = updates[how]
+    assert result["match"] is True and result["mismatches"] == [], result
+    assert result["key_count"] == len(updates["expected1"])
+    assert ours(sglang) == updates["expected0"], "seed 0 loaded back"
+
+
+@needs_sglang
+def test_a_tensor_left_out_of_the_update_is_stale_on_every_rank(sglang, updates):
+    result = updates["stale"]
+    stale = sorted(f"dp0:pp0:pcp0:tp{r}:model.layers.0.mlp.down_proj.weight" for r in range(sglang.tp))
+    assert result["match"] is False and result["mismatches"] == stale, result["mismatches"]
+    assert sorted(result["classes"]["stale"]) == stale
+
+
+@needs_sglang
+def test_zeroed_rows_are_named_zeros_with_their_rows(sglang, updates):
+    result = updates["zeros"]
+    key = "dp0:pp0:pcp0:tp0:model.embed_tokens.weight"  # rows 96-223 live on tp0 at TP=1 and TP=2
+    assert result["mismatches"] == [key], result["mismatches"]
+    (explained,) = result["explanation"]["keys"]
+    assert explained["cause"] == "zeros", explained
+    assert "rows 96-223" in explained["where"], explained["where"]
+
+
+@needs_sglang
+@pytest.mark.parametrize("sglang", ["qwen2-tp2"], indirect=True)
+def test_tp1_given_tp0s_shard_is_wrong_shard(sglang, updates):
+    result = updates["wrong-shard"]
+    key = "dp0:pp0:pcp0:tp1:model.layers.1.self_attn.o_proj.weight"
+    assert result["mismatches"] == [key], result["mismatches"]
+    assert result["classes"]["wrong-shard"] == [key]
+    (explained,) = result["explanation"]["keys"]
+    assert explained["cause"] == "shard-of:tp0", explained
+
+
+@needs_sglang
+def test_expect_server_writes_the_engines_digests_and_refuses_a_contradiction(sglang, tmp_path):
+    out = tmp_path / "expected.json"
+    done = sglang_cli(sglang, "expect", "--server", sglang.url, "-o", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    manifest = json.loads(out.read_text())
+    assert manifest["checksums"] == ours(sglang)
+    assert manifest["layout"]["engine"] == "sglang" and manifest["layout"]["tp"] == sglang.tp
+    wrong = sglang_cli(sglang, "expect", "--server", sglang.url, "--tp", str(sglang.tp + 1), "-o", str(out))
+    assert wrong.returncode == 2, wrong.stdout + wrong.stderr
+    last = wrong.stderr.strip().splitlines()[-1]
+    assert "contradicts" in last and "Traceback" not in wrong.stderr, wrong.stderr[-2000:]
+
+
+@needs_sglang
+@pytest.mark.parametrize("sglang", ["llama-tp1"], indirect=True)
+@pytest.mark.parametrize("pause", ["keep", "abort"])
+def test_clients_generating_through_checks_in_a_loop_keep_every_completion_with_keep(sglang, pause):
+    def generate(prompt: str):
+        body = {"text": prompt, "sampling_params": {"max_new_tokens": 16, "temperature": 0}}
+        status, answer = sglang.post("/generate", body)
+        assert status == 200, answer
+        return answer["output_ids"], answer["meta_info"]["finish_reason"]["type"] == "abort"
+
+    def check() -> bool:  # reset, reload from disk, compare: the weights are zeroed while requests wait
+        done = cli_verify(sglang, "--transfer", "reload", "--pause", pause)
+        assert done.returncode in (0, 1), done.stderr[-2000:]
+        return done.returncode == 0
+
+    out = stress(generate, check, seconds=12)
+    assert not out.failed_checks and not out.errors, (out.failed_checks, out.errors[:3])
+    assert out.completions > 0 and not out.different, out.different[:3]
+    if pause == "keep":
+        assert out.aborted == 0, f"{out.aborted} of {out.completions} completions aborted"
+    else:  # today's behaviour: what is in flight at a pause is aborted
+        assert out.aborted > 0, out
     generates(sglang)

@@ -9,6 +9,7 @@ import pytest
 from weight_checker.testing.launch import vllm_available
 
 from . import vllm_checks as checks
+from .pause_stress import stress
 
 pytestmark = [
     pytest.mark.vllm,
@@ -48,3 +49,36 @@ def test_seed_flow(server):
 
 def test_rust_core_served_the_requests(server):
     checks.check_rust_core_served(server, checks.checksum(server), workers=1)
+
+
+def _generate(server):
+    def generate(prompt: str):
+        # The server runs without a tokenizer: the prompt as token ids, the completion's ids back.
+        ids = [3 + ord(c) % 90 for c in prompt]
+        body = {"model": server.model, "prompt": ids, "max_tokens": 16, "temperature": 0, "return_token_ids": True}
+        status, answer = server.post("/v1/completions", body)
+        assert status == 200, answer
+        choice = answer["choices"][0]
+        return choice["token_ids"], choice["finish_reason"] == "abort"
+
+    return generate
+
+
+@pytest.mark.parametrize("pause", ["keep", "abort"])
+def test_clients_generating_through_checks_in_a_loop_keep_every_completion_with_keep(server, pause):
+    import weight_checker
+
+    def reload() -> None:
+        status, body = server.post("/collective_rpc", {"method": "reload_weights"})
+        assert status == 200, body
+
+    def check() -> bool:
+        return weight_checker.verify(server.url, reload, pause=pause, api_key=server.api_key or None).match
+
+    out = stress(_generate(server), check, seconds=12)
+    assert not out.failed_checks and not out.errors, (out.failed_checks, out.errors[:3])
+    assert out.completions > 0 and not out.different, out.different[:3]
+    if pause == "keep":
+        assert out.aborted == 0, f"{out.aborted} of {out.completions} completions aborted"
+    else:  # today's behaviour: what is in flight at a pause is aborted
+        assert out.aborted > 0, out
