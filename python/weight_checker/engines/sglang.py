@@ -10,10 +10,50 @@ recomputed). It has no ``wait``; a check asked to wait on SGLang is refused."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from weight_checker.engines.family import Get, Post
 from weight_checker.errors import HttpError, InputError
+
+#: The actions this package's plugin adds to every SGLang rank's
+#: ``WeightChecker.handle`` (:mod:`weight_checker.integrations.sglang.worker`),
+#: sent through SGLang's own fan-out (``check_weights``) by the route and by
+#: an in-process engine's target alike.
+CHECKSUM = "weight_checker.checksum"
+RESET = "weight_checker.reset"
+BLOCKS = "weight_checker.block_digests"
+ACTIONS = (CHECKSUM, RESET, BLOCKS)
+#: The one entry of a rank's ``checksums`` that carries its block digests:
+#: SGLang's answer is ``{str: str}``, so the answer travels as JSON.
+BLOCKS_ENTRY = "weight_checker.blocks"
+
+
+def rank_digests(ranks: Sequence[Mapping[str, Any]]) -> list[dict[str, str]]:
+    """Each rank's ``{key: hex}`` from SGLang's answer (one ``ChecksumInfo``
+    a rank), with the ``{role}.`` that SGLang puts in front of a draft
+    model's keys taken off (the keys already say ``draft:`` after the rank)."""
+    out = []
+    for rank in ranks:
+        roles = [p["role"] + "." for p in rank.get("parallelism_info") or () if p.get("role") != "target"]
+        digests = {}
+        for key, digest in rank["checksums"].items():
+            role = next((r for r in roles if key.startswith(r)), "")
+            digests[key[len(role) :]] = digest
+        out.append(digests)
+    return out
+
+
+def rank_blocks(ranks: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Each rank's block-digest answer (``worker_blocks``' shape) from SGLang's answer."""
+    return [json.loads(rank["checksums"][BLOCKS_ENTRY]) for rank in ranks]
+
+
+def block_request(keys: Sequence[str], block_bytes: int) -> list[str]:
+    """A block-digest request's arguments as SGLang carries them (its one list of strings)."""
+    return [str(int(block_bytes)), *keys]
+
 
 #: This package's pause modes in SGLang's words.
 SGLANG_MODES = {"abort": "abort", "keep": "in_place"}

@@ -11,31 +11,15 @@ admin key where one is set, else the API key).
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from typing import Any
 
+from weight_checker.engines.sglang import BLOCKS, CHECKSUM, RESET, block_request, rank_blocks, rank_digests
 from weight_checker.errors import WeightCheckerError
 from weight_checker.integrations.sglang import logger
-from weight_checker.integrations.sglang.worker import BLOCKS, BLOCKS_ENTRY, CHECKSUM, RESET
 from weight_checker.server import EngineAdapter, mount
 
 ROUTE = "/weight_checker"
-
-
-def rank_digests(ranks: Sequence[Mapping[str, Any]]) -> list[dict[str, str]]:
-    """Each rank's ``{key: hex}`` from SGLang's answer (one ``ChecksumInfo``
-    a rank), with the ``{role}.`` that SGLang puts in front of a draft
-    model's keys taken off (the keys already say ``draft:`` after the rank)."""
-    out = []
-    for rank in ranks:
-        roles = [p["role"] + "." for p in rank.get("parallelism_info") or () if p.get("role") != "target"]
-        digests = {}
-        for key, digest in rank["checksums"].items():
-            role = next((r for r in roles if key.startswith(r)), "")
-            digests[key[len(role) :]] = digest
-        out.append(digests)
-    return out
 
 
 def adapter_for(check_weights: Callable[[Any], Any]) -> EngineAdapter:
@@ -59,8 +43,7 @@ def adapter_for(check_weights: Callable[[Any], Any]) -> EngineAdapter:
         await ask(RESET)
 
     async def block_digests(keys: list[str], block_bytes: int) -> list[dict[str, Any]]:
-        ranks = await ask(BLOCKS, [str(int(block_bytes)), *keys])
-        return [json.loads(rank["checksums"][BLOCKS_ENTRY]) for rank in ranks]
+        return rank_blocks(await ask(BLOCKS, block_request(keys, block_bytes)))
 
     return EngineAdapter(checksums=checksums, reset=reset, block_digests=block_digests)
 

@@ -22,19 +22,11 @@ import json
 import time
 from typing import Any
 
+from weight_checker.engines.sglang import BLOCKS, BLOCKS_ENTRY, CHECKSUM, RESET
 from weight_checker.hashing.blocks import worker_blocks
 from weight_checker.hashing.digests import checksum_sized, reset
 from weight_checker.integrations.sglang import logger
 from weight_checker.keys import rank_prefix
-
-#: The actions this package adds to SGLang's ``WeightChecker.handle``.
-CHECKSUM = "weight_checker.checksum"
-RESET = "weight_checker.reset"
-BLOCKS = "weight_checker.block_digests"
-ACTIONS = (CHECKSUM, RESET, BLOCKS)
-#: The one entry of a rank's ``checksums`` that carries its block digests:
-#: SGLang's answer is ``{str: str}``, so the answer travels as JSON.
-BLOCKS_ENTRY = "weight_checker.blocks"
 
 
 def handle(
@@ -81,7 +73,7 @@ def checksum(checker: Any, role: str) -> dict[str, Any]:
     ``per_gpu_checksum``, ``parallelism_info``), with this package's keys
     and full SHA-256 digests. Were a draft model asked for, its keys would
     carry ``draft:`` after the rank, as on vLLM (SGLang adds its ``{role}.``
-    in front, which :func:`.endpoint.rank_digests` takes off)."""
+    in front, which :func:`weight_checker.engines.sglang.rank_digests` takes off)."""
     # sglang: imported in the scheduler, where SGLang runs.
     from sglang.srt.utils.weight_checker import overall_checksum
 
@@ -108,7 +100,7 @@ def checksum(checker: Any, role: str) -> dict[str, Any]:
 def blocks(checker: Any, role: str, keys: list[str], block_bytes: int) -> dict[str, Any]:
     """Block digests of the named keys this rank holds
     (:func:`weight_checker.hashing.blocks.worker_blocks`), in SGLang's answer
-    shape: the answer as JSON under :data:`BLOCKS_ENTRY`."""
+    shape: the answer as JSON under ``BLOCKS_ENTRY``."""
     prefix = prefix_of(checker) + ("" if role == "target" else "draft:")
     wanted = [k for k in keys if k.startswith(prefix)]
     held = dict(walk(checker)) if wanted else {}
