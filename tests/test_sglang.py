@@ -20,7 +20,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from weight_checker.integrations.sglang.endpoint import rank_digests
+from weight_checker.engines.sglang import rank_digests
 from weight_checker.testing.sglang.launch import sglang_env, sglang_python, sglang_server
 from weight_checker.testing.sglang.models import write_tiny_sglang_model
 
@@ -404,3 +404,35 @@ def test_clients_generating_through_checks_in_a_loop_keep_every_completion_with_
     else:  # today's behaviour: what is in flight at a pause is aborted
         assert out.aborted > 0, out
     generates(sglang)
+
+
+@needs_sglang
+def test_an_in_process_sglang_engine_is_verified_paused_and_explained(tmp_path_factory, models):
+    root = tmp_path_factory.mktemp("sglang-engine")
+    with models.exclusive():
+        ckpt0 = write_tiny_sglang_model(root / "llama", "llama")
+        ckpt1 = write_tiny_sglang_model(root / "llama-seed1", "llama", seed=1)
+    done = in_sglangs_env(str(ROOT / "tests" / "sglang_engine_checks.py"), str(ckpt0), str(ckpt1))
+    assert done.returncode == 0, done.stderr[-4000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    oracle0 = {f"dp0:pp0:pcp0:tp0:{n}": sha256(t) for n, t in rank_tensors(ckpt0, 1, 0).items()}
+    assert out["digests"] == oracle0 == out["expected0"]
+    reload = out["reload"]
+    assert reload["match"] is True and reload["key_count"] == len(oracle0), reload
+    steps = [s["step"] for s in reload["steps"]]
+    assert steps[0] == "pause" and steps[-1] == "resume" and "reset" in steps, steps
+    assert out["seed1"]["match"] is True, out["seed1"]
+    zeros = out["zeros"]
+    assert zeros["mismatches"] == ["dp0:pp0:pcp0:tp0:model.embed_tokens.weight"], zeros["mismatches"]
+    (explained,) = zeros["explanation"]["keys"]
+    assert explained["cause"] == "zeros" and "rows 96-223" in explained["where"], explained
+    assert len(out["generated"]) == 4
+
+
+@needs_sglang
+def test_replicas_reads_every_rank_of_an_sglang_server(sglang):
+    key = ["--api-key", sglang.api_key] if sglang.api_key else []
+    done = run_cli("replicas", "--url", sglang.url, *key, "--json")
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(done.stdout)
+    assert report["consistent"] is True and report["replicas"] == ["dp0"], report

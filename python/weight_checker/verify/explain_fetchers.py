@@ -5,12 +5,14 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from weight_checker.engines.sglang import BLOCKS, block_request, rank_blocks
 from weight_checker.errors import HttpError, VerifyError, WeightCheckerError
 from weight_checker.hashing.blocks import MAX_KEYS
 from weight_checker.httpclient import api_key_from_env, post_json
 from weight_checker.verify.targets.async_engines import AsyncLLMTarget
 from weight_checker.verify.targets.engines import RpcTarget
 from weight_checker.verify.targets.http import HttpTarget
+from weight_checker.verify.targets.sglang_engines import SGLangEngineTarget
 
 #: ``fetch(keys, block_bytes)`` -> ``{key: {"digests", "nbytes", "shape",
 #: "dtype", "block_bytes"}}``: the engine's block digests of those keys.
@@ -104,7 +106,8 @@ def fetcher_for(target: Any, engine: str) -> BlockFetcher | None:
     """How to ask ``engine`` of a verify target for block digests: this
     package's route over HTTP, the worker method over ``collective_rpc`` in
     process (an ``LLM``, or an ``AsyncLLM`` on its event loop) or on a Ray
-    actor; ``None`` where neither can be reached."""
+    actor, the plugin's action through an ``sglang.Engine``'s fan-out;
+    ``None`` where none can be reached."""
     if isinstance(target, HttpTarget):
         return http_fetcher(engine, api_key=target.api_key, timeout=target.timeout)
     if isinstance(target, RpcTarget):
@@ -122,4 +125,11 @@ def fetcher_for(target: Any, engine: str) -> BlockFetcher | None:
             return _merge_answers(answers, engine)
 
         return fetch_async
+    if isinstance(target, SGLangEngineTarget):
+
+        def fetch_sglang(keys: list[str], block_bytes: int) -> dict[str, Mapping[str, Any]]:
+            ranks = target.ask(engine, BLOCKS, block_request(keys, block_bytes), "block digests")
+            return _merge_answers(rank_blocks(ranks), engine)
+
+        return fetch_sglang
     return None

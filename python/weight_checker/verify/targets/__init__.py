@@ -10,10 +10,12 @@ the implementation for what the caller passed:
   ``vllm.LLM`` engines and Ray actors hosting one, through the plugin's
   worker methods over ``collective_rpc``;
 - :class:`~weight_checker.verify.targets.async_engines.AsyncLLMTarget`:
-  in-process ``AsyncLLM`` engines, reached on their event loop.
+  in-process ``AsyncLLM`` engines, reached on their event loop;
+- :class:`~weight_checker.verify.targets.sglang_engines.SGLangEngineTarget`:
+  in-process ``sglang.Engine``s, through their tokenizer manager.
 
 All of them run each step on every engine at once through the one fan-out
-pool (:mod:`weight_checker.verify.fanout`). An SGLang engine would be one
+pool (:mod:`weight_checker.verify.fanout`). Another kind of engine is one
 more module here with one ``_call``.
 """
 
@@ -31,6 +33,7 @@ from weight_checker.verify.fanout import DEFAULT_CONCURRENCY, StepTiming
 from weight_checker.verify.targets.async_engines import AsyncLLMTarget
 from weight_checker.verify.targets.engines import RpcTarget, is_ray_actor
 from weight_checker.verify.targets.http import HttpTarget
+from weight_checker.verify.targets.sglang_engines import SGLangEngineTarget, is_sglang_engine
 
 
 class Target(Protocol):
@@ -89,7 +92,7 @@ def target_for(
     one of these kinds, or a target already. ``include``: the checksum's
     scope (:func:`weight_checker.scope.parse_include`)."""
     scope = parse_include(include)
-    if isinstance(target, (HttpTarget, RpcTarget, AsyncLLMTarget)):
+    if isinstance(target, (HttpTarget, RpcTarget, AsyncLLMTarget, SGLangEngineTarget)):
         if include is not None and target.include != scope:
             raise InputTypeError(f"the target checks {target.include}; include={list(scope)} asks otherwise")
         return target
@@ -107,8 +110,17 @@ def target_for(
             engine=engine,
             pause=pause,
         )
+    if all(is_sglang_engine(t) for t in items):
+        if engine not in (None, "sglang"):
+            raise InputTypeError(f"engine={engine!r}, but these are in-process sglang.Engines")
+        if include is not None and scope != parse_include(None):
+            raise InputTypeError("an in-process sglang.Engine is checked for its target model only (include)")
+        return SGLangEngineTarget(items, pause=pause, timeout=timeout, concurrency=concurrency, layout=layout)
     if engine is not None or pause != DEFAULT_PAUSE:
-        raise InputTypeError("engine and pause are options of servers (URLs); an in-process engine pauses as it can")
+        raise InputTypeError(
+            "engine and pause are options of servers (URLs) and sglang.Engines; an in-process vLLM engine pauses as "
+            "it can"
+        )
     rpcs = [getattr(t, "collective_rpc", None) for t in items]
     if all(r is not None and inspect.iscoroutinefunction(r) for r in rpcs):
         if loop is None:
@@ -119,6 +131,6 @@ def target_for(
         return RpcTarget(items, timeout=timeout, concurrency=concurrency, layout=layout, include=scope)
     kinds = sorted({type(t).__name__ for t in items})
     raise InputTypeError(
-        f"cannot verify {', '.join(kinds)}: expected URL(s), vllm.LLM(s), vllm.AsyncLLM(s) or Ray actor handle(s),"
-        " one kind per call"
+        f"cannot verify {', '.join(kinds)}: expected URL(s), vllm.LLM(s), vllm.AsyncLLM(s), sglang.Engine(s) or Ray "
+        "actor handle(s), one kind per call"
     )
