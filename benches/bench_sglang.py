@@ -1,13 +1,20 @@
 """This package's checksum inside a real SGLang engine against SGLang's own
 ``/weights_checker`` checksum, side by side in one run (issue 49).
 
-    .venv/bin/python benches/bench_sglang.py [--repeat 5] [--layers 2]
+    .venv/bin/python benches/bench_sglang.py [--repeat 5] [--shape llama8b-layers|qwen2.5-0.5b] [--layers 2]
 
 One SGLang 0.5.23 server on this CPU (TP=1, the test-only kernel stand-in,
-``weight_checker.testing.sglang``) serves a Llama with an 8B model's layer
-shapes (hidden 4096, MLP 14336, 32 heads, 8 KV heads; ``--layers`` of them;
-about 0.44 GB a layer, bf16). The two requests alternate, each timed from
-the client (HTTP, SGLang's fan-out to the rank and back included):
+``weight_checker.testing.sglang``) serves one of two shapes, bf16:
+
+- ``llama8b-layers`` (the default): a Llama with an 8B model's layer shapes
+  (hidden 4096, MLP 14336, 32 heads, 8 KV heads; ``--layers`` of them, about
+  0.44 GB a layer), a 1000-row vocabulary: a few large tensors;
+- ``qwen2.5-0.5b``: Qwen2.5-0.5B's own shapes (hidden 896, MLP 4864, 14
+  heads, 2 KV heads, 24 layers, 151,936-row vocabulary tied to the head:
+  0.99 GB, 290 tensors): a model of about 1 GB as it is.
+
+The two requests alternate, each timed from the client (HTTP, SGLang's
+fan-out to the rank and back included):
 
 - the reference: ``POST /weights_checker {"action": "checksum"}``, SGLang's
   own: one tensor at a time, ``hashlib``'s SHA-256 on one core, 8 bytes kept;
@@ -38,10 +45,26 @@ def cpu_name() -> str:
     return "unknown CPU"
 
 
+#: shape name -> (architecture, config fields)
+SHAPES = {
+    "llama8b-layers": (
+        "llama",
+        {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
+         "num_hidden_layers": 2},
+    ),
+    "qwen2.5-0.5b": (
+        "qwen2",
+        {"hidden_size": 896, "intermediate_size": 4864, "num_attention_heads": 14, "num_key_value_heads": 2,
+         "num_hidden_layers": 24, "vocab_size": 151936, "tie_word_embeddings": True},
+    ),
+}  # fmt: skip
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="llama8b-layers")
+    ap.add_argument("--layers", type=int, default=2, help="llama8b-layers: how many")
     args = ap.parse_args()
 
     import weight_checker
@@ -52,18 +75,16 @@ def main() -> int:
     if python is None:
         print("bench_sglang: no SGLang environment (scripts/dev-env.sh makes .venv-sglang)", file=sys.stderr)
         return 2
-    shapes = {
-        "hidden_size": 4096,
-        "intermediate_size": 14336,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "num_hidden_layers": args.layers,
-    }
+    arch, shapes = SHAPES[args.shape]
+    if args.shape == "llama8b-layers":
+        shapes = {**shapes, "num_hidden_layers": args.layers}
     with tempfile.TemporaryDirectory(prefix="bench-sglang-") as tmp:
-        model = write_tiny_sglang_model(Path(tmp) / "llama8b-shaped", "llama", **shapes)
+        # The test tokenizer's 1000 tokens: only the model's tensors matter here.
+        model = write_tiny_sglang_model(Path(tmp) / args.shape, arch, tokenizer_vocab=1000, **shapes)
         nbytes = (model / "model.safetensors").stat().st_size
         print(f"cpu: {cpu_name()}; kernel {weight_checker.kernel()}")
-        print(f"model: Llama, 8B layer shapes, {args.layers} layers, {nbytes / 1e9:.2f} GB (safetensors)")
+        layers = shapes["num_hidden_layers"]
+        print(f"model: {args.shape} ({arch}), {layers} layers, {nbytes / 1e9:.2f} GB (safetensors)")
         with sglang_server(model, Path(tmp) / "server.log", python) as server:
             times: dict[str, list[float]] = {"sglang": [], "ours": []}
             ours: dict[str, str] = {}

@@ -262,6 +262,7 @@ FLAGS = {
     "pp": "--pp",
     "dp": "--dp",
     "dtype": "--dtype",
+    "engine": "--engine",
     "max_lora_rank": "--max-lora-rank",
     "max_loras": "--max-loras",
     "lora_dtype": "--lora-dtype",

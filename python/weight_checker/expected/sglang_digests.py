@@ -35,11 +35,11 @@ from typing import Any
 
 from weight_checker.errors import ExpectedDigestsError
 from weight_checker.expected.manifest import ExpectedDigests
+from weight_checker.expected.rank_model import LOCK
 from weight_checker.expected.recipe import pairs_for, read_again, remember
 from weight_checker.expected.sglang_server import SGLANG
 from weight_checker.expected.transforms import transformed
 from weight_checker.expected.weights import weights_source
-from weight_checker.hashing.blocks import flat_bytes
 from weight_checker.hashing.digests import checksum_sized
 from weight_checker.integrations.sglang.plugin import KNOWN_VERSIONS
 from weight_checker.integrations.sglang.worker import walk
@@ -137,27 +137,39 @@ def build_rank(args: Any, tp_rank: int, tp: int, pairs: Any) -> tuple[Any, list[
                 model = _initialize_model(model_config, LoadConfig(load_format="auto"), None)
             params = dict(model.named_parameters())
             for p in params.values():
-                flat_bytes(p).fill_(SENTINEL)
+                if p.is_floating_point():
+                    p.data.fill_(float("nan"))
             model.load_weights(iter(pairs))
     # SGLang's loaders write through ``param.data``, which no version counter
-    # sees: a row that still holds the sentinel everywhere was never written.
+    # sees: a row still NaN everywhere was never written.
     unwritten = [name for name, p in params.items() if _has_unwritten_row(p)]
     return model, unwritten
 
 
-#: The byte every parameter is filled with before the weights are loaded.
-SENTINEL = 0xA5
-
-
 def _has_unwritten_row(p: Any) -> bool:
-    """Whether some row of ``p`` (an element, for a vector) is the sentinel
-    in every byte: no weight's row is, while a weight the loader skipped, or
-    one part of a fused weight (``k_proj`` of ``qkv_proj``), is."""
-    flat = flat_bytes(p)
-    if flat.numel() == 0:
+    """Whether some row of ``p`` (an element, for a vector) is NaN
+    throughout, as every parameter was filled before the weights were
+    loaded: no weight's row is, while a weight the loader skipped, or one
+    part of a fused weight (``k_proj`` of ``qkv_proj``), is. (NaN, not a byte
+    pattern: any pattern is some float16 weight's ordinary value.)"""
+    import torch
+
+    if p.numel() == 0 or not p.is_floating_point():
         return False
-    rows = flat.reshape(p.shape[0] if p.dim() > 1 else p.numel(), -1)
-    return bool((rows == SENTINEL).all(dim=1).any())
+    rows = torch.isnan(p.detach()).reshape(p.shape[0] if p.dim() > 1 else p.numel(), -1)
+    return bool(rows.all(dim=1).any())
+
+
+def _built(args: Any, tp_rank: int, tp: int, pairs: Any, name: str) -> tuple[Any, list[str]]:
+    """:func:`build_rank`, SGLang's own errors (a shape that does not
+    split, a weight of the wrong shape) named by rank."""
+    try:
+        return build_rank(args, tp_rank, tp, pairs)
+    except ExpectedDigestsError:
+        raise
+    except Exception as e:
+        why = f"{type(e).__name__}: {e}"
+        raise ExpectedDigestsError(f"SGLang's model for {name} could not be built and loaded: {why}") from e
 
 
 class _Checker:
@@ -183,19 +195,26 @@ class SGLangExpectedDigests(ExpectedDigests):
                 f"{', '.join(keys)}: cannot recompute the expected tensors: "
                 f"{getattr(recipe, 'refusal', None) or 'digests read from a manifest'}"
             )
-        settings = recipe.settings
         wanted: dict[int, list[str]] = {}
         for key in keys:
             if key not in self:
                 raise ExpectedDigestsError(f"{key}: not a key of these expected digests")
             rank, _ = split_rank(key)
             wanted.setdefault(int(rank.split(":")[3].removeprefix("tp")), []).append(key)
+        with LOCK:  # SGLang's context and torch's default dtype are process-wide while a rank is built
+            return self._rebuilt(recipe, wanted, keys, transforms)
+
+    def _rebuilt(
+        self, recipe: Any, wanted: dict[int, list[str]], keys: Sequence[str], transforms: Sequence[str]
+    ) -> dict[str, dict[str | None, Any]]:
+        settings = recipe.settings
         weights = read_again(recipe, list(keys))
         out: dict[str, dict[str | None, Any]] = {}
         try:
             args = server_args(settings["path"], settings["tp"], settings["dtype"], settings["revision"])
             for tp_rank, rank_keys in sorted(wanted.items()):
-                model, _ = build_rank(args, tp_rank, settings["tp"], pairs_for(weights, None, rank_keys))
+                pairs = pairs_for(weights, None, rank_keys)
+                model, _ = _built(args, tp_rank, settings["tp"], pairs, f"pp0:tp{tp_rank}")
                 held = dict(walk(_Checker(model)))
                 for key in rank_keys:
                     t = held[split_rank(key)[1]].detach()
@@ -242,6 +261,10 @@ def sglang_expected_digests(
     checkpoint = Path(model)
     if not (checkpoint / "config.json").is_file():
         raise ExpectedDigestsError(f"{checkpoint}: no config.json (an SGLang engine's model is a local checkpoint)")
+    experts = _experts(checkpoint)
+    if experts:
+        # SGLang's MoE layers reorder their expert weights after loading on some GPU backends (aiter, flashinfer).
+        raise ExpectedDigestsError(f"{checkpoint}: a mixture-of-experts model ({experts}): not covered on SGLang")
     source = weights_source(weights, checkpoint if weights is None else None, tp)
     import_sglang()
     refuse_repacking(arguments.get("device"))
@@ -254,7 +277,7 @@ def sglang_expected_digests(
         name = f"pp0:tp{tp_rank}"
         if progress is not None:
             progress(name)
-        model_obj, unwritten = build_rank(args, tp_rank, tp, source.read().pairs)
+        model_obj, unwritten = _built(args, tp_rank, tp, source.read().pairs, name)
         loaded = time.perf_counter()
         out.seconds["load"] += loaded - start
         if unwritten and not allow_unwritten:
@@ -280,6 +303,25 @@ def sglang_expected_digests(
     )  # fmt: skip
     source.forget_others()
     return out
+
+
+#: config.json fields that give a model experts.
+EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def _experts(checkpoint: Path) -> str | None:
+    """``"num_experts = 8"`` where the checkpoint's config gives the model experts, else ``None``."""
+    import json
+
+    try:
+        config = json.loads((checkpoint / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for part in (config, config.get("text_config") or {}):
+        for field in EXPERT_FIELDS:
+            if part.get(field):
+                return f"{field} = {part[field]}"
+    return None
 
 
 def _architecture(checkpoint: Path) -> str | None:

@@ -24,9 +24,24 @@ SGLANG = "sglang"
 #: ``/server_info`` fields that must be unset (``None``, false or empty), and why.
 REFUSED: dict[str, str] = {
     "quantization": "quantization: its post-load processing changes the bytes",
+    "modelopt_quant": "quantization: its post-load processing changes the bytes",
+    "quantize_and_serve": "quantization: its post-load processing changes the bytes",
+    "rl_quant_profile": "quantization: its post-load processing changes the bytes",
     "enable_lora": "LoRA on SGLang is not covered yet",
     "speculative_algorithm": "speculative decoding (a draft model) on SGLang is not covered yet",
     "enable_dp_attention": "data-parallel attention shards differently; not covered",
+    "enable_dp_lm_head": "a data-parallel lm_head shards differently; not covered",
+    "moe_dense_tp_size": "a dense TP size of its own shards differently; not covered",
+    "custom_weight_loader": "a custom weight loader: not covered",
+    "is_embedding": "an embedding model: not covered",
+}
+#: ``/server_info`` fields that must hold one of these values (SGLang's defaults), and why.
+DEFAULTS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "ep_size": ((1, None), "expert parallelism: not covered"),
+    "attn_cp_size": ((1, None), "context parallelism shards differently; not covered"),
+    "dcp_size": ((1, None), "decode context parallelism shards differently; not covered"),
+    "model_impl": (("auto", None), "another model implementation than SGLang's own: not covered"),
+    "model_loader_extra_config": (("{}", "", None, {}), "a loader's extra config: not covered"),
 }
 
 
@@ -36,19 +51,30 @@ def is_sglang_info(body: Any) -> bool:
     return isinstance(body, dict) and "vllm_config" not in body and "tp_size" in body and "model_path" in body
 
 
+#: How a config may name a dtype, in SGLang's words (``_STR_DTYPE_TO_TORCH_DTYPE``).
+DTYPE_NAMES = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
 def config_dtype(model_path: str) -> str:
     """SGLang's ``--dtype auto`` for the checkpoint at ``model_path``
-    (``ModelConfig``'s rule: the config's dtype; float32 becomes float16,
-    bfloat16 for Gemma), or ``"auto"`` where the config is not on this host."""
+    (``_get_and_verify_dtype`` over the text config: its dtype; float32
+    becomes float16, bfloat16 for Gemma), or ``"auto"`` where the config is
+    not on this host. The expected digests are built with this dtype; where
+    it were not the server's, every key would differ (a false alarm, never a
+    false match)."""
     path = Path(model_path) / "config.json"
     try:
         config = json.loads(path.read_text())
     except (OSError, ValueError):
         return "auto"
-    stated = str(config.get("dtype") or config.get("torch_dtype") or "float32").removeprefix("torch.")
-    if stated in ("float32", "float"):
-        return "bfloat16" if str(config.get("model_type", "")).startswith("gemma") else "float16"
-    return stated
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    stated = text.get("dtype") or text.get("torch_dtype") or config.get("dtype") or config.get("torch_dtype")
+    name = str(stated or "float32").removeprefix("torch.")
+    name = DTYPE_NAMES.get(name, name)
+    if name == "float32":
+        model_type = str(text.get("model_type") or config.get("model_type") or "")
+        return "bfloat16" if model_type.startswith("gemma") else "float16"
+    return name
 
 
 def sglang_engine(url: str, info: dict[str, Any]) -> tuple[str, int, int, int, dict[str, Any]]:
@@ -63,7 +89,11 @@ def sglang_engine(url: str, info: dict[str, Any]) -> tuple[str, int, int, int, d
         )
     for name, why in REFUSED.items():
         value = info.get(name)
-        if value not in (None, False, ""):
+        if value not in (None, False, "", [], {}):
+            raise ExpectedDigestsError(f"{url} runs with {name} = {value!r}: {why}")
+    for name, (allowed, why) in DEFAULTS.items():
+        value = info.get(name)
+        if value not in allowed:
             raise ExpectedDigestsError(f"{url} runs with {name} = {value!r}: {why}")
     pp = int(info.get("pp_size") or 1)
     if pp != 1:

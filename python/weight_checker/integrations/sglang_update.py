@@ -80,8 +80,6 @@ class UpdateSession:
         import torch.multiprocessing
         from sglang.srt.utils import MultiprocessingSerializer
 
-        # SGLang's schedulers open the tensors by file name: a descriptor cannot be sent over HTTP.
-        torch.multiprocessing.set_sharing_strategy("file_system")
         if per_rank is None:
             assert named_tensors is not None
             pairs = list(named_tensors)
@@ -90,7 +88,14 @@ class UpdateSession:
             raise InputError(f"from_tensor: {len(per_rank)} payloads for {self.tp} tensor-parallel ranks")
         # One serialization a rank, as SGLang's Engine does: a rank that opens a
         # shared tensor's handle releases it, so two ranks cannot share one.
-        payloads = [MultiprocessingSerializer.serialize(list(pairs), output_str=True) for pairs in per_rank]
+        # SGLang's schedulers open the tensors by file name (a descriptor cannot
+        # be sent over HTTP); the trainer's own strategy is back once they are out.
+        strategy = torch.multiprocessing.get_sharing_strategy()
+        torch.multiprocessing.set_sharing_strategy("file_system")
+        try:
+            payloads = [MultiprocessingSerializer.serialize(list(pairs), output_str=True) for pairs in per_rank]
+        finally:
+            torch.multiprocessing.set_sharing_strategy(strategy)
         body: dict[str, Any] = {"serialized_named_tensors": payloads, "load_format": load_format}
         if weight_version is not None:
             body["weight_version"] = weight_version
@@ -109,7 +114,9 @@ class UpdateSession:
         """``/update_weights_from_distributed``: the server receives one
         broadcast per name, in order, over ``group_name`` (which it joined by
         ``/init_weights_update_group``); ``broadcast()`` sends them, here,
-        while the call is pending."""
+        while the call is pending. Where ``broadcast()`` fails part way, the
+        server is still in the collective: the call returns when SGLang gives
+        up on it (its group's timeout) or at this session's ``timeout``."""
         body: dict[str, Any] = {
             "names": list(names), "dtypes": [str(d).removeprefix("torch.") for d in dtypes],
             "shapes": [list(s) for s in shapes], "group_name": group_name,
@@ -145,8 +152,14 @@ def session_transfer(
         session.post("/begin_weight_update", {})
         try:
             send(session)
-        finally:
-            session.post("/end_weight_update", {})
+        except BaseException as failed:
+            # The session is ended whatever happened; the error raised is send's.
+            try:
+                session.post("/end_weight_update", {})
+            except Exception as e:
+                failed.add_note(f"and the session could not be ended: {e}")
+            raise
+        session.post("/end_weight_update", {})
 
     return transfer
 

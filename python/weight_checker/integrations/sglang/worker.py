@@ -48,8 +48,7 @@ def handle(
         return None
     if action == BLOCKS:
         # SGLang's request carries one list of strings: the block size, then the keys.
-        size, *keys = skip_tensor_list or ["0"]
-        return blocks(checker, role, keys, int(size))
+        return blocks(checker, role, list(skip_tensor_list or []))
     return original(checker, action, allow_quant_error, skip_tensor_list, role=role)
 
 
@@ -97,15 +96,29 @@ def checksum(checker: Any, role: str) -> dict[str, Any]:
     }
 
 
-def blocks(checker: Any, role: str, keys: list[str], block_bytes: int) -> dict[str, Any]:
-    """Block digests of the named keys this rank holds
-    (:func:`weight_checker.hashing.blocks.worker_blocks`), in SGLang's answer
-    shape: the answer as JSON under ``BLOCKS_ENTRY``."""
+def blocks(checker: Any, role: str, request: list[str]) -> dict[str, Any]:
+    """Block digests of the keys this rank holds of ``request`` (the block
+    size, then the keys; :func:`weight_checker.hashing.blocks.worker_blocks`),
+    in SGLang's answer shape: the answer as JSON under ``BLOCKS_ENTRY``. A
+    bad request is an answer naming why, never an exception: every rank must
+    reach SGLang's gather of the answers, or those that did would wait there
+    for good."""
     prefix = prefix_of(checker) + ("" if role == "target" else "draft:")
-    wanted = [k for k in keys if k.startswith(prefix)]
-    held = dict(walk(checker)) if wanted else {}
-    named = [(k, held[k[len(prefix) :]]) for k in wanted if k[len(prefix) :] in held]
-    answer = worker_blocks(named, block_bytes, prefix.rstrip(":"))
+    size, keys = (request[0], request[1:]) if request else ("", [])
+    try:
+        block_bytes = int(size)
+    except ValueError:
+        block_bytes = 0
+    wanted = [k for k in keys if isinstance(k, str) and k.startswith(prefix)]
+    if block_bytes <= 0:
+        answer: dict[str, Any] = {
+            "rank": prefix.rstrip(":"), "blocks": {},
+            "errors": {k: f"block_bytes must be a positive integer, got {size!r}" for k in wanted or [prefix + "*"]},
+        }  # fmt: skip
+    else:
+        held = dict(walk(checker)) if wanted else {}
+        named = [(k, held[k[len(prefix) :]]) for k in wanted if k[len(prefix) :] in held]
+        answer = worker_blocks(named, block_bytes, prefix.rstrip(":"))
     return {
         "checksums": {BLOCKS_ENTRY: json.dumps(answer)},
         "per_gpu_checksum": "",

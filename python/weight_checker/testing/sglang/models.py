@@ -136,10 +136,14 @@ def write_tokenizer(path: Path, vocab_size: int = TINY_SGLANG["vocab_size"]) -> 
     fast.save_pretrained(path)
 
 
-def write_tiny_sglang_model(path: Path, arch: Arch = "llama", seed: int = 0, **config: Any) -> Path:
+def write_tiny_sglang_model(
+    path: Path, arch: Arch = "llama", seed: int = 0, *, tokenizer_vocab: int | None = None, **config: Any
+) -> Path:
     """A tiny ``arch`` checkpoint with its tokenizer in ``path`` (config.json,
     generation_config.json, model.safetensors, tokenizer files), bf16, fixed
-    ``seed``; any config field overridable. Written once (kept if present)."""
+    ``seed``; any config field overridable. ``tokenizer_vocab``: a tokenizer
+    smaller than the model's vocabulary (as Qwen's: 151,936 embedding rows);
+    default the same size. Written once (kept if present)."""
     import torch
     import transformers
 
@@ -154,7 +158,7 @@ def write_tiny_sglang_model(path: Path, arch: Arch = "llama", seed: int = 0, **c
     model: Any = model_cls(cfg)
     _seed(model, seed)
     path.mkdir(parents=True, exist_ok=True)
-    write_tokenizer(path, cfg.vocab_size)
+    write_tokenizer(path, tokenizer_vocab or cfg.vocab_size)
     model.to(torch.bfloat16).save_pretrained(path)
     return path
 

@@ -12,6 +12,7 @@ through SGLang's own fan-out, ``check_weights``, to every rank's hook.
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Coroutine, Iterable
 from typing import Any
 
@@ -35,6 +36,7 @@ class SGLangEngineTarget(InProcessTarget):
         if pause not in SGLANG_MODES:
             raise InputError(f"SGLang has no {pause!r} pause: use {' or '.join(SGLANG_MODES)}")
         self.pause_mode = pause
+        self._loop_locks: dict[int, threading.Lock] = {}
         super().__init__(engines, **options)
 
     def _label(self, engine: Any) -> str:
@@ -42,11 +44,13 @@ class SGLangEngineTarget(InProcessTarget):
 
     def run(self, name: str, coro: Coroutine[Any, Any, Any]) -> Any:
         """``coro`` on engine ``name``'s event loop: from this thread where the
-        loop is idle (SGLang's own sync methods do so), else scheduled on it."""
+        loop is idle (SGLang's own sync methods do so), else scheduled on it.
+        Engines made in one thread share its loop: one call at a time on each."""
         loop = self.engines[name].loop
         if loop.is_running():
             return run_on_loop(loop, coro, self.timeout)
-        return loop.run_until_complete(asyncio.wait_for(coro, self.timeout))
+        with self._loop_locks.setdefault(id(loop), threading.Lock()):
+            return loop.run_until_complete(asyncio.wait_for(coro, self.timeout))
 
     def ask(self, name: str, action: str, args: list[str] | None, step: str) -> list[dict[str, Any]]:
         """Every rank's answer to one of this package's actions, through SGLang's fan-out."""
