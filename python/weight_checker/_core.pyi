@@ -29,6 +29,7 @@ __all__ = [
     "checksum_safetensors",
     "copy_into",
     "describe_assignment",
+    "dominant_chains",
     "digest_many",
     "hash_floor",
     "kernel",
@@ -161,6 +162,13 @@ def describe_assignment(sizes: list[int]) -> str:
     ``"2 workers on 4 narrow lanes (sha-ni)"`` or ``"2 workers: 1 on 4 narrow
     lanes (sha-ni) each until the dealt ones end, then wide; 1 on the 16-lane
     wide kernel (avx512), the largest 4 dealt"``. For benchmarks."""
+
+def dominant_chains(sizes: list[int]) -> int:
+    """How many of the largest of messages of ``sizes`` bytes end a run,
+    each alone on one stream: longer than everything after them spread over
+    the other cores, by this CPU's calibrated rates (0 where none does, or
+    where the rates were not calibrated). A run gives each a worker of its
+    own; the staging planner gives each the most of every slot."""
 
 def streams() -> int:
     """The most messages a run keeps in flight: threads x lanes, with 16 lanes

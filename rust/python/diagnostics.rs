@@ -114,6 +114,18 @@ pub(super) fn hash_floor(py: Python<'_>, count: usize, nbytes: usize, repeat: us
     Ok(times.iter().map(|t| t.as_secs_f64()).collect())
 }
 
+/// How many of the largest of messages of `sizes` bytes end a run, each
+/// alone on a worker of its own (0 where none does, or where this CPU's
+/// rates were not calibrated): what a feeder that plans a whole set
+/// (device staging) gives the most of each slot to.
+#[pyfunction]
+pub(super) fn dominant_chains(py: Python<'_>, sizes: Vec<u64>) -> PyResult<usize> {
+    settings_valid()?;
+    let mut sorted = sizes;
+    sorted.sort_unstable_by(|a, b| b.cmp(a));
+    Ok(py.detach(|| Scheduler::default().dominant_chains(&sorted)))
+}
+
 /// Messages the scheduler keeps in flight: threads x lanes.
 #[pyfunction]
 pub(super) fn streams() -> PyResult<usize> {

@@ -229,8 +229,8 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     use checkpoints::{checksum_safetensors, safetensors_cached_fraction, safetensors_tensors};
     use copy::copy_into;
     use diagnostics::{
-        calibrate, calibrate_small, calibrate_wide, describe_assignment, hash_floor, kernel, lanes, set_threads,
-        small_lanes, streams, threads,
+        calibrate, calibrate_small, calibrate_wide, describe_assignment, dominant_chains, hash_floor, kernel, lanes,
+        set_threads, small_lanes, streams, threads,
     };
     use multi::MultiHasher;
     use runs::{check_settings, last_run, wide_kernel_available};
@@ -248,6 +248,7 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(calibrate_small, m)?)?;
     m.add_function(wrap_pyfunction!(calibrate_wide, m)?)?;
     m.add_function(wrap_pyfunction!(describe_assignment, m)?)?;
+    m.add_function(wrap_pyfunction!(dominant_chains, m)?)?;
     m.add_function(wrap_pyfunction!(hash_floor, m)?)?;
     m.add_function(wrap_pyfunction!(copy_into, m)?)?;
     m.add_function(wrap_pyfunction!(set_threads, m)?)?;

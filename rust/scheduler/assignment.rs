@@ -102,6 +102,20 @@ impl Scheduler {
                 });
             }
         }
+        // A message whose one stream outlasts everything else spread over
+        // the other cores (a 1 GB embedding among 0.5 GB of others on two
+        // cores) gets a worker of its own, from the start, on one lane: shared
+        // with others on a core it would advance at a fraction of a stream and
+        // end the run late (see `dominant_count`).
+        if parallel && narrow == (0, 0) && workers >= 2 {
+            if let Some((one, core)) = self.dedication_rates() {
+                let d = dominant_count(sizes, workers, one, core);
+                if d > 0 {
+                    narrow = (d, 1);
+                    dealt = d;
+                }
+            }
+        }
         Assignment {
             workers,
             parallel,
@@ -110,6 +124,33 @@ impl Scheduler {
             narrow,
             dealt,
         }
+    }
+
+    /// How many of the largest messages of `sizes` (largest first) end the
+    /// run, each alone on a worker of its own ([`dominant_count`] by this
+    /// CPU's calibrated rates; 0 where they were not calibrated).
+    pub fn dominant_chains(&self, sizes: &[u64]) -> usize {
+        let workers = self.effective_threads().min(sizes.len()).max(1);
+        match self.dedication_rates() {
+            Some((one, core)) if workers >= 2 => dominant_count(sizes, workers, one, core),
+            _ => 0,
+        }
+    }
+
+    /// `(one stream's GB/s, a core's best GB/s)` for [`dominant_count`]:
+    /// streaming rates where the wide kernel may run (see `model_rates`),
+    /// else the lane calibration's; `None` where lanes were not calibrated.
+    fn dedication_rates(&self) -> Option<(f64, f64)> {
+        if !self.fit_lanes {
+            return None;
+        }
+        if let Some((r, _)) = self.model_rates() {
+            return Some((r.one, r.wide.max(r.four).max(r.two)));
+        }
+        let rates = self.kernel.calibrated().1;
+        let rate = |lanes: usize| rates.iter().find(|r| r.0 == lanes).map_or(0.0, |r| r.1);
+        let (one, core) = (rate(1), rate(2).max(rate(4)));
+        (one > 0.0 && core > 0.0).then_some((one, core))
     }
 
     /// The assignment for a run of messages of `sizes` bytes in words, for
@@ -147,6 +188,15 @@ impl Scheduler {
                 plural(l.workers),
                 Wide::NAME,
                 p.min_open
+            ),
+            (None, (n, _)) if n > 0 => format!(
+                "{} workers: {n} on 1 narrow lane ({kernel}) for {} largest alone, then as the others; {} on {} \
+                 narrow lane{} ({kernel}){dealt}",
+                l.workers,
+                if n == 1 { "the" } else { "a" },
+                l.workers - n,
+                l.lanes,
+                plural(l.lanes)
             ),
             (None, _) => format!(
                 "{} worker{} on {} narrow lane{} ({kernel}){dealt}",
@@ -221,6 +271,34 @@ fn model_rates_from(wide: f64, four: f64, hot_one: f64, hot_two: f64, hot_four: 
     }
     let (one, two) = (hot_one * four / hot_four, hot_two * four / hot_four);
     Some((Rates { one, two, four, wide }, break_even))
+}
+
+/// Messages below this are never given a worker of their own: the gain
+/// would not pay for the worker's wake-up.
+const DOMINANT_MIN_BYTES: u64 = 8 << 20;
+
+/// How many of the largest messages of `sizes_desc` (largest first) each
+/// take longer alone, on one stream at `one` GB/s, than everything after
+/// them spread over the other workers at `core` GB/s a core: those end the
+/// run however the rest is laid out, so each is worth a worker of its own
+/// from the start. At most `workers - 1` (one worker is left for the rest).
+/// On two cores: one 1 GiB tensor among 0.5 GiB of others, 1; the
+/// Llama-8B-shaped set (two 1 GB embeddings of 16 GB), 0.
+pub(super) fn dominant_count(sizes_desc: &[u64], workers: usize, one: f64, core: f64) -> usize {
+    if one <= 0.0 || core <= 0.0 || !one.is_finite() || !core.is_finite() {
+        return 0;
+    }
+    let total: u64 = sizes_desc.iter().sum();
+    let (mut d, mut top) = (0usize, 0u64);
+    while d + 1 < workers && d < sizes_desc.len() && sizes_desc[d] >= DOMINANT_MIN_BYTES {
+        top += sizes_desc[d];
+        let rest = (total - top) as f64 / 1e9 / ((workers - d - 1) as f64 * core);
+        if (sizes_desc[d] as f64 / 1e9) / one < rest {
+            break;
+        }
+        d += 1;
+    }
+    d
 }
 
 /// See [`Scheduler::fit_wide`], by `rates`.
@@ -326,5 +404,28 @@ mod tests {
         // No usable rates: four.
         assert_eq!(lanes_for_run(0.0, 3.48, llama[0], total, 2), 4);
         assert_eq!(lanes_for_run(f64::NAN, 3.48, llama[0], total, 2), 4);
+    }
+
+    #[test]
+    fn a_message_that_outlasts_the_rest_on_the_other_cores_gets_a_worker_of_its_own() {
+        const M: u64 = 1 << 20;
+        // An Intel Xeon's rates, as calibrated here: one stream 1.19 GB/s, a core 1.9.
+        let (one, core) = (1.19, 1.9);
+        // One 1 GiB tensor and 8 x 64 MiB, two cores: the tensor alone takes 0.90 s, the rest 0.28 s on a core.
+        let dominated: Vec<u64> = std::iter::once(1024 * M).chain([64 * M; 8]).collect();
+        assert_eq!(dominant_count(&dominated, 2, one, core), 1);
+        // Llama-8B's shape (two 1.05 GB embeddings of 16 GB): on two cores the rest is the bound...
+        let llama: Vec<u64> = [1050 * M; 2].into_iter().chain([116 * M; 120]).collect();
+        assert_eq!(dominant_count(&llama, 2, one, core), 0);
+        // ... on sixteen, both embeddings end the run.
+        assert_eq!(dominant_count(&llama, 16, 1.28, 3.0), 2);
+        // Equal tensors, one worker, small messages, no rates: none.
+        assert_eq!(dominant_count(&[64 * M; 8], 2, one, core), 0);
+        assert_eq!(dominant_count(&dominated, 1, one, core), 0);
+        assert_eq!(dominant_count(&[4 * M, 1024], 2, one, core), 0);
+        assert_eq!(dominant_count(&dominated, 2, 0.0, core), 0);
+        assert_eq!(dominant_count(&dominated, 2, f64::NAN, core), 0);
+        // Never every worker: one is left for the rest.
+        assert_eq!(dominant_count(&[1024 * M, 1024 * M], 2, one, core), 1);
     }
 }
