@@ -100,11 +100,17 @@ def test_plan_streams_large_and_packs_small():
         assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
 
 
-@given(st.lists(st.integers(0, 5000), min_size=1, max_size=40), st.integers(64, 4000), st.integers(1, 8))
-def test_every_slot_carries_min_k_unfinished_streams(sizes, slot_bytes, streams):
+@given(
+    st.lists(st.integers(0, 5000), min_size=1, max_size=40),
+    st.integers(64, 4000),
+    st.integers(1, 8),
+    st.integers(0, 2),
+)
+def test_every_slot_carries_min_k_unfinished_streams(sizes, slot_bytes, streams, lead):
     """The feeder's promise: each slot advances min(K, tensors not yet
-    finished) messages at once, within the slot, every byte once, in order."""
-    plans = plan_slots(sizes, slot_bytes, streams)
+    finished) messages at once, within the slot, every byte once, in order,
+    with or without leads."""
+    plans = plan_slots(sizes, slot_bytes, streams, lead=lead)
     planned = [0] * len(sizes)
     done = [False] * len(sizes)
     for p in plans:
@@ -273,3 +279,56 @@ def test_gpu_check_script_dry_run(tmp_path):
     subprocess.run([sys.executable, script, "--smoke"], env=env, check=True, capture_output=True)
     r = json.loads((tmp_path / "gpu_check.json").read_text())
     assert r["digest_check"]["mismatches"] == [] and r["staged_check"]["mismatches"] == []
+
+
+class RecordingEngine(HostCopyEngine):
+    """The host copy engine, recording which tensor each copy is queued for, in order."""
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        super().__init__()
+        self.owner = {t.untyped_storage().data_ptr(): i for i, t in enumerate(tensors)}
+        self.copied: list[int] = []
+
+    def copy(self, dst, src) -> None:
+        self.copied.append(self.owner[src.untyped_storage().data_ptr()])
+        super().copy(dst, src)
+
+    def gather(self, dst, tensors):
+        self.copied += [self.owner[t.untyped_storage().data_ptr()] for t in tensors]
+        return super().gather(dst, tensors)
+
+
+@pytest.mark.parametrize("place", ["first", "middle", "last"])
+@pytest.mark.parametrize("lead", [0, 1])
+def test_the_largest_tensors_first_pieces_are_copied_and_hashed_before_any_smaller_ones(monkeypatch, place, lead):
+    """Whatever the model order (the largest first, in the middle, last: an
+    ``lm_head``), the whole set is planned before the first copy: the largest
+    tensor's first piece is the first copied and leads the first slot hashed.
+    With a lead (a chain that ends the run), it has the most of every slot
+    until it ends, and ends in the last slot with the rest."""
+    big = random_tensor((1 << 20,), torch.bfloat16, 99)  # 2 MiB
+    others = [random_tensor((1 << 17,), torch.bfloat16, i) for i in range(8)]  # 8 x 256 KiB
+    at = {"first": 0, "middle": 4, "last": 8}[place]
+    tensors = [*others[:at], big, *others[at:]]
+    hashed: list[list[int]] = []
+    hash_slot = staging._hash_slot
+
+    def recording(engine, fence, multi, slot, feeds, keep, stats):
+        hashed.append([i for i, _, _ in feeds])
+        return hash_slot(engine, fence, multi, slot, feeds, keep, stats)
+
+    monkeypatch.setattr(staging, "_hash_slot", recording)
+    engine = RecordingEngine(tensors)
+    stats = StagingStats()
+    digests, _ = digest_staged(tensors, engine=engine, budget=1 << 20, slots=4, streams=4, lead=lead, stats=stats)
+    assert digests == [vllm_digest(t) for t in tensors]
+    assert engine.copied[0] == at, engine.copied[:5]
+    assert hashed[0][0] == at, hashed[0]
+    assert stats.lead == lead
+    plans = plan_slots([t.nbytes for t in tensors], stats.slot_bytes, 4, lead=lead)
+    if lead:
+        # The chain has the largest piece of every slot, and ends with the rest.
+        for plan in plans:
+            pieces = {i: e - b for i, b, e, _ in plan.streamed}
+            assert at in pieces and pieces[at] == max(pieces.values()), plan
+        assert len(hashed) == len(plans)

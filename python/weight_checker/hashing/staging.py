@@ -88,8 +88,11 @@ GATHER_MAX_BYTES = 1 << 20
 PIECE_ALIGN = 4096
 
 
-def plan_slots(sizes: list[int], slot_bytes: int, streams: int, kinds: list[Any] | None = None) -> list[SlotPlan]:
-    """The streaming feeder's plan for staged bytes.
+def plan_slots(
+    sizes: list[int], slot_bytes: int, streams: int, kinds: list[Any] | None = None, lead: int = 0
+) -> list[SlotPlan]:
+    """The streaming feeder's plan for staged bytes, made for the whole set
+    before the first copy.
 
     Up to ``streams`` large tensors are open at once, largest first; every
     slot carries the next piece of each open one (``slot_bytes / streams``
@@ -99,6 +102,14 @@ def plan_slots(sizes: list[int], slot_bytes: int, streams: int, kinds: list[Any]
     packed whole into the room the open ones leave, grouped by ``kinds``
     (their dtypes) so that each run of one kind is gathered with one device
     op and moved with one copy.
+
+    ``lead``: the largest tensors that end the run on one stream each
+    (``_core.dominant_chains``). Each gets, from the first slot, a share of
+    every slot in proportion to its bytes left (so that they and the rest end
+    together), copied first; the rest share what is left. Each slot is one
+    run of the scheduler, which gives such a piece a worker of its own: the
+    chain advances at one stream's full rate from the start, instead of at a
+    fraction of it while the others are open.
     """
     if slot_bytes <= 0 or streams <= 0:
         raise InputError("slot_bytes and streams must be positive")
@@ -108,6 +119,8 @@ def plan_slots(sizes: list[int], slot_bytes: int, streams: int, kinds: list[Any]
     if kinds is not None and len(set(kinds)) > 1:
         order = {k: j for j, k in enumerate(dict.fromkeys(kinds[i] for i in small))}
         small.sort(key=lambda i: order[kinds[i]])
+    leads = set(large[: max(lead, 0)])
+    left_total = sum(sizes)
     plans: list[SlotPlan] = []
     open_: list[list[int]] = []  # [index, bytes planned so far]
     next_large = next_small = 0
@@ -117,16 +130,34 @@ def plan_slots(sizes: list[int], slot_bytes: int, streams: int, kinds: list[Any]
             next_large += 1
         plan = SlotPlan()
         if open_:
-            # Leave room for small tensors while fewer than `streams` are open.
+            # Room for small tensors while fewer than `streams` are open.
             room = (streams - len(open_)) * chunk if next_small < len(small) else 0
-            share = (slot_bytes - room) // len(open_)
-            if share > PIECE_ALIGN:
-                share -= share % PIECE_ALIGN
+            # The leads first: their share of the slot follows their bytes
+            # left, leaving the room and at least a byte to every other open one.
+            rest_n = sum(1 for o in open_ if o[0] not in leads)
             for o in open_:
-                take = min(sizes[o[0]] - o[1], share)
+                if o[0] not in leads:
+                    continue
+                left = sizes[o[0]] - o[1]
+                want = left if left_total == left else slot_bytes * left // left_total
+                if want > PIECE_ALIGN:
+                    want -= want % PIECE_ALIGN
+                take = min(left, max(want, 1), max(slot_bytes - plan.nbytes - rest_n - room, 1))
                 plan.streamed.append((o[0], o[1], o[1] + take, plan.nbytes))
                 plan.nbytes += take
                 o[1] += take
+            rest = [o for o in open_ if o[0] not in leads]
+            if rest:
+                share = max((slot_bytes - plan.nbytes - room) // len(rest), 1)
+                if share > PIECE_ALIGN:
+                    share -= share % PIECE_ALIGN
+                for o in rest:
+                    take = min(sizes[o[0]] - o[1], share, slot_bytes - plan.nbytes)
+                    if take <= 0:
+                        continue
+                    plan.streamed.append((o[0], o[1], o[1] + take, plan.nbytes))
+                    plan.nbytes += take
+                    o[1] += take
             open_ = [o for o in open_ if o[1] < sizes[o[0]]]
         # Small tensors, whole, back to back (the hot loop for models of many
         # small parameters: locals only).
@@ -140,6 +171,7 @@ def plan_slots(sizes: list[int], slot_bytes: int, streams: int, kinds: list[Any]
             used += size
             next_small += 1
         plan.nbytes = used
+        left_total -= used
         plans.append(plan)
     return plans
 
@@ -155,6 +187,7 @@ class StagingStats:
     copies: int = 0
     max_temp_bytes: int = 0  # largest device temporary (contiguous piece or gather)
     streams: int = 0  # K: messages the scheduler keeps in flight
+    lead: int = 0  # the largest tensors given the most of every slot (their chains end the run)
     slot_streams: list[int] = field(default_factory=list)  # messages each slot carried
     copy_seconds: float = 0.0  # issuing copies (and device ops), on the caller's thread
     wait_seconds: float = 0.0  # hashing thread waiting for copies to land
@@ -170,10 +203,13 @@ def digest_staged(
     slots: int = DEFAULT_SLOTS,
     stats: StagingStats | None = None,
     streams: int | None = None,
+    lead: int | None = None,
 ) -> tuple[list[str], list[bool]]:
     """Digests and all-zero flags of ``tensors`` (all on one device), staged
     through at most ``budget`` bytes of host slots, ``streams`` messages
-    (default: the scheduler's threads x lanes) hashed at once."""
+    (default: the scheduler's threads x lanes) hashed at once; ``lead``: the
+    largest tensors that lead every slot (default: those that end the run
+    alone, ``_core.dominant_chains``; see :func:`plan_slots`)."""
     import torch
 
     budget = budget_bytes() if budget is None else budget
@@ -185,11 +221,12 @@ def digest_staged(
     prepared = [_resolve(t) if d.is_complex else t for t, d in zip(tensors, dtypes, strict=True)]
     sizes = [t.nbytes for t in prepared]
     slot_bytes = max(budget // slots, 1)
-    plans = plan_slots(sizes, slot_bytes, streams, dtypes)
+    lead = _core.dominant_chains(sizes) if lead is None else lead
+    plans = plan_slots(sizes, slot_bytes, streams, dtypes, lead)
     # Never allocate more than the data needs.
     slot_bytes = min(slot_bytes, max((p.nbytes for p in plans), default=1)) or 1
     stats = stats if stats is not None else StagingStats()
-    stats.slot_bytes, stats.streams = slot_bytes, streams
+    stats.slot_bytes, stats.streams, stats.lead = slot_bytes, streams, lead
     multi = _core.MultiHasher(len(prepared))
     ring = [engine.alloc(slot_bytes) for _ in range(min(slots, len(plans)))]
     stats.slots = len(ring)
