@@ -7,8 +7,11 @@ zero-padded to a multiple of 64 rows (of ``64 * tp`` where the padded size
 does not split evenly), then split by rows; ``qkv_proj`` is ``cat(q_r, k_r,
 v_r)`` of each rank's rows (KV heads replicated where there are fewer than
 ranks), weight and bias; ``gate_up_proj`` is ``cat(gate_r, up_r)``;
-``o_proj`` and ``down_proj`` split on dim 1; norms whole. No CPU repacking
-(the test-only kernel stand-in registers none)."""
+``o_proj`` and ``down_proj`` split on dim 1; norms whole. On a CPU engine
+(``cpu_engine``) the MLP is zero-padded first to a multiple of ``32 * tp``
+rows (``adjust_config_with_unaligned_cpu_tp``): ``gate`` and ``up`` gain zero
+rows, ``down`` zero columns. No CPU repacking (the test-only kernel stand-in
+registers none)."""
 
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ def sha256(t: Any) -> str:
     return hashlib.sha256(t.detach().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
 
 
-def rank_tensors(checkpoint: Path, tp: int, rank: int) -> dict[str, Any]:
+def rank_tensors(checkpoint: Path, tp: int, rank: int, cpu_engine: bool = True) -> dict[str, Any]:
     """``{SGLang module name: the tensor rank ``rank`` of ``tp`` holds}``."""
     import torch
     from safetensors.torch import load_file
@@ -68,8 +71,13 @@ def rank_tensors(checkpoint: Path, tp: int, rank: int) -> dict[str, Any]:
             )
         out[p + "self_attn.o_proj.weight"] = cols(sd[p + "self_attn.o_proj.weight"], tp, rank)
         gate, up = sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]
+        down = sd[p + "mlp.down_proj.weight"]
+        if cpu_engine and gate.shape[0] % (32 * tp):
+            size = -(-gate.shape[0] // (32 * tp)) * 32 * tp
+            gate, up = (torch.cat([t, t.new_zeros(size - t.shape[0], t.shape[1])]) for t in (gate, up))
+            down = torch.cat([down, down.new_zeros(down.shape[0], size - down.shape[1])], dim=1)
         out[p + "mlp.gate_up_proj.weight"] = torch.cat([rows(gate, tp, rank), rows(up, tp, rank)])
-        out[p + "mlp.down_proj.weight"] = cols(sd[p + "mlp.down_proj.weight"], tp, rank)
+        out[p + "mlp.down_proj.weight"] = cols(down, tp, rank)
         for norm in ("input_layernorm.weight", "post_attention_layernorm.weight"):
             out[p + norm] = sd[p + norm]
     out["model.norm.weight"] = sd["model.norm.weight"]

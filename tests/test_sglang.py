@@ -9,7 +9,7 @@ input and the API key. The check: ``weight-checker verify`` and
 paused and resumed through SGLang's own calls in the mode asked for.
 
 Two servers, each started once for this module: a Llama at TP=1 (behind an
-API key) and a Qwen2 at TP=2 (q/k/v biases, KV heads split)."""
+API key) and a Qwen2 at TP=2 (q/k/v biases, KV heads split, an MLP the CPU engine pads)."""
 
 from __future__ import annotations
 
@@ -36,17 +36,22 @@ PROMPT = {"text": "ab cd ef", "sampling_params": {"max_new_tokens": 4, "temperat
 
 needs_sglang = pytest.mark.skipif(PYTHON is None, reason="no SGLang environment (scripts/dev-env.sh makes one)")
 
-#: name -> (architecture, tp, API key)
-SERVERS = {"llama-tp1": ("llama", 1, KEY), "qwen2-tp2": ("qwen2", 2, None)}
+#: name -> (architecture, tp, API key, config fields). The Qwen2's MLP (80)
+#: is not a multiple of 32 x TP: SGLang's CPU engine pads it (to 128 at
+#: TP=2), and the expected digests must too.
+SERVERS = {
+    "llama-tp1": ("llama", 1, KEY, {}),
+    "qwen2-tp2": ("qwen2", 2, None, {"intermediate_size": 80}),
+}
 
 
 @pytest.fixture(scope="module", params=list(SERVERS))
 def sglang(request, tmp_path_factory, models):
-    arch, tp, key = SERVERS[request.param]
+    arch, tp, key, config = SERVERS[request.param]
     root = tmp_path_factory.mktemp(f"sglang-{request.param}")
     with models.exclusive():  # transformers' lazy imports race the shared servers' checkpoint writers
-        model = write_tiny_sglang_model(root / arch, arch)
-        seed1 = write_tiny_sglang_model(root / f"{arch}-seed1", arch, seed=1)
+        model = write_tiny_sglang_model(root / arch, arch, **config)
+        seed1 = write_tiny_sglang_model(root / f"{arch}-seed1", arch, seed=1, **config)
     assert PYTHON is not None
     with sglang_server(model, root / "server.log", PYTHON, tp=tp, api_key=key) as server:
         server.tp = tp  # type: ignore[attr-defined]

@@ -144,3 +144,11 @@ def test_a_bad_block_request_is_an_answer_from_every_rank_never_an_exception(siz
         assert answer["blocks"] == {}
         assert list(answer["errors"]) == [keys[rank]]
         assert "block_bytes must be a positive integer" in answer["errors"][keys[rank]]
+
+
+def test_dtype_auto_given_asks_for_what_the_server_runs():
+    with serving(with_(dtype="bfloat16")) as url:
+        engine = server_engine(url)
+    assert reconcile(engine, {"dtype": "auto"})["dtype"] == "bfloat16"
+    with pytest.raises(ExpectedDigestsError, match="--dtype float16 contradicts"):
+        reconcile(engine, {"dtype": "float16"})

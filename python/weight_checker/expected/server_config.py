@@ -294,7 +294,8 @@ def _same_path(given: Any, stated: Any) -> bool:
 
 
 _SAME: dict[str, Callable[[Any, Any], bool]] = {
-    "dtype": lambda given, stated: _dtype_name(given) == _dtype_name(stated),
+    # "auto" asks for what the server chose, whatever it is.
+    "dtype": lambda given, stated: _dtype_name(given) in ("auto", _dtype_name(stated)),
     "draft": _same_path,
     "lora_target_modules": _same_modules,
 }

@@ -110,8 +110,11 @@ def refuse_repacking(device: str | None) -> None:
         )
 
 
-def build_rank(args: Any, tp_rank: int, tp: int, pairs: Any) -> tuple[Any, list[str]]:
-    """``(model, names of parameters the weights never wrote)`` of one rank."""
+def build_rank(args: Any, tp_rank: int, tp: int, pairs: Any, cpu_engine: bool = False) -> tuple[Any, list[str]]:
+    """``(model, names of parameters the weights never wrote)`` of one rank.
+    ``cpu_engine``: the engine runs on the CPU, where SGLang's model runner
+    pads heads and MLP sizes to what its kernels need
+    (``adjust_config_with_unaligned_cpu_tp``, as the engine does)."""
     runtime_context = sys.modules["sglang.srt.runtime_context"]
     import torch
     from sglang.srt.configs.load_config import LoadConfig
@@ -129,6 +132,10 @@ def build_rank(args: Any, tp_rank: int, tp: int, pairs: Any) -> tuple[Any, list[
             pp_group=_Group(0, 1), tp_group=group, moe_tp_group=group, attn_tp_group=group
         ):
             model_config = ModelConfig.from_server_args(args)
+            if cpu_engine:
+                from sglang.srt.configs.update_config import adjust_config_with_unaligned_cpu_tp
+
+                model_config = adjust_config_with_unaligned_cpu_tp(model_config, LoadConfig(load_format="auto"), tp)
             if model_config.quantization is not None:
                 raise ExpectedDigestsError(
                     f"quantized model ({model_config.quantization}): its post-load processing changes bytes"
@@ -160,11 +167,11 @@ def _has_unwritten_row(p: Any) -> bool:
     return bool(rows.all(dim=1).any())
 
 
-def _built(args: Any, tp_rank: int, tp: int, pairs: Any, name: str) -> tuple[Any, list[str]]:
+def _built(args: Any, tp_rank: int, tp: int, pairs: Any, name: str, cpu_engine: bool) -> tuple[Any, list[str]]:
     """:func:`build_rank`, SGLang's own errors (a shape that does not
     split, a weight of the wrong shape) named by rank."""
     try:
-        return build_rank(args, tp_rank, tp, pairs)
+        return build_rank(args, tp_rank, tp, pairs, cpu_engine)
     except ExpectedDigestsError:
         raise
     except Exception as e:
@@ -214,7 +221,8 @@ class SGLangExpectedDigests(ExpectedDigests):
             args = server_args(settings["path"], settings["tp"], settings["dtype"], settings["revision"])
             for tp_rank, rank_keys in sorted(wanted.items()):
                 pairs = pairs_for(weights, None, rank_keys)
-                model, _ = _built(args, tp_rank, settings["tp"], pairs, f"pp0:tp{tp_rank}")
+                cpu_engine = settings.get("device") == "cpu"
+                model, _ = _built(args, tp_rank, settings["tp"], pairs, f"pp0:tp{tp_rank}", cpu_engine)
                 held = dict(walk(_Checker(model)))
                 for key in rank_keys:
                     t = held[split_rank(key)[1]].detach()
@@ -268,6 +276,21 @@ def sglang_expected_digests(
     source = weights_source(weights, checkpoint if weights is None else None, tp)
     import_sglang()
     refuse_repacking(arguments.get("device"))
+    cpu_engine = arguments.get("device") == "cpu"
+    shapes = _checkpoint_shapes(checkpoint) if weights is not None else {}
+
+    def checked(pairs: Any) -> Any:
+        """The trainer's pairs, each of the checkpoint's shape where the
+        checkpoint names it: SGLang's CPU loader zero-pads a short tensor
+        where a GPU engine's refuses it."""
+        for name, tensor in pairs:
+            want = shapes.get(name)
+            if want is not None and list(tensor.shape) != want:
+                raise ExpectedDigestsError(
+                    f"weight '{name}' has shape {list(tensor.shape)}; the checkpoint's is {want}"
+                )
+            yield name, tensor
+
     import sglang
 
     args = server_args(str(checkpoint), tp, dtype, arguments.get("revision"))
@@ -277,12 +300,15 @@ def sglang_expected_digests(
         name = f"pp0:tp{tp_rank}"
         if progress is not None:
             progress(name)
-        model_obj, unwritten = _built(args, tp_rank, tp, source.read().pairs, name)
+        model_obj, unwritten = _built(args, tp_rank, tp, checked(source.read().pairs), name, cpu_engine)
         loaded = time.perf_counter()
         out.seconds["load"] += loaded - start
         if unwritten and not allow_unwritten:
             shown = ", ".join(unwritten[:5]) + (" ..." if len(unwritten) > 5 else "")
-            raise ExpectedDigestsError(f"the weights never wrote {len(unwritten)} parameter(s) of {name}: {shown}")
+            raise ExpectedDigestsError(
+                f"the weights never wrote {len(unwritten)} parameter(s) of {name} (rows still NaN after loading: no "
+                f"weight fed them, or the weights hold NaN there): {shown}"
+            )
         skip = set(unwritten)
         held_dtype = str(next(model_obj.parameters()).dtype).removeprefix("torch.")
         digests, _ = checksum_sized([(n, t) for n, t in walk(_Checker(model_obj)) if n not in skip], "")
@@ -299,10 +325,24 @@ def sglang_expected_digests(
     }  # fmt: skip
     out._recompute = remember(
         checkpoint, weights, checkpoint if weights is None else None, None, source,
-        path=str(checkpoint), tp=tp, dtype=dtype, revision=arguments.get("revision"),
+        path=str(checkpoint), tp=tp, dtype=dtype, revision=arguments.get("revision"), device=arguments.get("device"),
     )  # fmt: skip
     source.forget_others()
     return out
+
+
+def _checkpoint_shapes(checkpoint: Path) -> dict[str, list[int]]:
+    """``{name: shape}`` of the checkpoint's safetensors files (their headers
+    only), ``{}`` where it has none (a config alone)."""
+    from weight_checker import _core
+
+    shapes: dict[str, list[int]] = {}
+    for path in sorted(checkpoint.glob("*.safetensors")):
+        try:
+            shapes.update({name: list(shape) for name, _, shape, _ in _core.safetensors_tensors(str(path))})
+        except ValueError as e:
+            raise ExpectedDigestsError(f"{path}: {e}") from e
+    return shapes
 
 
 #: config.json fields that give a model experts.
