@@ -5,7 +5,9 @@ One engine (TP=1) on ``CKPT0``: ``weight_checker.verify(engine, ...)`` with a
 reload from disk (paused in place), with seed 1 loaded against expected
 digests computed through SGLang's model classes, and with seed 1's
 embedding rows 96-223 zeroed (sent from tensor, in SGLang's update session)
-and explained through the engine's own fan-out. Prints one JSON object:
+and explained through the engine's own fan-out; and expected digests
+refusing a trainer tensor shorter than the checkpoint's (SGLang's CPU loader
+would zero-pad it). Prints one JSON object:
 scenario -> the check's ``to_json()``, plus the engine's digests and the
 expected digests of ``CKPT0``."""
 
@@ -47,6 +49,13 @@ def main() -> None:
                 engine.end_weight_update()
 
         out["zeros"] = weight_checker.verify(engine, send_zeroed, expected=expected1).to_json()
+        short = dict(zeroed)
+        short["model.layers.0.self_attn.q_proj.weight"] = short["model.layers.0.self_attn.q_proj.weight"][:32]
+        try:
+            weight_checker.expected_digests(ckpt1, short, engine="sglang")
+            out["short"] = None
+        except weight_checker.ExpectedDigestsError as e:
+            out["short"] = str(e)
         out["generated"] = engine.generate("ab cd ef", {"max_new_tokens": 4, "temperature": 0})["output_ids"]
     finally:
         engine.shutdown()

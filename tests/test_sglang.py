@@ -431,6 +431,7 @@ def test_an_in_process_sglang_engine_is_verified_paused_and_explained(tmp_path_f
     assert zeros["mismatches"] == ["dp0:pp0:pcp0:tp0:model.embed_tokens.weight"], zeros["mismatches"]
     (explained,) = zeros["explanation"]["keys"]
     assert explained["cause"] == "zeros" and "rows 96-223" in explained["where"], explained
+    assert out["short"] and "q_proj.weight' has shape [32, 64]" in out["short"], out["short"]
     assert len(out["generated"]) == 4
 
 
