@@ -11,7 +11,7 @@ One SGLang 0.5.23 server on this CPU (TP=1, the test-only kernel stand-in,
   0.44 GB a layer), a 1000-row vocabulary: a few large tensors;
 - ``qwen2.5-0.5b``: Qwen2.5-0.5B's own shapes (hidden 896, MLP 4864, 14
   heads, 2 KV heads, 24 layers, 151,936-row vocabulary tied to the head:
-  0.99 GB, 290 tensors): a model of about 1 GB as it is.
+  0.99 GB, 170 tensors): a model of about 1 GB as it is.
 
 The two requests alternate, each timed from the client (HTTP, SGLang's
 fan-out to the rank and back included):
