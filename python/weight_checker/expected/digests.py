@@ -156,6 +156,9 @@ def expected_digests(
 
         args = lora_engine_arguments(args)
     layout = {name: args.pop(name, 1) for name in ("tp", "pp", "dp")}
+    for label, n in layout.items():  # one check, whichever engine's model classes run
+        if not isinstance(n, int) or n < 1:
+            raise ExpectedDigestsError(f"{label} must be a positive integer, got {n!r}")
     family = args.pop("engine", None) or "vllm"
     if family not in ("vllm", "sglang"):
         raise ExpectedDigestsError(f"engine must be 'vllm' or 'sglang', got {family!r}")
@@ -204,9 +207,6 @@ def _expected_digests(
     buffers: bool = False,
     **engine_args: Any,
 ) -> ExpectedDigests:
-    for label, n in (("tp", tp), ("pp", pp), ("dp", dp)):
-        if not isinstance(n, int) or n < 1:
-            raise ExpectedDigestsError(f"{label} must be a positive integer, got {n!r}")
     checkpoint = Path(model) if isinstance(model, (str, Path)) else None
     if checkpoint is not None:
         refuse_quantized_config(checkpoint)
