@@ -266,7 +266,8 @@ def sglang_expected_digests(
     checkpoint = Path(model)
     if not (checkpoint / "config.json").is_file():
         raise ExpectedDigestsError(f"{checkpoint}: no config.json (an SGLang engine's model is a local checkpoint)")
-    experts = _experts(checkpoint)
+    config = _config(checkpoint)
+    experts = _experts(config)
     if experts:
         # SGLang's MoE layers reorder their expert weights after loading on some GPU backends (aiter, flashinfer).
         raise ExpectedDigestsError(f"{checkpoint}: a mixture-of-experts model ({experts}): not covered on SGLang")
@@ -318,7 +319,7 @@ def sglang_expected_digests(
         out.seconds["hash"] += start - loaded
     out.layout = {
         "tp": tp, "pp": 1, "dp": dp, "dtype": held_dtype, "engine": SGLANG, "sglang_version": sglang.__version__,
-        "architecture": _architecture(checkpoint),
+        "architecture": (config.get("architectures") or [None])[0],
     }  # fmt: skip
     out._recompute = remember(
         checkpoint, weights, checkpoint if weights is None else None, None, source,
@@ -346,26 +347,21 @@ def _checkpoint_shapes(checkpoint: Path) -> dict[str, list[int]]:
 EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 
-def _experts(checkpoint: Path) -> str | None:
-    """``"num_experts = 8"`` where the checkpoint's config gives the model experts, else ``None``."""
+def _config(checkpoint: Path) -> dict[str, Any]:
+    """The checkpoint's config.json (``{}`` where it cannot be read: SGLang's own reading then says why)."""
     import json
 
     try:
         config = json.loads((checkpoint / "config.json").read_text())
     except (OSError, ValueError):
-        return None
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def _experts(config: dict[str, Any]) -> str | None:
+    """``"num_experts = 8"`` where the config gives the model experts, else ``None``."""
     for part in (config, config.get("text_config") or {}):
         for field in EXPERT_FIELDS:
             if part.get(field):
                 return f"{field} = {part[field]}"
     return None
-
-
-def _architecture(checkpoint: Path) -> str | None:
-    import json
-
-    try:
-        archs = json.loads((checkpoint / "config.json").read_text()).get("architectures") or [None]
-    except (OSError, ValueError):
-        return None
-    return str(archs[0]) if archs[0] is not None else None
