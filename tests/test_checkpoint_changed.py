@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import threading
@@ -43,6 +44,37 @@ def _version(seed: int) -> tuple[bytes, dict[str, str]]:
     return save(tensors), {n: hashlib.sha256(a.tobytes()).hexdigest() for n, a in tensors.items()}
 
 
+def _layout(data: bytes) -> tuple[int, list[tuple[str, int, int]]]:
+    """Where a file's tensor data starts, and each tensor's absolute byte
+    range, read from its header with plain json: the oracle of where a
+    read that failed at some offset was."""
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    start = 8 + n
+    spans = [(k, start + v["data_offsets"][0], start + v["data_offsets"][1]) for k, v in header.items() if k[0] != "_"]
+    return start, sorted(spans, key=lambda s: s[1])
+
+
+def _assert_placed(message: str, layout: tuple[int, list[tuple[str, int, int]]]) -> None:
+    """A truncation seen while the file was read names where: its header
+    for an offset before the data, else the tensor that holds the offset
+    (issue 54: a cut inside the header named no tensor, and any outcome of
+    the race is possible on a loaded machine)."""
+    if "while it was read" not in message:
+        return
+    offset = re.search(r"no byte at offset (\d+)|the file ends at byte (\d+)", message)
+    if offset is None:  # changed or replaced: the first tensor that may mix two versions
+        assert "tensor 't" in message, message
+        return
+    at = int(offset.group(1) or offset.group(2))
+    data_start, spans = layout
+    if at < data_start:
+        assert ": its header: truncated while it was read" in message and "tensor '" not in message, message
+    else:
+        holder = next(name for name, begin, end in spans if begin <= at < end)
+        assert f"tensor '{holder}': " in message, (holder, message)
+
+
 def race(mode: str, runs: int, root: str, seed: int) -> None:
     """``runs`` checksums of a checkpoint that a writer thread changes at a
     random point of each (every action in turn); prints a JSON summary and
@@ -51,6 +83,7 @@ def race(mode: str, runs: int, root: str, seed: int) -> None:
     path, new_path = Path(root) / "model.safetensors", Path(root) / "next.safetensors"
     old, old_digests = _version(seed)
     new, new_digests = _version(seed + 1)
+    layout = _layout(old)
     path.write_bytes(old)
     took = float("inf")
     for _ in range(3):
@@ -86,10 +119,9 @@ def race(mode: str, runs: int, root: str, seed: int) -> None:
         except CheckpointError as e:
             message = str(e)
             assert str(path) in message, message
-            if "while it was read" in message:
-                assert "tensor 't" in message, message
+            _assert_placed(message, layout)
             outcomes[action]["error"] += 1
-            kind = message.split(": ")[-2 if "tensor '" in message else -1].split(" (")[0][:60]
+            kind = re.sub(r"tensor 't\d'", "tensor 'tN'", message.replace(str(path) + ": ", "")).split(" (")[0][:80]
             kinds[kind] = kinds.get(kind, 0) + 1
         else:
             if got == old_digests:
@@ -111,27 +143,85 @@ def test_a_checkpoint_changed_while_it_is_hashed_is_an_error_or_one_whole_versio
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     outcomes = summary["outcomes"]
     assert sum(o["error"] for o in outcomes.values()) + sum(o["old"] + o["new"] for o in outcomes.values()) == RUNS
-    # The writer acted during the runs: some were refused.
-    assert sum(o["error"] for o in outcomes.values()) > 0, summary
-    if mode == "map":  # and through the mapping, some by the guard itself (a read past the new end)
-        assert any(kind.startswith("truncated while it was read") for kind in summary["errors"]), summary
+    # How many runs the writer reached depends on the machine's load (on a
+    # busy one it may reach none, or only headers), so it is printed, never
+    # asserted: the tests below change the file at fixed points.
+    print(summary)
 
 
-def test_a_file_truncated_during_a_mapped_run_names_the_file_and_a_tensor(tmp_path):
-    """Truncated from the progress callback, once the run has begun: a
-    ``CheckpointError`` naming the file and a tensor (the fault of a read
-    past the new end, or the change seen at the end of the run)."""
+@pytest.mark.parametrize("mode", ["auto", "map", "read"])
+def test_a_file_truncated_inside_its_data_during_a_run_names_the_file_and_the_tensor(mode, tmp_path):
+    """Truncated from the first progress call, once the run has begun,
+    inside tensor t3's bytes: a ``CheckpointError`` naming the file and the
+    tensor whose read failed past the cut (through the mapping the guard's
+    fault; read, the short read), or t3 where the change is seen at the end,
+    in every read mode."""
     path = tmp_path / "model.safetensors"
-    path.write_bytes(_version(7)[0])
+    data = _version(7)[0]
+    path.write_bytes(data)
+    data_start, spans = _layout(data)
+    cut = next(begin for name, begin, _ in spans if name == "t3") + 12345
     calls = []
 
     def truncate_once(done: int, total: int) -> None:
         if not calls:
-            os.truncate(path, 4096)
+            os.truncate(path, cut)
         calls.append(done)
 
-    with pytest.raises(CheckpointError, match=r"model\.safetensors: tensor 't\d': .*while it was read"):
-        checksum_checkpoint([path], progress=truncate_once, io="map")
+    with pytest.raises(CheckpointError) as raised:
+        checksum_checkpoint([path], progress=truncate_once, io=mode)
+    message = str(raised.value)
+    assert str(path) in message and "while it was read" in message, message
+    _assert_placed(message, (data_start, spans))  # the tensor that holds the offset named
+    offset = re.search(r"no byte at offset (\d+)|the file ends at byte (\d+)", message)
+    if offset is not None:  # a read past the cut (the bytes before it were read whole)
+        assert int(offset.group(1) or offset.group(2)) >= cut, message
+    else:  # the change seen at the end: the first tensor cut short
+        assert "tensor 't3': the file changed while it was read" in message, message
+
+
+def test_an_index_cut_short_is_refused_naming_the_index(tmp_path):
+    """An index cut inside its JSON (a truncation, or a copy not finished)
+    says so, naming the index; nothing is hashed."""
+    save_file({"a.weight": np.zeros(4, np.float32)}, str(tmp_path / "model-00001-of-00001.safetensors"))
+    index = tmp_path / "model.safetensors.index.json"
+    whole = json.dumps({"metadata": {}, "weight_map": {"a.weight": "model-00001-of-00001.safetensors"}})
+    for cut in (len(whole) - 1, whole.index("model-0") + 3, 1):
+        index.write_text(whole[:cut])
+        with pytest.raises(CheckpointError) as raised:
+            checksum_checkpoint([tmp_path])
+        message = str(raised.value)
+        assert message == f"{index}: its index: truncated: its JSON ends at byte {cut} before it closes", message
+    index.write_text(whole[:-1] + ", 7}")  # whole but wrong: not a truncation
+    with pytest.raises(CheckpointError, match=r"its index: not valid JSON"):
+        checksum_checkpoint([tmp_path])
+    index.write_text(whole)
+    assert len(checksum_checkpoint([tmp_path])) == 1
+
+
+def test_an_index_truncated_while_it_is_read_is_refused_naming_the_index(tmp_path, monkeypatch):
+    """The index truncated by another writer while it is read (here right
+    after its bytes are read): its size and times after the read differ from
+    before, and the error says the index changed while it was read."""
+    save_file({"a.weight": np.zeros(4, np.float32)}, str(tmp_path / "model-00001-of-00001.safetensors"))
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": {"a.weight": "model-00001-of-00001.safetensors"}}))
+    size = index.stat().st_size
+    read_bytes = Path.read_bytes
+
+    def read_then_truncate(self: Path) -> bytes:
+        raw = read_bytes(self)
+        if self == index:
+            os.truncate(self, 10)
+        return raw
+
+    monkeypatch.setattr(Path, "read_bytes", read_then_truncate)
+    with pytest.raises(CheckpointError) as raised:
+        checksum_checkpoint([index])
+    assert str(raised.value) == (
+        f"{index}: its index: changed while it was read ({size} bytes when opened, 10 now, {size} read): "
+        "it must not change until the checksum ends"
+    )
 
 
 def test_an_index_that_names_the_wrong_shard_for_a_tensor_is_refused_naming_it(tmp_path):

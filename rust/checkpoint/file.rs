@@ -78,10 +78,7 @@ impl CheckpointFile {
                 ),
             )
         })?;
-        let parsed = parse_header(path, &map);
-        if let Some(offset) = guard.fault() {
-            return Err(truncated(path, None, offset as u64));
-        }
+        let parsed = parse_guarded(path, &map, &guard);
         Ok(CheckpointFile {
             path: path.to_path_buf(),
             tensors: parsed?,
@@ -92,20 +89,25 @@ impl CheckpointFile {
         })
     }
 
-    /// The tensor that holds byte `offset` of the file, if any.
-    fn tensor_at(&self, offset: u64) -> Option<&str> {
+    /// What holds byte `offset` of the file: the header (before the first
+    /// tensor's data), a tensor, or data no tensor describes.
+    fn place_of(&self, offset: u64) -> Place<'_> {
+        let data_start = self.tensors.iter().map(|t| t.start).min().unwrap_or(u64::MAX);
+        if offset < data_start {
+            return Place::Header;
+        }
         let i = self.tensors.partition_point(|t| t.end <= offset);
-        self.tensors
-            .get(i)
-            .filter(|t| t.start <= offset)
-            .map(|t| t.name.as_str())
+        match self.tensors.get(i).filter(|t| t.start <= offset) {
+            Some(t) => Place::Tensor(&t.name),
+            None => Place::Data,
+        }
     }
 
     /// An error if a read of the mapping faulted (the file was truncated
-    /// while it was read), naming the tensor it was in.
+    /// while it was read), naming where: its header, or the tensor.
     pub(super) fn fault_error(&self) -> Option<Error> {
         let offset = self.guard.fault()? as u64;
-        Some(truncated(&self.path, self.tensor_at(offset), offset))
+        Some(truncated(&self.path, self.place_of(offset), offset))
     }
 
     /// The error of a path that names another file now (or none): the
@@ -199,14 +201,44 @@ impl Stamp {
     }
 }
 
+/// Parses the header of a guarded mapping. A read of it that faulted (the
+/// file truncated after it was opened, before or while its header was
+/// read) is that error, naming the header: the bytes parsed were the
+/// guard's zeros, whatever the parse made of them.
+pub(super) fn parse_guarded(path: &Path, map: &[u8], guard: &Registration) -> Result<Vec<TensorEntry>, Error> {
+    let parsed = parse_header(path, map);
+    match guard.fault() {
+        Some(offset) => Err(truncated(path, Place::Header, offset as u64)),
+        None => parsed,
+    }
+}
+
+/// Where in a file a read failed: every error of a truncation says which
+/// part was being read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Place<'a> {
+    /// The 8-byte length and the JSON header before the tensor data.
+    Header,
+    /// One tensor's bytes.
+    Tensor(&'a str),
+    /// Bytes after the header that no tensor describes (a valid file has
+    /// none; kept so that no fault goes unplaced).
+    Data,
+}
+
 /// The error of a read that faulted at `offset`: the file was truncated
-/// below it while it was read.
-fn truncated(path: &Path, tensor: Option<&str>, offset: u64) -> Error {
+/// below it while it was read. Names the part being read.
+pub(super) fn truncated(path: &Path, place: Place<'_>, offset: u64) -> Error {
+    let (tensor, what) = match place {
+        Place::Header => (None, "its header: "),
+        Place::Tensor(name) => (Some(name), ""),
+        Place::Data => (None, "its data: "),
+    };
     bad(
         path,
         tensor,
         format!(
-            "truncated while it was read, or its storage failed (no byte at offset {offset} could be \
+            "{what}truncated while it was read, or its storage failed (no byte at offset {offset} could be \
              read): it must not change until the checksum ends"
         ),
     )

@@ -262,3 +262,37 @@ fn asking_what_is_cached_reads_nothing() {
     }
     std::fs::remove_file(path).unwrap();
 }
+
+#[test]
+fn a_file_cut_inside_its_header_while_it_is_parsed_is_an_error_naming_the_header() {
+    // The mapping is made and guarded, then the file is cut to one page,
+    // inside a header of three: the parse reads the guard's zeros past the
+    // cut, and the error says the header was being read (no tensor was).
+    use super::file::parse_guarded;
+    use crate::fault_guard::Registration;
+    let sizes = vec![8usize; 400]; // about 30 KiB of header, 3.2 KB of data
+    let (path, _) = write_u8_file("header-cut", &sizes);
+    // SAFETY: a read-only mapping of a file only this test writes; the
+    // guard is registered before any read of it, so the read past the cut
+    // below is recorded as a fault (zeros), never a SIGBUS.
+    let map = unsafe { memmap2::Mmap::map(&std::fs::File::open(&path).unwrap()) }.unwrap();
+    let guard = Registration::new(map.as_ptr(), map.len()).expect("a guard slot");
+    let header_len = u64::from_le_bytes(map[..8].try_into().unwrap());
+    assert!(header_len > 3 * 4096, "{header_len}");
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .set_len(4096)
+        .unwrap();
+    let text = parse_guarded(&path, &map, &guard)
+        .expect_err("a cut header parsed")
+        .to_string();
+    assert!(text.contains("wc-cold-") && text.contains("header-cut"), "{text}");
+    assert!(text.contains(": its header: truncated while it was read"), "{text}");
+    assert!(text.contains("no byte at offset 4096"), "{text}");
+    assert!(!text.contains("tensor '"), "{text}");
+    drop(guard);
+    drop(map);
+    std::fs::remove_file(path).unwrap();
+}

@@ -33,11 +33,36 @@ ReadMode = Literal["auto", "map", "read"]
 READ_MODES: tuple[str, ...] = ("auto", "map", "read")
 
 
-def _index_shards(index: Path) -> tuple[list[Path], dict[str, Path]]:
+def _read_index(index: Path) -> object:
+    """The index's JSON. An error names the index and says what went wrong
+    while it was read: changed meanwhile (its size or times differ after the
+    read), cut short (the JSON ends before it closes), or not JSON."""
     try:
-        data = json.loads(index.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{index}: cannot read index: {e}") from e
+        before = index.stat()
+        raw = index.read_bytes()
+        after = index.stat()
+    except OSError as e:
+        raise CheckpointError(f"{index}: its index: cannot be read: {e}") from e
+    stamp = lambda s: (s.st_ino, s.st_size, s.st_mtime_ns, s.st_ctime_ns)  # noqa: E731
+    if stamp(before) != stamp(after) or len(raw) != before.st_size:
+        raise CheckpointError(
+            f"{index}: its index: changed while it was read ({before.st_size} bytes when opened, "
+            f"{after.st_size} now, {len(raw)} read): it must not change until the checksum ends"
+        )
+    try:
+        return json.loads(raw.decode())
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{index}: its index: not UTF-8 text ({e})") from e
+    except json.JSONDecodeError as e:
+        if e.msg.startswith("Unterminated string") or e.pos >= len(e.doc.rstrip()):
+            raise CheckpointError(
+                f"{index}: its index: truncated: its JSON ends at byte {len(raw)} before it closes"
+            ) from e
+        raise CheckpointError(f"{index}: its index: not valid JSON: {e}") from e
+
+
+def _index_shards(index: Path) -> tuple[list[Path], dict[str, Path]]:
+    data = _read_index(index)
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
