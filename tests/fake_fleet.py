@@ -15,7 +15,42 @@ import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-HANG_S = 20.0  # a hung request ends by itself after this (the tests use timeouts far below)
+#: A hung request ends by itself after this (or when its fleet stops). The
+#: tests' timeouts are far below it, and a run that did not time out takes at
+#: least this long, so "elapsed < HANG_S" tells the two apart on any load.
+HANG_S = 60.0
+
+
+class InFlight:
+    """Requests in flight across a fleet, and the most seen at once: what
+    proves the client asked servers concurrently (or boundedly), whatever
+    the machine's load, where a wall-clock bound would depend on it.
+
+    ``meet``: a request waits (at most ``patience`` s) until that many are
+    in flight at once, so that a client asking concurrently always reaches
+    it, and one asking one server after another never does."""
+
+    def __init__(self, meet: int = 0, patience: float = 60.0, only: str | None = None):
+        #: ``"checksum"`` or ``"reload"``: count only those requests.
+        self.meet, self.patience, self.only = meet, patience, only
+        self.now = self.peak = 0
+        self.cond = threading.Condition()
+
+    @contextlib.contextmanager
+    def request(self, kind: str) -> Iterator[None]:
+        if self.only not in (None, kind):
+            yield
+            return
+        with self.cond:
+            self.now += 1
+            self.peak = max(self.peak, self.now)
+            self.cond.notify_all()
+            self.cond.wait_for(lambda: self.peak >= self.meet, timeout=self.patience)
+        try:
+            yield
+        finally:
+            with self.cond:
+                self.now -= 1
 
 
 class _QuietServer(ThreadingHTTPServer):
@@ -72,6 +107,8 @@ class FakeServer:
         self.reload_delay = 0.0
         #: Seconds a pause takes to answer, after it paused.
         self.pause_delay = 0.0
+        #: Where checksums and reloads count themselves in flight (shared by a fleet).
+        self.in_flight: InFlight | None = None
         #: Set when the fleet stops: a hung request then ends at once.
         self.stopping = threading.Event()
         self.httpd = _QuietServer(("127.0.0.1", 0), self._handler())
@@ -116,14 +153,20 @@ class FakeServer:
                     if not server.says_sharded:
                         return self.reply(500, {"error": {"message": "no such method", "code": 500}})
                     return self.reply(200, {"results": [list(EXPERTS) if server.moe_dp > 1 else []]})
+
+                def counted(kind: str):
+                    return server.in_flight.request(kind) if server.in_flight else contextlib.nullcontext()
+
                 if self.path == "/collective_rpc" and body.get("method") == "reload_weights":
-                    time.sleep(server.reload_delay)
-                    server.weights = dict(server.loaded)
+                    with counted("reload"):
+                        time.sleep(server.reload_delay)
+                        server.weights = dict(server.loaded)
                     return self.reply(200, {"results": [None]})
                 if self.path == "/weight_checker" and body.get("action") == "checksum":
-                    if server.hang:
-                        server.stopping.wait(HANG_S)
-                    time.sleep(server.delay)
+                    with counted("checksum"):
+                        if server.hang:
+                            server.stopping.wait(HANG_S)
+                        time.sleep(server.delay)
                     scope = {"include": body["include"]} if "include" in body else {}  # as this package's route
                     return self.reply(200, {"checksums": dict(server.weights), **scope})
                 if self.path == "/weight_checker" and body.get("action") == "reset":
@@ -136,13 +179,17 @@ class FakeServer:
 
 
 @contextlib.contextmanager
-def fake_fleet(n: int, *, independent: bool = False, tp: int = 1, **special: dict) -> Iterator[list[FakeServer]]:
+def fake_fleet(
+    n: int, *, independent: bool = False, tp: int = 1, in_flight: InFlight | None = None, **special: dict
+) -> Iterator[list[FakeServer]]:
     """``n`` fake servers, started and stopped together; ``special`` maps a
-    server index (as a string) to its options, e.g. ``{"3": {"hang": True}}``."""
+    server index (as a string) to its options, e.g. ``{"3": {"hang": True}}``;
+    ``in_flight`` counts their checksums and reloads in flight."""
     servers = []
     for i in range(n):
         options = {"tp": tp, **special.get(str(i), {})}
         s = FakeServer(0 if independent else i, **options)
+        s.in_flight = in_flight
         servers.append(s)
     threads = [threading.Thread(target=s.httpd.serve_forever, daemon=True) for s in servers]
     for t in threads:

@@ -15,7 +15,7 @@ import weight_checker
 from weight_checker.verify.engine_digests import decide_layout
 from weight_checker.verify.fanout import Progress
 
-from .fake_fleet import fake_fleet, reload_all
+from .fake_fleet import HANG_S, InFlight, fake_fleet, reload_all
 
 CLI = [sys.executable, "-m", "weight_checker.cli"]
 
@@ -26,26 +26,33 @@ def timed_verify(servers, **kw) -> tuple[float, weight_checker.VerifyResult]:
     return time.perf_counter() - start, result
 
 
-def test_32_servers_take_about_as_long_as_one():
+def test_32_servers_are_asked_at_once():
+    """Every checksum of 32 servers is in flight at once (each waits until
+    all 32 are: a client asking one after another never gets there), so 32
+    take about as long as one; the time is printed, not asserted (it
+    depends on the machine's load)."""
     with fake_fleet(1, **{"0": {"delay": 1.0}}) as one:
         t1, r1 = timed_verify(one)
     special = {str(i): {"delay": 1.0} for i in range(32)}
-    with fake_fleet(32, **special) as fleet:
+    in_flight = InFlight(meet=32, only="checksum")
+    with fake_fleet(32, in_flight=in_flight, **special) as fleet:
         t32, r32 = timed_verify(fleet)
     assert r1.match and r32.match and r32.key_count == 32 * 3
     print(f"\nverify: 1 server {t1:.2f} s, 32 servers {t32:.2f} s: ratio {t32 / t1:.2f} (one after another: ~32)")
-    # Three checksums of ~1 s each: sequentially 32 servers would take ~96 s.
-    assert t32 < 2 * t1
+    assert in_flight.peak == 32
     baseline = next(s for s in r32.steps if s.name == "checksum (baseline)")
     assert baseline.slowest is not None and baseline.slowest[1] >= 1.0
 
 
 def test_bounded_concurrency_is_respected():
+    """concurrency=2: two checksums in flight at once (each waits for a
+    second), never three."""
     special = {str(i): {"delay": 0.5} for i in range(4)}
-    with fake_fleet(4, **special) as fleet:
-        t, result = timed_verify(fleet, concurrency=2)
+    in_flight = InFlight(meet=2, only="checksum")
+    with fake_fleet(4, in_flight=in_flight, **special) as fleet:
+        _, result = timed_verify(fleet, concurrency=2)
     assert result.match
-    assert t >= 3 * 2 * 0.5  # three checksum steps, each two rounds of two
+    assert in_flight.peak == 2
 
 
 def test_a_hung_server_fails_within_its_timeout_names_itself_and_the_others_resume():
@@ -61,7 +68,9 @@ def test_a_hung_server_fails_within_its_timeout_names_itself_and_the_others_resu
         elapsed = time.perf_counter() - start
         assert r.returncode == 2, r.stdout + r.stderr
         assert fleet[2].url in r.stderr and "checksum (baseline)" in r.stderr
-        assert elapsed < 12, elapsed  # the timeout (2 s) plus start-up and the resumes, not the hang (20 s)
+        # The timeout (2 s) plus start-up and the resumes, not the hang: the
+        # one bound here that no load reaches (HANG_S is the hang's end).
+        assert elapsed < HANG_S, elapsed
         assert [s.paused for i, s in enumerate(fleet) if i != 2] == [False] * 3
         assert all(s.weights == s.loaded for s in fleet)  # nothing was reset
 
@@ -202,7 +211,8 @@ def test_fleet_requested_for_servers_of_disjoint_ranks_fails():
 
 def test_reload_transfer_posts_to_every_server_at_once():
     special = {str(i): {"delay": 0.0} for i in range(3)}
-    with fake_fleet(3, **special) as fleet:
+    in_flight = InFlight(meet=3, only="reload")  # each reload waits until all three are in flight
+    with fake_fleet(3, in_flight=in_flight, **special) as fleet:
         for s in fleet:
             s.reload_delay = 1.0
         urls = [a for s in fleet for a in ("--url", s.url)]
@@ -211,7 +221,7 @@ def test_reload_transfer_posts_to_every_server_at_once():
         )
         assert r.returncode == 0, r.stdout + r.stderr
         transfer = next(s for s in json.loads(r.stdout)["steps"] if s["step"] == "transfer")
-        assert transfer["seconds"] < 2.0, transfer  # one after another: 3 s
+        assert transfer["ok"] and in_flight.peak == 3, (transfer, in_flight.peak)  # one after another: never
 
 
 def test_progress_line_names_done_total_and_the_slowest(capsys, monkeypatch):
