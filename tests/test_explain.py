@@ -123,6 +123,30 @@ def test_half_of_another_ranks_shard_is_named_by_block():
     assert got.cause == "shard-of:tp0" and got.where == "rows 0-15 of 64"
 
 
+def test_a_changed_key_is_wrong_shard_only_where_every_differing_block_is_another_ranks():
+    """Issue 54: rows 0-15 tp0's and the rest right is ``wrong-shard``; the
+    same rows tp0's and some rows zeros beside them stays ``changed``."""
+    from weight_checker.verify.results import VerifyResult
+
+    shard0, shard1 = weights(7), weights(8)
+    key, other = TP1 + "w", TP0 + "w"
+    outcomes = {}
+    for name, zero_rows in (("tp0 rows only", False), ("tp0 rows and zeros", True)):
+        faulty = shard1.clone()
+        faulty[:16] = shard0[:16]
+        if zero_rows:
+            faulty[40:48] = 0
+        found = explain({key: "changed"}, {key: sha(faulty)}, {key: sha(shard1), other: sha(shard0)},
+                        engine_fetch({key: faulty}), TensorMap({key: shard1, other: shard0}))  # fmt: skip
+        result = VerifyResult(mismatches={key: "changed"}, by_engine={"e": {key: "changed"}}, explanation=found)
+        result.class_by_explanation()
+        outcomes[name] = (result.mismatches[key], result.by_engine["e"][key], result.details.get(key))
+    assert outcomes == {
+        "tp0 rows only": ("wrong-shard", "wrong-shard", "holds tp0's bytes in rows 0-15 of 64; the rest as expected"),
+        "tp0 rows and zeros": ("changed", "changed", None),
+    }
+
+
 def test_a_transposed_square_matrix_is_transposed():
     e = weights(9, 48, 48)
     got = check(e.t().contiguous(), e)

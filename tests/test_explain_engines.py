@@ -144,6 +144,23 @@ def test_tp1_given_tp0s_shard_is_shard_of_tp0(tp2):
     assert causes["dp0:pp0:pcp0:tp1:model.layers.0.self_attn.qkv_proj.weight"] == "shard-of:tp0"
 
 
+def test_tp1_given_tp0s_gate_half_of_gate_up_proj_is_wrong_shard_for_those_rows(tp2):
+    """Issue 54: tp1's fused ``gate_up_proj`` holds tp0's gate rows and its
+    own up rows. No whole digest is another key's, so the digests alone say
+    ``changed``; every differing block is tp0's, so the class is
+    ``wrong-shard``, the rows named, the up half left out of them."""
+    gate = "model.layers.1.mlp.gate_proj.weight"
+    key = "dp0:pp0:pcp0:tp1:model.layers.1.mlp.gate_up_proj.weight"
+    result = tp2.check(tp2.hook("weight_checker_test_load_tp0_shard", weights_path=str(tp2.path12), only=[gate]))
+    assert result.mismatches == {key: "wrong-shard"}, (result.mismatches, result.warnings)
+    got = explained(result, key)
+    assert (got.cls, got.cause, got.whole) == ("wrong-shard", "shard-of:tp0", False), got
+    rows = got.shape[0]
+    assert got.where == f"rows 0-{rows // 2 - 1} of {rows}", got.where
+    assert result.details[key] == f"holds tp0's bytes in rows 0-{rows // 2 - 1} of {rows}; the rest as expected"
+    assert result.to_json()["classes"] == {"wrong-shard": [key]}
+
+
 def test_one_rank_that_missed_the_update_is_the_maps_pattern_and_the_previous_version(tp2):
     result = tp2.verify(ranks=[0])
     assert set(result.classes()) == {"stale"}

@@ -21,15 +21,22 @@ class TestHooks:
                 out[f"{prefix}{name}.{param}"] = digest
         return out
 
-    def weight_checker_test_load_tp0_shard(self, weights_path: str) -> None:
+    def weight_checker_test_load_tp0_shard(self, weights_path: str, only: list[str] | None = None) -> None:
         """Every rank loads tensor-parallel rank 0's shard of the checkpoint
         at ``weights_path`` (the bug of vllm-gguf-plugin#103): each layer's and
-        parameter's ``tp_rank`` is set to 0 while ``load_weights`` runs."""
+        parameter's ``tp_rank`` is set to 0 while ``load_weights`` runs.
+        ``only``: the whole checkpoint is loaded right first, then tp0's shard
+        of just these checkpoint tensors (e.g. ``gate_proj`` alone: half of
+        the fused ``gate_up_proj`` another rank's, the other half right)."""
         import torch
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
 
         model = self.model_runner.get_model()
+        files = sorted(glob.glob(os.path.join(weights_path, "*.safetensors")))
+        if only is not None:
+            with set_current_vllm_config(self.vllm_config), torch.no_grad():
+                model.load_weights(safetensors_weights_iterator(files, False))
         saved = []
         for module in model.modules():
             for obj in (module, *module.parameters(recurse=False)):
@@ -37,9 +44,11 @@ class TestHooks:
                     saved.append((obj, obj.tp_rank))
                     obj.tp_rank = 0
         try:
-            files = sorted(glob.glob(os.path.join(weights_path, "*.safetensors")))
+            weights = safetensors_weights_iterator(files, False)
+            if only is not None:
+                weights = ((name, t) for name, t in weights if name in only)
             with set_current_vllm_config(self.vllm_config), torch.no_grad():
-                model.load_weights(safetensors_weights_iterator(files, False))
+                model.load_weights(weights)
         finally:
             for obj, rank in saved:
                 obj.tp_rank = rank

@@ -230,6 +230,7 @@ class VerifiedClient:
                 history=versions_from(self.history), limit=self.explain,
                 show=display_key if fleet else (lambda engine, key: key),
             )  # fmt: skip
+            check.class_by_explanation()
         except Exception as e:  # whatever fails, the verdict stands and is reported
             check.warnings.append(f"the mismatch could not be explained: {type(e).__name__}: {e}")
         check.seconds["explain"] = time.perf_counter() - started

@@ -11,12 +11,20 @@ digest of another tp rank or key), ``changed``, ``missing``, ``unexpected``.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 from weight_checker.hashing.digests import compare
 from weight_checker.keys import split_rank
 from weight_checker.tally import class_counts
 
-__all__ = ["EMPTY_DIGEST", "already_zeroed_warning", "class_counts", "classify", "classify_expected"]
+__all__ = [
+    "EMPTY_DIGEST",
+    "already_zeroed_warning",
+    "class_counts",
+    "classify",
+    "classify_expected",
+    "partial_wrong_shards",
+]
 
 EMPTY_DIGEST = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
 
@@ -89,6 +97,27 @@ def classify_expected(
         else:
             classes[k] = "changed"
     return classes, details
+
+
+def partial_wrong_shards(explained: Mapping[str, Any]) -> dict[str, str]:
+    """shown key -> detail for every ``changed`` key whose differing blocks
+    all hold another tp rank's bytes (``explained``: shown key ->
+    :class:`~weight_checker.verify.explain_model.KeyExplanation`).
+
+    A rank that took another rank's rows in part of a fused tensor (tp1's
+    ``gate_up_proj`` with tp0's gate half, its up half right) holds no whole
+    digest of another key, so :func:`classify_expected` calls it
+    ``changed``; its block digests prove it ``wrong-shard`` all the same."""
+    out: dict[str, str] = {}
+    for key, e in explained.items():
+        causes = list(e.block_causes)
+        if e.cls != "changed" or not causes or not all(c.startswith("shard-of:") for c in causes):
+            continue
+        ranks = " and ".join(c.removeprefix("shard-of:") for c in causes)
+        where = f" in {e.where}" if e.where else ""
+        rest = "" if e.whole else "; the rest as expected"
+        out[key] = f"holds {ranks}'s bytes{where}{rest}"
+    return out
 
 
 def already_zeroed_warning(baseline: Mapping[str, str], post_reset: Mapping[str, str]) -> str | None:

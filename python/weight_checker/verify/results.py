@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from weight_checker.errors import WeightMismatchError
-from weight_checker.verify.engine_digests import Layout
+from weight_checker.verify.engine_digests import Layout, display_key
 
 if TYPE_CHECKING:
     from weight_checker.verify.explain_model import Explanation
@@ -67,6 +67,26 @@ class VerifyResult:
     #: first mismatched tensors, and the likely cause
     #: (:mod:`weight_checker.verify.explain`); ``None`` on a match.
     explanation: Explanation | None = None
+
+    def class_by_explanation(self) -> None:
+        """A ``changed`` key that its explanation proves ``wrong-shard``
+        (every differing block is another rank's:
+        :func:`~weight_checker.verify.classes.partial_wrong_shards`) is
+        classed so, here and in ``by_engine``, with what it holds in
+        ``details``."""
+        if self.explanation is None:
+            return
+        from weight_checker.verify.classes import partial_wrong_shards
+
+        for shown, detail in partial_wrong_shards(self.explanation.keys).items():
+            self.explanation.keys[shown].cls = "wrong-shard"
+            if shown in self.mismatches:
+                self.mismatches[shown] = "wrong-shard"
+                self.details[shown] = detail
+            for engine, classes in self.by_engine.items():
+                for key in classes:
+                    if shown in (key, display_key(engine, key)):
+                        classes[key] = "wrong-shard"
 
     def raise_for_mismatch(self) -> None:
         """:class:`WeightMismatchError` (counts per class, first keys) if any

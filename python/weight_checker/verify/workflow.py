@@ -217,6 +217,7 @@ def _explain(result: VerifyResult, t: Target, values: dict[str, Any], history: A
             limit=limit,
             show=display_key if fleet else (lambda engine, key: key),
         )
+        result.class_by_explanation()
     except Exception as e:  # whatever fails, the verdict stands and is returned
         result.warnings.append(f"the mismatch could not be explained: {type(e).__name__}: {e}")
 
