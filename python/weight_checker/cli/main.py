@@ -114,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(with --server: the weights; default: the server's model)"
     )  # fmt: skip
     e.add_argument(
-        "--server", metavar="URL", help="the engine of this running (dev-mode) vLLM server, or SGLang server: its "
+        "--server", metavar="URL", help="the engine of this running vLLM (dev-mode) or SGLang server: its "
         "model, dtype, layout, config overrides, LoRA settings and draft read from its /server_info (a flag that "
         "contradicts it is an error)"
     )  # fmt: skip
@@ -127,7 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--pp", type=positive, help="pipeline-parallel size (default 1)")
     e.add_argument("--dp", type=positive, help="data-parallel size (default 1)")
     e.add_argument("--enable-expert-parallel", action="store_true", help="the engine's --enable-expert-parallel")
-    e.add_argument("--dtype", help="the engine's --dtype (default: vLLM's choice for the config)")
+    e.add_argument(
+        "--dtype", help="the engine's --dtype (default: the --server's, else the engine's choice for the config)"
+    )
     e.add_argument(
         "--hf-overrides", type=json_object, metavar="JSON", help="the engine's --hf-overrides (a JSON object: "
         "the model's config fields it overrides)"
@@ -168,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--report", metavar="FILE", help="write an HTML page: the verdict, the rank x layer map, every key")
     m.set_defaults(func=cmd_compare)
 
-    v = sub.add_parser("verify", help="run the RL weight-update check against vLLM API servers")
+    v = sub.add_parser("verify", help="run the RL weight-update check against vLLM or SGLang API servers")
     _server_options(v)
     t = v.add_mutually_exclusive_group()
     t.add_argument(

@@ -109,7 +109,7 @@ def expected_digests(
     iterable (every rank reads them all). ``tp``, ``pp``, ``dp``: the layout
     (default 1 each).
 
-    ``like``: the URL of a running (dev-mode) vLLM server whose engine these
+    ``like``: the URL of a running vLLM (dev-mode) or SGLang server whose engine these
     digests are for: its model (when ``model`` is ``None``), dtype, layout,
     expert parallelism, model config overrides, LoRA settings and draft model
     are read from its ``/server_info`` (:mod:`.server_config`, which lists
