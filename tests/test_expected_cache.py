@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import weight_checker
-from weight_checker.expected.rank_model import CACHE, release_buffers
+from weight_checker.expected.vllm.rank_model import CACHE, release_buffers
 from weight_checker.testing.launch import vllm_available
 from weight_checker.testing.models import write_tiny_llama
 
@@ -87,7 +87,7 @@ def test_a_cached_lora_model_reloaded_with_other_adapters_gives_the_fresh_digest
 def test_a_tied_models_loaders_are_restored_after_every_call(tmp_path):
     """lm_head is embed_tokens in a tied model: its loader is wrapped once per
     load and restored after, however many steps a cached model serves."""
-    from weight_checker.expected.rank_model import CACHE
+    from weight_checker.expected.vllm.rank_model import CACHE
 
     from tests.models import write_model
 

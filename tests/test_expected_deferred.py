@@ -1,5 +1,5 @@
 """expected_digests hashes the weights where they lie instead of copying them
-into each rank's parameters (``weight_checker.expected.deferred``). Every
+into each rank's parameters (``weight_checker.expected.vllm.deferred``). Every
 result here is compared with its oracle: the same computation with every
 write done for real (the mode switched off), or hashlib over the bytes the
 writes leave; test_expected.py compares both with real engines."""
@@ -12,8 +12,8 @@ import pytest
 import torch
 import weight_checker
 from weight_checker import _core
-from weight_checker.expected import deferred
-from weight_checker.expected.deferred import DeferredWrites, PendingDigests
+from weight_checker.expected.vllm import deferred
+from weight_checker.expected.vllm.deferred import DeferredWrites, PendingDigests
 from weight_checker.testing.launch import vllm_available
 from weight_checker.testing.models import write_tiny_llama
 
@@ -198,7 +198,7 @@ def test_the_multi_hasher_reads_a_shard_s_rows_in_place():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_expected_digests_equal_those_of_a_load_done_for_real(tmp_path, monkeypatch, tp, dtype):
     from safetensors.torch import load_file
-    from weight_checker.expected.rank_model import release_buffers
+    from weight_checker.expected.vllm.rank_model import release_buffers
 
     path = write_tiny_llama(tmp_path / "tiny")
     state = {k: v.to(dtype) for k, v in load_file(str(path / "model.safetensors")).items()}

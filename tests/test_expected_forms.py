@@ -10,8 +10,8 @@ import pytest
 import torch
 import weight_checker
 from weight_checker.errors import ExpectedDigestsError
-from weight_checker.expected import deferred
-from weight_checker.expected.deferred import DeferredWrites, PendingDigests
+from weight_checker.expected.vllm import deferred
+from weight_checker.expected.vllm.deferred import DeferredWrites, PendingDigests
 from weight_checker.testing.launch import vllm_available
 from weight_checker.testing.models import write_tiny_llama
 
@@ -149,7 +149,7 @@ def test_a_tied_models_trainer_pairs_give_its_checkpoints_digests_in_a_fresh_pro
     engine built lm_head untied and tied it again once loaded. The trainer's own
     model (tied) names no lm_head: that is not "never wrote lm_head"."""
     from safetensors.torch import load_file
-    from weight_checker.expected.rank_model import release_buffers
+    from weight_checker.expected.vllm.rank_model import release_buffers
 
     from .models import write_model
 
@@ -228,8 +228,8 @@ def test_a_tuple_shard_id_marks_each_of_its_shards_written():
     the load is complete, so the rank is not loaded a second time."""
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.linear import MergedColumnParallelLinear
-    from weight_checker.expected.load_tracker import LoadTracker
-    from weight_checker.expected.rank_groups import rank_groups
+    from weight_checker.expected.vllm.load_tracker import LoadTracker
+    from weight_checker.expected.vllm.rank_groups import rank_groups
 
     with rank_groups(0, 1, 0, 1), set_current_vllm_config(VllmConfig()):
         layer = MergedColumnParallelLinear(16, [8, 8, 8, 4], bias=False, params_dtype=torch.bfloat16)
@@ -305,7 +305,7 @@ print("ALIVE " + json.dumps(alive))
 def test_a_call_never_changes_another_threads_default_dtype(tiny):
     import threading
 
-    from weight_checker.expected.rank_model import release_buffers
+    from weight_checker.expected.vllm.rank_model import release_buffers
 
     path, state = tiny
     seen: set[torch.dtype] = set()

@@ -1,5 +1,5 @@
 """A differential fuzzer for the deferred writes of ``expected_digests``
-(``weight_checker.expected.deferred``): vLLM's real loaders run twice on the
+(``weight_checker.expected.vllm.deferred``): vLLM's real loaders run twice on the
 same weights, once under the deferral and once with every copy done for real
 (the mode switched off), and the two must give equal digests, or the deferred
 run a clear :class:`~weight_checker.ExpectedDigestsError`: never a difference.
@@ -33,8 +33,8 @@ import weight_checker
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from weight_checker.errors import ExpectedDigestsError
-from weight_checker.expected import deferred
 from weight_checker.expected import weights as weights_module
+from weight_checker.expected.vllm import deferred
 from weight_checker.testing.launch import vllm_available
 
 from .models import write_model
@@ -136,7 +136,7 @@ def writing(write: str, at: int, rnd: Any) -> Callable[[list[Any]], None]:
             else:
                 t.untyped_storage().fill_(3)
             return
-        from weight_checker.expected.rank_model import TARGET_ARENA
+        from weight_checker.expected.vllm.rank_model import TARGET_ARENA
 
         region = TARGET_ARENA.buffer[: 1 + rnd.randrange(1024)]
         if write == "param-add":

@@ -95,8 +95,8 @@ def test_the_plugin_names_the_parameters_a_moe_engines_dp_ranks_shard(models):
     and nothing where the DP group has one rank (a dense model's replicas)."""
     from types import SimpleNamespace
 
-    from weight_checker.expected.rank_groups import rank_groups
-    from weight_checker.expected.rank_model import CACHE
+    from weight_checker.expected.vllm.rank_groups import rank_groups
+    from weight_checker.expected.vllm.rank_model import CACHE
     from weight_checker.integrations.vllm.worker import weight_checker_dp_sharded
 
     digests = weight_checker.expected_digests(models.path("qwen2moe"), dp=2)

@@ -16,9 +16,10 @@ import pytest
 import torch
 import weight_checker
 from weight_checker.errors import ExpectedDigestsError
-from weight_checker.expected import locate, recompute, transforms
+from weight_checker.expected import recompute, transforms
 from weight_checker.expected.manifest import ExpectedDigests
 from weight_checker.expected.recompute import TRANSFORMS, can_recompute, expected_tensors
+from weight_checker.expected.vllm import locate
 from weight_checker.testing.launch import vllm_available
 
 from .models import write_model
@@ -320,7 +321,7 @@ def test_a_lora_or_draft_engines_target_keys_are_recomputed_and_theirs_refused(m
     """A LoRA engine's target keys carry vLLM's `.base_layer.` names: the
     cached wrapped model is loaded again, or one built unwrapped (the same
     bytes); the adapters' slots are left to the next call as it wants them."""
-    from weight_checker.expected.rank_model import release_buffers
+    from weight_checker.expected.vllm.rank_model import release_buffers
     from weight_checker.testing.models import lora_config, lora_tensors, write_tiny_draft
 
     path, state = models["llama"]
@@ -353,7 +354,7 @@ def test_a_lora_or_draft_engines_target_keys_are_recomputed_and_theirs_refused(m
 
 
 def test_digests_then_tensors_then_digests_give_the_same_digests(models):
-    from weight_checker.expected.rank_model import CACHE, release_buffers
+    from weight_checker.expected.vllm.rank_model import CACHE, release_buffers
 
     path, state = models["qwen2"]
     weights = clone(state)

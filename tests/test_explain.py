@@ -287,7 +287,7 @@ def test_an_expected_block_the_engine_holds_as_zeros_is_scanned_not_hashed():
     # The engine has answered: where it holds zeros, this side's block is
     # scanned: zeros here too are equal (the zeros' digest), anything else
     # differs without being hashed.
-    from weight_checker.verify import explain_blocks as ex
+    from weight_checker.verify.explain import blocks as ex
 
     e = weights(1, rows=64, cols=48)
     e[16:32] = 0  # zeros expected here too
@@ -310,7 +310,7 @@ def test_zeros_on_the_engine_are_explained_alike_whenever_its_answer_comes(monke
     # One group (this side hashes all before looking at the answer) or one
     # key a group (the answer is used as soon as it is in): the same ranges
     # and causes, from hashlib's block digests of both sides.
-    from weight_checker.verify import explain_blocks as ex
+    from weight_checker.verify.explain import blocks as ex
 
     monkeypatch.setattr(ex, "GROUP_BYTES", group_bytes)
     keys = [f"{TP0}layers.{i}.w" for i in range(4)]
@@ -405,7 +405,7 @@ def test_a_candidate_is_tried_on_later_runs_only_where_one_of_the_first_matched(
     block) cost a candidate PROBE_RUNS blocks per key, not one per run;
     where one of those first runs matched, every run is tried and named."""
     from weight_checker.verify import explain as ex
-    from weight_checker.verify import explain_blocks as blocks_mod
+    from weight_checker.verify.explain import blocks as blocks_mod
 
     old, new = weights(20), weights(21)
     key = TP0 + "w"

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from weight_checker.errors import ExpectedDigestsError
 from weight_checker.expected.server_config import reconcile, server_engine
-from weight_checker.expected.sglang_server import config_dtype
+from weight_checker.expected.sglang.server import config_dtype
 
 from .test_expect_server import serving
 
@@ -98,7 +98,7 @@ def test_sglangs_auto_dtype_is_the_configs(tmp_path: Path, config, dtype):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 def test_the_never_written_check_flags_only_rows_the_loader_left(dtype):
     import torch
-    from weight_checker.expected.sglang_digests import _has_unwritten_row
+    from weight_checker.expected.sglang.digests import _has_unwritten_row
 
     torch.manual_seed(0)
     for _ in range(200):  # ordinary biases and weights of every float dtype: never flagged

@@ -89,7 +89,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         result = getattr(e, "weight_checker_result", None) or VerifyResult(servers=target.urls)
         result.error = "interrupted"
     report = result.to_json()
-    # The explanation's per-key details (verify/explain.py), where one was made: causes label the map.
+    # The explanation's per-key details (verify/explain/__init__.py), where one was made: causes label the map.
     explanation = getattr(result, "explanation", None)
     details = explanation.details() if explanation is not None else None
     rank_map = result.rank_map(details)

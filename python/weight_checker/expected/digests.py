@@ -34,7 +34,8 @@ from typing import TYPE_CHECKING, Any
 from weight_checker.errors import ExpectedDigestsError
 from weight_checker.expected.manifest import ExpectedDigests
 from weight_checker.expected.rank import Rank, on_rank
-from weight_checker.expected.rank_model import (
+from weight_checker.expected.recipe import remember
+from weight_checker.expected.vllm.rank_model import (
     CACHE,
     DRAFT_ARENA,
     LOCK,
@@ -47,12 +48,11 @@ from weight_checker.expected.rank_model import (
     refuse_quantized_config,
     unwritten_of,
 )
-from weight_checker.expected.recipe import remember
 from weight_checker.expected.weights import weights_source
 from weight_checker.keys import rank_prefix
 
 if TYPE_CHECKING:  # .deferred needs torch, which `import weight_checker` must not
-    from weight_checker.expected.deferred import PendingDigests
+    from weight_checker.expected.vllm.deferred import PendingDigests
 
 __all__ = ["ExpectedDigests", "expected_digests"]
 
@@ -131,7 +131,7 @@ def expected_digests(
     persistent buffers too, keys ``buffer:{name}`` (the ``buffers`` scope).
     ``engine``: ``"vllm"`` (the default) or ``"sglang"``: the engine family
     whose model classes and loader make the tensors (read from the server
-    with ``like``; :mod:`.sglang_digests` says what SGLang's covers).
+    with ``like``; :mod:`.sglang.digests` says what SGLang's covers).
 
     Raises :class:`ExpectedDigestsError` naming the tensor, the adapter or the
     reason, and, unless ``allow_unwritten``, when the weights leave a
@@ -152,7 +152,7 @@ def expected_digests(
         raise ExpectedDigestsError("no model given (a checkpoint directory, engine arguments, or like=URL)")
     args = {k: v for k, v in given.items() if v is not None}
     if "lora_dtype" in args or "lora_target_modules" in args:
-        from weight_checker.expected.lora import lora_engine_arguments
+        from weight_checker.expected.vllm.lora import lora_engine_arguments
 
         args = lora_engine_arguments(args)
     layout = {name: args.pop(name, 1) for name in ("tp", "pp", "dp")}
@@ -163,7 +163,7 @@ def expected_digests(
     if family not in ("vllm", "sglang"):
         raise ExpectedDigestsError(f"engine must be 'vllm' or 'sglang', got {family!r}")
     if family == "sglang":
-        from weight_checker.expected.sglang_digests import sglang_expected_digests
+        from weight_checker.expected.sglang.digests import sglang_expected_digests
 
         if loras or draft_weights is not None or buffers:
             raise ExpectedDigestsError("not covered for an SGLang engine: LoRA adapters, a draft model, buffers")
@@ -215,7 +215,7 @@ def _expected_digests(
     if enable_lora:
         engine_args = {**engine_args, "enable_lora": True}
     if draft is not None:
-        from weight_checker.expected.draft import speculative_config
+        from weight_checker.expected.vllm.draft import speculative_config
 
         refuse_quantized_config(Path(draft))
         engine_args = {**engine_args, "speculative_config": speculative_config(draft, num_speculative_tokens)}
@@ -232,7 +232,7 @@ def _expected_digests(
         raise ExpectedDigestsError(
             f"quantized model ({model_config.quantization}): its post-load processing changes bytes; not supported"
         )
-    from weight_checker.expected.lora import check_adapters
+    from weight_checker.expected.vllm.lora import check_adapters
 
     adapters = check_adapters(loras, config.lora_config.max_loras) if enable_lora else []
     out = ExpectedDigests(vllm_version=vllm.__version__, weight_version=weight_version)
@@ -256,7 +256,7 @@ def _expected_digests(
     if buffers:
         out.layout["buffers"] = True
     # torch: deferred.py imports it; loaded only when expected digests are computed
-    from weight_checker.expected.deferred import PendingDigests
+    from weight_checker.expected.vllm.deferred import PendingDigests
 
     later = PendingDigests()
     # Weights from a callable may be made anew for each load (a reused
@@ -334,8 +334,8 @@ def _target_rank(
     buffers: bool = False,
 ) -> None:
     # torch: default_dtype.py imports it; loaded only when a rank is built
-    from weight_checker.expected.default_dtype import thread_default_dtype
-    from weight_checker.expected.lora import add_adapters
+    from weight_checker.expected.vllm.default_dtype import thread_default_dtype
+    from weight_checker.expected.vllm.lora import add_adapters
 
     model_config = config.model_config
     cached, manager = CACHE.models.get(rank.name, (None, None))
@@ -382,8 +382,8 @@ def _wrapped(model: Any, config: Any) -> tuple[Any, Any]:
     import torch
 
     # torch: default_dtype.py imports it; loaded only when a rank is built
-    from weight_checker.expected.default_dtype import thread_default_dtype
-    from weight_checker.expected.lora import wrap
+    from weight_checker.expected.vllm.default_dtype import thread_default_dtype
+    from weight_checker.expected.vllm.lora import wrap
 
     with torch.device("cpu"), thread_default_dtype(config.model_config.dtype):
         return wrap(model, config)
@@ -400,7 +400,7 @@ def _draft_rank(
     out: ExpectedDigests,
     later: PendingDigests,
 ) -> None:
-    from weight_checker.expected.draft import draft_configs
+    from weight_checker.expected.vllm.draft import draft_configs
 
     draft_config, draft_model_config = draft_configs(config)
     cached, _ = CACHE.models.get("draft:" + rank.name, (None, None))

@@ -46,7 +46,7 @@ class ExpectedDigests(dict[str, str]):
         #: Seconds spent building and loading the rank models, and hashing them.
         self.seconds: dict[str, float] = {"load": 0.0, "hash": 0.0}
         #: Bytes hashed where the weights lie, never copied into a rank's
-        #: parameters (see :mod:`weight_checker.expected.deferred`).
+        #: parameters (see :mod:`weight_checker.expected.vllm.deferred`).
         self.bytes_in_place = 0
         #: What :func:`weight_checker.expected.recompute.expected_tensors` needs
         #: to recompute the tensors (weak references to the weights); ``None``

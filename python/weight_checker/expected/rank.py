@@ -10,8 +10,8 @@ import contextlib
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from weight_checker.expected.lora import cpu_punica
-from weight_checker.expected.rank_groups import rank_groups
+from weight_checker.expected.vllm.lora import cpu_punica
+from weight_checker.expected.vllm.rank_groups import rank_groups
 from weight_checker.keys import rank_prefix
 
 
@@ -62,7 +62,7 @@ def on_rank(
     from vllm.config import set_current_vllm_config
 
     # torch: default_dtype.py imports it; loaded only when a rank is built
-    from weight_checker.expected.default_dtype import thread_default_dtype
+    from weight_checker.expected.vllm.default_dtype import thread_default_dtype
 
     if cached is None:
         config.compilation_config.static_forward_context.clear()

@@ -15,9 +15,9 @@ weights came from, never the weights themselves.
 Exact or refused: every recomputed tensor is hashed and must equal the
 digest; otherwise the key is named (the weights changed since). Only the
 ranks the keys are on are loaded, and of the weights only those that feed the
-keys where that can be told (:mod:`.locate`: vLLM's own name mapping,
+keys where that can be told (:mod:`.vllm.locate`: vLLM's own name mapping,
 ``q_proj`` into ``qkv_proj``, each expert into the stacked experts), through
-vLLM's loader under the deferred writes of :mod:`.deferred`: a parameter the
+vLLM's loader under the deferred writes of :mod:`.vllm.deferred`: a parameter the
 loader copies whole from the weights is hashed where they lie, on another
 core, while it is copied out. Should that filter miss what writes a key, the
 rank is loaded from all the weights instead. A rank model and the parameter
@@ -32,21 +32,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from weight_checker.errors import ExpectedDigestsError
-
-# locate's functions are called through the module, so that a test's patch of one reaches this module's calls.
-from weight_checker.expected import locate
 from weight_checker.expected.manifest import ExpectedDigests
 from weight_checker.expected.rank import Rank, on_rank
-from weight_checker.expected.rank_model import (
-    CACHE,
-    LOCK,
-    TARGET_ARENA,
-    Arena,
-    build_model,
-    import_vllm,
-    in_a_clean_thread,
-    rank_config,
-)
 from weight_checker.expected.recipe import CHANGED, Recipe, WeightsReadAgain, pairs_for, read_again, remember
 from weight_checker.expected.transforms import (
     DEFERRED,
@@ -59,6 +46,19 @@ from weight_checker.expected.transforms import (
     reload_needed,
     same_bytes,
     transformed,
+)
+
+# locate's functions are called through the module, so that a test's patch of one reaches this module's calls.
+from weight_checker.expected.vllm import locate
+from weight_checker.expected.vllm.rank_model import (
+    CACHE,
+    LOCK,
+    TARGET_ARENA,
+    Arena,
+    build_model,
+    import_vllm,
+    in_a_clean_thread,
+    rank_config,
 )
 
 # Recipe, remember, TRANSFORMS, DEFERRED, LazyPieces and applies live in .recipe and .transforms; kept importable

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from weight_checker.errors import ExpectedDigestsError, HttpError
-from weight_checker.expected.sglang_server import is_sglang_info, sglang_engine
+from weight_checker.expected.sglang.server import is_sglang_info, sglang_engine
 from weight_checker.httpclient import api_key_from_env, request, validate_url
 
 

@@ -17,7 +17,7 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from weight_checker.expected.locate import Located
+from weight_checker.expected.vllm.locate import Located
 
 __all__ = [
     "DEFERRED",

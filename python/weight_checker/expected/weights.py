@@ -93,7 +93,7 @@ class Pass:
     are *stable*: held all at once and unchanged until the call returns (a
     checkpoint's mapping, a dict, a list or a tuple the caller built), so
     that a copy of their bytes may be deferred and hashed where they lie
-    (:mod:`.deferred`). Anything else (a generator, an iterator, a lazy
+    (:mod:`.vllm.deferred`). Anything else (a generator, an iterator, a lazy
     mapping, what a callable returns that is not such a collection) may hand
     out a reused buffer refilled for the next pair, by torch or outside it
     (numpy, ``readinto``, a receive), or free a tensor once the next is asked

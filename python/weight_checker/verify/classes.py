@@ -102,7 +102,7 @@ def classify_expected(
 def partial_wrong_shards(explained: Mapping[str, Any]) -> dict[str, str]:
     """shown key -> detail for every ``changed`` key whose differing blocks
     all hold another tp rank's bytes (``explained``: shown key ->
-    :class:`~weight_checker.verify.explain_model.KeyExplanation`).
+    :class:`~weight_checker.verify.explain.model.KeyExplanation`).
 
     A rank that took another rank's rows in part of a fused tensor (tp1's
     ``gate_up_proj`` with tp0's gate half, its up half right) holds no whole

@@ -10,7 +10,7 @@ from weight_checker.errors import WeightMismatchError
 from weight_checker.verify.engine_digests import Layout, display_key
 
 if TYPE_CHECKING:
-    from weight_checker.verify.explain_model import Explanation
+    from weight_checker.verify.explain.model import Explanation
     from weight_checker.verify.rank_map import RankLayerMap
 
 

@@ -18,7 +18,7 @@
 The worker keeps adapters by id only; :func:`remember_adapter_names` makes
 it keep the name each one was loaded under, so keys name adapters as users
 do. The same slot walk (:func:`lora_slot_tensors`) runs in the engine and in
-:mod:`weight_checker.expected.lora`, so both sides name and slice alike.
+:mod:`weight_checker.expected.vllm.lora`, so both sides name and slice alike.
 """
 
 from __future__ import annotations

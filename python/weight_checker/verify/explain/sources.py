@@ -13,7 +13,7 @@ from weight_checker.expected.transforms import TRANSFORMS, transformed
 
 # Named apart from this module's applies(t, name), which takes its arguments the other way round.
 from weight_checker.expected.transforms import applies as changes
-from weight_checker.verify.explain_model import ExpectedTensors, Table, Version
+from weight_checker.verify.explain.model import ExpectedTensors, Table, Version
 
 
 def with_candidates(source: ExpectedTensors, keys: Sequence[str]) -> tuple[Table, bool]:

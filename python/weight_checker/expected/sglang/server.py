@@ -2,7 +2,7 @@
 
 SGLang states its resolved server arguments there, in every mode (no dev
 switch). :func:`sglang_engine` turns them into ``expected_digests``'
-arguments for :mod:`.sglang_digests`, and refuses by name what the expected
+arguments for :mod:`.digests`, and refuses by name what the expected
 digests cannot reproduce: quantization, LoRA, speculative decoding (a draft
 model), pipeline parallelism, data-parallel attention, model overrides,
 load formats other than safetensors, an SGLang version this package does

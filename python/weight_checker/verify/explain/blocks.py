@@ -17,9 +17,9 @@ from weight_checker.hashing.blocks import (
     zero_blocks,
     zero_digest,
 )
-from weight_checker.verify.explain_fetchers import BlockFetcher, fetch_all
-from weight_checker.verify.explain_model import ExpectedTensors, Explanation, KeyExplanation, Table
-from weight_checker.verify.explain_sources import with_candidates
+from weight_checker.verify.explain.fetchers import BlockFetcher, fetch_all
+from weight_checker.verify.explain.model import ExpectedTensors, Explanation, KeyExplanation, Table
+from weight_checker.verify.explain.sources import with_candidates
 
 
 class Blocks:

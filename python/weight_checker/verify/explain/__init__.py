@@ -24,12 +24,12 @@ a guess. A key whose differing blocks match no candidate is ``unknown``; one
 whose blocks match different candidates is ``mixed`` (each block range says
 which). A correct update asks for nothing: this runs only on a mismatch.
 
-Where each part lives: the explanation's model (:mod:`.explain_model`), this
-side's block digests compared with the engine's (:mod:`.explain_blocks`), the
-candidate causes tried on them (:mod:`.explain_candidates`), where the
+Where each part lives: the explanation's model (:mod:`.model`), this
+side's block digests compared with the engine's (:mod:`.blocks`), the
+candidate causes tried on them (:mod:`.candidates`), where the
 expected tensors and the transformed candidates come from
-(:mod:`.explain_sources`), how each kind of engine is asked for its block
-digests (:mod:`.explain_fetchers`). What callers import is re-exported here.
+(:mod:`.sources`), how each kind of engine is asked for its block
+digests (:mod:`.fetchers`). What callers import is re-exported here.
 """
 
 from __future__ import annotations
@@ -37,11 +37,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-from weight_checker.verify.explain_blocks import GROUP_BYTES, NOT_HASHED, compare_blocks
-from weight_checker.verify.explain_candidates import PROBE_RUNS, Shards, match_candidates, whole_cause
-from weight_checker.verify.explain_fetchers import NO_BLOCK_ROUTE, BlockFetcher, fetcher_for, http_fetcher, llm_fetcher
-from weight_checker.verify.explain_model import ExpectedTensors, Explanation, KeyExplanation, Table, Version
-from weight_checker.verify.explain_sources import (
+from weight_checker.verify.explain.blocks import GROUP_BYTES, NOT_HASHED, compare_blocks
+from weight_checker.verify.explain.candidates import PROBE_RUNS, Shards, match_candidates, whole_cause
+from weight_checker.verify.explain.fetchers import NO_BLOCK_ROUTE, BlockFetcher, fetcher_for, http_fetcher, llm_fetcher
+from weight_checker.verify.explain.model import ExpectedTensors, Explanation, KeyExplanation, Table, Version
+from weight_checker.verify.explain.sources import (
     ExpectedSource,
     LazyTransform,
     TensorMap,

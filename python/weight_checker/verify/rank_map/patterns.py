@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
-from weight_checker.verify.rank_map_grid import Cell, RankLayerMap, union
-from weight_checker.verify.rank_map_keys import ParsedName, Rank, parse_name, split_key
-from weight_checker.verify.rank_map_labels import MIXED, label_order, style
+from weight_checker.verify.rank_map.grid import Cell, RankLayerMap, union
+from weight_checker.verify.rank_map.keys import ParsedName, Rank, parse_name, split_key
+from weight_checker.verify.rank_map.labels import MIXED, label_order, style
 
 
 def _counts(labels: Iterable[str]) -> str:

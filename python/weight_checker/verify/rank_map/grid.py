@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from weight_checker.verify.rank_map_labels import MIXED, OK, STYLES, label_order, style
+from weight_checker.verify.rank_map.labels import MIXED, OK, STYLES, label_order, style
 
 
 @dataclass
@@ -58,7 +58,7 @@ class RankLayerMap:
     positions: dict[str, tuple[int, int]]
     #: Whether every key was given (cells with no mismatch are then ``ok``).
     complete: bool
-    #: One line per pattern that holds exactly (:func:`weight_checker.verify.rank_map_patterns.patterns`).
+    #: One line per pattern that holds exactly (:func:`weight_checker.verify.rank_map.patterns.patterns`).
     patterns: list[str] = field(default_factory=list)
 
     def cell(self, row: int, column: int) -> Cell | None:

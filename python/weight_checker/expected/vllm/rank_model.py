@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from weight_checker.errors import ExpectedDigestsError
-from weight_checker.expected.load_tracker import LoadTracker
+from weight_checker.expected.vllm.load_tracker import LoadTracker
 from weight_checker.expected.weights import CheckpointWeights, Pass, Tracked, WeightsSource
 
 if TYPE_CHECKING:  # .deferred needs torch: imported when a rank is built, so `import weight_checker` does not
-    from weight_checker.expected.deferred import DeferredWrites
+    from weight_checker.expected.vllm.deferred import DeferredWrites
 
 
 def _engine_args(model: Any, tp: int, pp: int, dtype: str | None, engine_args: Mapping[str, Any]) -> Any:
@@ -286,14 +286,14 @@ def build_and_load(
     built before for the same configuration and rank (:class:`ModelCache`),
     loaded again. ``build``: more arguments of ``initialize_model``.
 
-    Stable weights (:class:`~.weights.Pass`): only the parameters the load
+    Stable weights (:class:`~weight_checker.expected.weights.Pass`): only the parameters the load
     does not write in full are zeroed first (:mod:`.load_tracker`); should a
     tracked one be left incomplete, the rank is read again into a fully zeroed
     arena, so no byte of an earlier load is ever hashed. Other weights are
     read once: the arena is zeroed whole first, and every copy is made as the
     loader reads it."""
     # torch: deferred.py imports it; loaded only when a rank's weights are loaded
-    from weight_checker.expected.deferred import DeferredWrites
+    from weight_checker.expected.vllm.deferred import DeferredWrites
 
     if model is None:
         model = in_a_clean_thread(build_model, vllm_config, model_config, build)
@@ -324,7 +324,7 @@ def build_model(vllm_config: Any, model_config: Any, build: dict[str, Any]) -> A
     from vllm.model_executor.model_loader.utils import initialize_model
 
     # torch: default_dtype.py imports it; loaded only when a rank is built
-    from weight_checker.expected.default_dtype import thread_default_dtype
+    from weight_checker.expected.vllm.default_dtype import thread_default_dtype
 
     try:
         # Both function modes, this thread's own.

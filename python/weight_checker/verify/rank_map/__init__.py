@@ -2,12 +2,12 @@
 
 :func:`rank_layer_map` builds the map and its :func:`patterns`; every name
 of the map is taken from here. Its parts lie beside it, each in its room:
-:mod:`.rank_map_labels` (a key's label and how it is shown),
-:mod:`.rank_map_keys` (a key's rank and layer), :mod:`.rank_map_grid` (the
-cells and :class:`RankLayerMap`), :mod:`.rank_map_patterns` (the patterns
+:mod:`.labels` (a key's label and how it is shown),
+:mod:`.keys` (a key's rank and layer), :mod:`.grid` (the
+cells and :class:`RankLayerMap`), :mod:`.patterns` (the patterns
 that hold in it exactly), and the map rendered for a terminal
-(:mod:`.rank_map_text`) and as one self-contained HTML page
-(:mod:`.rank_map_html`).
+(:mod:`.text`) and as one self-contained HTML page
+(:mod:`.html`).
 
 A key is ``dp{d}:pp{p}:pcp{c}:tp{t}:{name}`` (or with ``:ep{e}`` after
 ``tp``), or in a fleet ``"{engine} {key}"``. Each mismatching key has a
@@ -29,10 +29,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from weight_checker.verify.rank_map_grid import Cell, RankLayerMap
-from weight_checker.verify.rank_map_html import render_html
-from weight_checker.verify.rank_map_keys import ParsedName, Rank, parse_name, row_labels, split_key
-from weight_checker.verify.rank_map_labels import (
+from weight_checker.verify.rank_map.grid import Cell, RankLayerMap
+from weight_checker.verify.rank_map.html import render_html
+from weight_checker.verify.rank_map.keys import ParsedName, Rank, parse_name, row_labels, split_key
+from weight_checker.verify.rank_map.labels import (
     MIXED,
     MIXED_STYLE,
     OK,
@@ -45,8 +45,8 @@ from weight_checker.verify.rank_map_labels import (
     labels_for,
     style,
 )
-from weight_checker.verify.rank_map_patterns import patterns
-from weight_checker.verify.rank_map_text import render_text
+from weight_checker.verify.rank_map.patterns import patterns
+from weight_checker.verify.rank_map.text import render_text
 
 #: The map's names, as callers have always taken them from this module.
 __all__ = [

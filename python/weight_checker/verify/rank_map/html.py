@@ -6,8 +6,8 @@ import html
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from weight_checker.verify.rank_map_grid import Cell, RankLayerMap, cell_char, legend_order
-from weight_checker.verify.rank_map_labels import OK, style
+from weight_checker.verify.rank_map.grid import Cell, RankLayerMap, cell_char, legend_order
+from weight_checker.verify.rank_map.labels import OK, style
 
 _CSS = """
 body { font: 14px/1.4 -apple-system, "Segoe UI", Helvetica, Arial, sans-serif; margin: 24px; color: #1b1f23; }

@@ -15,8 +15,8 @@ import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from weight_checker.expected.load_tracker import LoadTracker
-from weight_checker.expected.rank_model import load_weights_into
+from weight_checker.expected.vllm.load_tracker import LoadTracker
+from weight_checker.expected.vllm.rank_model import load_weights_into
 from weight_checker.expected.weights import Pass
 from weight_checker.hashing.digests import digest_tensors
 
@@ -97,7 +97,7 @@ class Located:
 
     def hashable_in_place(self) -> bool:
         # .deferred needs torch: imported when first used, so `import weight_checker` runs without it.
-        from weight_checker.expected.deferred import rows_contiguous
+        from weight_checker.expected.vllm.deferred import rows_contiguous
 
         return self.pieces is not None and all(p.source is None or rows_contiguous(p.source) for p in self.pieces)
 
@@ -146,7 +146,7 @@ def load_located(
     load may not have written in full, whose bytes were not zeroed first
     (the caller loads again with ``zero``)."""
     # .deferred needs torch: imported when first used, so `import weight_checker` runs without it.
-    from weight_checker.expected.deferred import DeferredWrites
+    from weight_checker.expected.vllm.deferred import DeferredWrites
 
     bound = arena.bind(model, zero=False)
     if zero:
@@ -183,7 +183,7 @@ def load_located(
 def digests_of(located: Mapping[str, Located]) -> dict[str, str]:
     """SHA-256 of each parameter's bytes where they lie (run beside the copies)."""
     # .deferred needs torch: imported when first used, so `import weight_checker` runs without it.
-    from weight_checker.expected.deferred import PendingDigests
+    from weight_checker.expected.vllm.deferred import PendingDigests
 
     out: dict[str, str] = {}
     later = PendingDigests()

@@ -6,8 +6,8 @@ import itertools
 import math
 from collections.abc import Iterable, Sequence
 
-from weight_checker.verify.rank_map_grid import Cell, RankLayerMap, cell_char, legend_order, union
-from weight_checker.verify.rank_map_labels import MIXED, OK, family, style
+from weight_checker.verify.rank_map.grid import Cell, RankLayerMap, cell_char, legend_order, union
+from weight_checker.verify.rank_map.labels import MIXED, OK, family, style
 
 
 def _paint(text: str, ansi: str, color: bool) -> str:

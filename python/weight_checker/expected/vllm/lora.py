@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from weight_checker.errors import ExpectedDigestsError
-from weight_checker.expected.rank_model import one_line
+from weight_checker.expected.vllm.rank_model import one_line
 
 #: name -> PEFT directory, or ``(tensors, adapter_config)``.
 Adapters = Mapping[str, Any]

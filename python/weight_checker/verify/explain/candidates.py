@@ -9,8 +9,8 @@ from weight_checker.errors import WeightCheckerError
 from weight_checker.expected.transforms import DEFERRED, TRANSFORMS, LazyPieces
 from weight_checker.hashing.blocks import flat_bytes
 from weight_checker.keys import split_rank
-from weight_checker.verify.explain_blocks import Differing, candidate_digests, merge_ranges, zero_digests
-from weight_checker.verify.explain_model import ExpectedTensors, Explanation, Version
+from weight_checker.verify.explain.blocks import Differing, candidate_digests, merge_ranges, zero_digests
+from weight_checker.verify.explain.model import ExpectedTensors, Explanation, Version
 
 #: Runs of differing blocks of a key a candidate is tried on before its
 #: later runs (all of them, once one of these matched).

@@ -15,7 +15,7 @@ tensors hashed are the ones the plugin hashes in the engine
 (:func:`weight_checker.integrations.sglang.worker.walk`: SGLang's own
 checker's walk), keyed ``dp{d}:pp0:pcp0:tp{t}:{name}``. The model's
 post-load processing is never run: on a GPU it changes no unquantized
-weight, and what it would change is refused (:mod:`.sglang_server`).
+weight, and what it would change is refused (:mod:`.server`).
 
 SGLang is imported here, in the caller's process, on its CPU engine
 (``SGLANG_USE_CPU_ENGINE=1``, set before the first import); its kernel
@@ -35,10 +35,10 @@ from typing import Any
 
 from weight_checker.errors import ExpectedDigestsError
 from weight_checker.expected.manifest import ExpectedDigests
-from weight_checker.expected.rank_model import LOCK
 from weight_checker.expected.recipe import pairs_for, read_again, remember
-from weight_checker.expected.sglang_server import SGLANG
+from weight_checker.expected.sglang.server import SGLANG
 from weight_checker.expected.transforms import transformed
+from weight_checker.expected.vllm.rank_model import LOCK
 from weight_checker.expected.weights import weights_source
 from weight_checker.hashing.digests import checksum_sized
 from weight_checker.integrations.sglang.plugin import KNOWN_VERSIONS
