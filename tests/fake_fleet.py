@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -75,8 +76,12 @@ class FakeServer:
         tp: int = 1,
         moe_dp: int = 0,
         says_sharded: bool = True,
+        unseen: tuple[str, ...] = (),
     ):
         self.rank = rank
+        #: Parameters whose weights it holds outside its parameters: each
+        #: checksum answers an ``unseen:`` key for them with a fresh random digest.
+        self.unseen = unseen
         self.delay = delay
         self.hang = hang
         self.fail_pause = fail_pause
@@ -168,7 +173,8 @@ class FakeServer:
                             server.stopping.wait(HANG_S)
                         time.sleep(server.delay)
                     scope = {"include": body["include"]} if "include" in body else {}  # as this package's route
-                    return self.reply(200, {"checksums": dict(server.weights), **scope})
+                    unseen = {f"dp{server.rank}:pp0:pcp0:tp0:unseen:{n}": os.urandom(32).hex() for n in server.unseen}
+                    return self.reply(200, {"checksums": dict(server.weights) | unseen, **scope})
                 if self.path == "/weight_checker" and body.get("action") == "reset":
                     server.resets += 1
                     server.weights = {k: hashlib.sha256(b"\0").hexdigest() for k in server.weights}

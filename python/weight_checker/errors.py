@@ -73,8 +73,16 @@ class WeightMismatchError(WeightCheckerError):
         version_mismatches: Mapping[str, str] | None = None,
         explanation: Any = None,
         patterns: Sequence[str] = (),
+        unseen: Sequence[str] = (),
     ):
         parts = []
+        if unseen:
+            names = sorted({str(k).split("unseen:", 1)[-1] for k in unseen})
+            shown = ", ".join(names[:3]) + (" ..." if len(names) > 3 else "")
+            parts.append(
+                f"{len(names)} weight tensor(s) are held outside the model's parameters, so no digest covers "
+                f"them: {shown}"
+            )
         if mismatches:
             first = ", ".join(sorted(mismatches)[:5])
             more = " ..." if len(mismatches) > 5 else ""
@@ -92,6 +100,16 @@ class WeightMismatchError(WeightCheckerError):
         self.explanation = explanation
         #: The patterns of the rank × layer map ("tp3 missed the update ...").
         self.patterns = list(patterns)
+        #: ``unseen:`` keys: weights the engine holds where no digest reaches.
+        self.unseen = list(unseen)
+
+
+class UnverifiedWeightsError(WeightMismatchError):
+    """Nothing the checksum covers differs, but the engine holds some weights
+    outside its parameters (a quantization kernel's packed buffer), so the
+    check proves nothing about them: never reported as a match (CLI exit 3).
+    A :class:`WeightMismatchError`, so code that stops on a mismatch stops
+    here too."""
 
 
 class UsageError(WeightCheckerError):

@@ -20,6 +20,8 @@ from weight_checker.verify.results import VerifyResult
 from weight_checker.verify.targets.http import HttpTarget
 
 EXIT_OK, EXIT_MISMATCH, EXIT_BAD, EXIT_INTERRUPTED = 0, 1, 2, 130
+#: Nothing differs, but some weights are held where no digest reaches (never a match).
+EXIT_UNVERIFIED = 3
 
 
 def http_target(
@@ -106,7 +108,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if result.error is not None:
         print(f"weight-checker verify: {result.error}", file=sys.stderr)
         return EXIT_BAD
-    return EXIT_OK if result.match else EXIT_MISMATCH
+    if result.match:
+        return EXIT_OK
+    return EXIT_UNVERIFIED if result.verdict == "unverified" else EXIT_MISMATCH
 
 
 def expected_from(checkpoint: str, urls: list[str], api_key: str | None) -> Any:

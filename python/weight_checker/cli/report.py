@@ -89,6 +89,12 @@ def verify_verdict(report: dict) -> str:
     reference = "the expected digest" if report.get("reference") == "the expected digests" else "the baseline"
     if report["match"]:
         return f"MATCH: {report['key_count']} keys, every digest equals {reference}{_fleet(report)}"
+    if report.get("verdict") == "unverified":
+        names = sorted({k.split("unseen:", 1)[-1] for k in report.get("unseen", [])})
+        return (
+            f"UNVERIFIED: {report['key_count']} keys equal {reference}, but {len(names)} weight tensor(s) are held "
+            f"outside the model's parameters, so no digest covers them (not a match)"
+        )
     counts = class_counts({k: c for c, ks in report["classes"].items() for k in ks})
     versions = len(report.get("version_mismatches", {}))
     also = f"; {versions} engine(s) claim a weight version their weights are not" if versions else ""
@@ -110,7 +116,9 @@ def print_verify_report(report: dict) -> None:
     for engine, seen in report.get("weight_versions", {}).items():
         print(f"weight version: {engine}: {seen['before']} -> {seen['after']}")
     print(f"result: {verify_verdict(report)}")
-    if not report["match"]:
+    for key in report.get("unseen", []):
+        print(f"  unseen                  {key}")
+    if report["mismatches"]:
         print_mismatches(report)
     print_explanation(report.get("explanation"))
     for engine, why in report.get("version_mismatches", {}).items():

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from weight_checker.hashing.unseen import is_unseen_key, unseen_warning
 from weight_checker.verify.classes import (
     EMPTY_DIGEST,
     already_zeroed_warning,
@@ -20,12 +21,29 @@ from weight_checker.verify.results import VerifyResult
 
 
 def _of(values: dict[str, Any], name: str, engine: str | None) -> dict[str, str] | None:
-    """The digests a step kept as ``name``: one engine's, or all of them merged."""
+    """The digests a step kept as ``name``: one engine's, or all of them
+    merged, less its ``unseen:`` keys (weights no digest covers: see
+    :func:`_unseen_of`), which are never compared."""
     checked = values.get(name)
     if checked is None:
         return None
     digests = checked.digests
-    return dict(digests.per_engine[engine]) if engine is not None else digests.merged()
+    held = dict(digests.per_engine[engine]) if engine is not None else digests.merged()
+    return {k: v for k, v in held.items() if not is_unseen_key(k)}
+
+
+def _unseen_of(values: dict[str, Any], engine: str | None) -> list[str]:
+    """The ``unseen:`` keys any step's checksum answered (weights an engine
+    holds outside its parameters: :mod:`weight_checker.hashing.unseen`)."""
+    found: set[str] = set()
+    for name in ("baseline", "post_reset", "before", "current"):
+        checked = values.get(name)
+        if checked is None:
+            continue
+        digests = checked.digests
+        held = digests.per_engine[engine] if engine is not None else digests.merged()
+        found |= {k for k in held if is_unseen_key(k)}
+    return sorted(found)
 
 
 def compare(result: VerifyResult, values: dict[str, Any]) -> None:
@@ -44,16 +62,22 @@ def compare(result: VerifyResult, values: dict[str, Any]) -> None:
             classes, details, warnings, count = _against_expected(expected, _of(values, "before", engine), after)
             compared.append((engine, expected, after))
         else:
-            reference = values.get("baseline_manifest") or _of(values, "baseline", engine) or {}
+            manifest = values.get("baseline_manifest")
+            if manifest is not None:  # a baseline saved from an engine's checksum: its unseen: keys prove nothing
+                manifest = {k: v for k, v in manifest.items() if not is_unseen_key(k)}
+            reference = manifest or _of(values, "baseline", engine) or {}
             compared.append((engine, reference, after))
             post_reset = _of(values, "post_reset", engine)
             classes, details, count = classify(reference, after, post_reset), {}, len(reference)
             warnings = [w] if post_reset is not None and (w := already_zeroed_warning(reference, post_reset)) else []
+        unseen = _unseen_of(values, engine)
         if engine is not None:
+            unseen = [display_key(engine, k) for k in unseen]
             result.by_engine[engine] = classes
             classes = {display_key(engine, k): c for k, c in classes.items()}
             details = {display_key(engine, k): d for k, d in details.items()}
             warnings = [f"{engine}: {w}" for w in warnings]
+        result.unseen += unseen
         result.mismatches.update(classes)
         result.details.update(details)
         result.warnings += warnings
@@ -65,7 +89,10 @@ def compare(result: VerifyResult, values: dict[str, Any]) -> None:
             result.compared_keys += keys if engine is None else [display_key(engine, k) for k in keys]
     result.reference = "the expected digests" if expected is not None else "the baseline"
     _weight_versions(result, values, current)
-    result.match = not result.mismatches and not result.version_mismatches
+    if result.unseen:
+        result.warnings.append(unseen_warning(result.unseen))
+    # Never a match over weights no digest covers.
+    result.match = not result.mismatches and not result.version_mismatches and not result.unseen
 
 
 def _weight_versions(result: VerifyResult, values: dict[str, Any], current: EngineDigests) -> None:

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from weight_checker.errors import WeightMismatchError
+from weight_checker.errors import UnverifiedWeightsError, WeightMismatchError
 from weight_checker.verify.engine_digests import Layout, display_key
 
 if TYPE_CHECKING:
@@ -67,6 +67,21 @@ class VerifyResult:
     #: first mismatched tensors, and the likely cause
     #: (:mod:`weight_checker.verify.explain`); ``None`` on a match.
     explanation: Explanation | None = None
+    #: ``unseen:`` keys (shown as in ``mismatches``): weights an engine holds
+    #: outside its parameters, which no digest covers
+    #: (:mod:`weight_checker.hashing.unseen`). Any makes the verdict
+    #: ``unverified``, never a match.
+    unseen: list[str] = field(default_factory=list)
+
+    @property
+    def verdict(self) -> str:
+        """``"match"``, ``"mismatch"`` (some key or weight version differs) or
+        ``"unverified"`` (nothing differs, but some weights no digest covers)."""
+        if self.mismatches or self.version_mismatches:
+            return "mismatch"
+        if self.unseen:
+            return "unverified"
+        return "match" if self.match else "mismatch"
 
     def class_by_explanation(self) -> None:
         """A ``changed`` key that its explanation proves ``wrong-shard``
@@ -91,7 +106,7 @@ class VerifyResult:
     def raise_for_mismatch(self) -> None:
         """:class:`WeightMismatchError` (counts per class, first keys) if any
         key differs, or an engine's weight version does not match its weights."""
-        if self.mismatches or self.version_mismatches:
+        if self.mismatches or self.version_mismatches or self.unseen:
             raise self.mismatch_error()
 
     def mismatch_error(self) -> WeightMismatchError:
@@ -99,12 +114,14 @@ class VerifyResult:
         the first keys, the map's patterns and the explanation's causes."""
         explanation = self.explanation
         rank_map = self.rank_map(explanation.details() if explanation is not None else None)
-        return WeightMismatchError(
+        kind = UnverifiedWeightsError if self.verdict == "unverified" else WeightMismatchError
+        return kind(
             self.mismatches,
             self.reference,
             self.version_mismatches,
             explanation=explanation,
             patterns=rank_map.patterns if rank_map is not None else (),
+            unseen=self.unseen,
         )
 
     def classes(self) -> dict[str, list[str]]:
@@ -136,6 +153,7 @@ class VerifyResult:
                 for s in self.steps
             ],
             "match": self.match,
+            "verdict": self.verdict,
             "mismatches": sorted(self.mismatches),
             "classes": self.classes(),
             "key_count": self.key_count,
@@ -148,6 +166,7 @@ class VerifyResult:
             **({"version_mismatches": self.version_mismatches} if self.version_mismatches else {}),
             **({"lora_slots": self.lora_slots} if self.lora_slots else {}),
             **({"error": self.error} if self.error else {}),
+            **({"unseen": sorted(self.unseen)} if self.unseen else {}),
             **({"map": rank_map.to_json(), "patterns": rank_map.patterns} if rank_map is not None else {}),
             **({"explanation": explanation.to_json()} if explanation is not None else {}),
         }

@@ -15,6 +15,7 @@ from typing import Any
 from weight_checker._core import __version__, kernel, last_run, set_threads
 from weight_checker.hashing.blocks import worker_blocks
 from weight_checker.hashing.digests import checksum_sized, digest_tensors, reset
+from weight_checker.hashing.unseen import unseen, unseen_keys
 from weight_checker.hashing.walk import collect
 from weight_checker.integrations.vllm import commit_digests, logger
 from weight_checker.integrations.vllm.scope_walk import scoped_pairs, vllm_checksum_targets
@@ -80,6 +81,26 @@ def _set_thread_budget(worker: Any) -> None:
     set_threads(share)
 
 
+def _unseen(self: Any, prefix: str, scope: Any = ("target",)) -> dict[str, str]:
+    """The ``unseen:`` keys of this worker's scope (:mod:`weight_checker.hashing.unseen`):
+    weights its layers hold outside their parameters, which no digest covers.
+    Each is logged by name, with the kernel that holds it."""
+    found: dict[str, str] = {}
+    runner = self.model_runner
+    if "target" in scope:
+        found |= unseen(runner.get_model())
+    if "draft" in scope and hasattr(runner, "get_draft_model") and runner.get_draft_model() is not None:
+        found |= {f"draft:{n}": why for n, why in unseen(runner.get_draft_model()).items()}
+    if found:
+        shown = "; ".join(f"{n}: {why}" for n, why in list(found.items())[:3])
+        logger.warning(
+            "weight_checker: %d weight tensor(s) on %s are held outside the model's parameters and cannot be "
+            "hashed; the checksum names them as unseen: keys, whose digests never match (%s%s)",
+            len(found), prefix.rstrip(":"), shown, " ..." if len(found) > 3 else "",
+        )  # fmt: skip
+    return unseen_keys(found, prefix)
+
+
 def weight_checker_checksums(self: Any) -> dict[str, str]:
     """``{prefix + name: sha256 hex}`` of this worker's model, by the Rust
     core: the tensors vLLM's own checksum covers, under its own key prefix."""
@@ -102,7 +123,7 @@ def weight_checker_checksums(self: Any) -> dict[str, str]:
         kernel(),
         last_run() or "device tensors staged through pinned host memory",
     )
-    return digests
+    return digests | _unseen(self, prefix)
 
 
 def weight_checker_scope_checksums(self: Any, include: Any = None) -> dict[str, Any]:
@@ -125,7 +146,7 @@ def weight_checker_scope_checksums(self: Any, include: Any = None) -> dict[str, 
         prefix.rstrip(":"),
     )
     return {
-        "checksums": dict(zip(keys, digests, strict=True)),
+        "checksums": dict(zip(keys, digests, strict=True)) | _unseen(self, prefix, scope),
         "include": list(scope),
         "rank": prefix.rstrip(":"),
         **extra,
@@ -237,7 +258,8 @@ def _finish_digests(self: Any, include: Any, session: Any) -> dict[str, Any]:
         taken_bytes / 1e9,
         f" (early hashing failed: {session.failed})" if session.failed else "",
     )
-    return {"checksums": dict(zip(keys, early, strict=True)), "rank": prefix.rstrip(":"), **extra}
+    checksums = dict(zip(keys, early, strict=True)) | _unseen(self, prefix, extra.get("include", ("target",)))
+    return {"checksums": checksums, "rank": prefix.rstrip(":"), **extra}
 
 
 def weight_checker_dp_sharded(self: Any) -> list[str]:
