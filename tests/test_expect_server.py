@@ -155,6 +155,8 @@ REFUSED = [
     pytest.param(("model_config", "model_class_overrides"), {"Llama": "mine:Llama"}, "model_class_overrides", id="cls"),
     pytest.param(("model_config", "hf_overrides"), "<function shrink at 0x7f>", "hf_overrides", id="hf-overrides-fn"),
     pytest.param(("model_config", "quantization"), "fp8", "quantization", id="quantization"),
+    pytest.param(("model_config", "quantization"), "mystery-q4", "mystery-q4", id="quantization-unknown"),
+    pytest.param(("model_config", "quantization_config"), {"linear": {}}, "quantization_config", id="online-own"),
     pytest.param(("parallel_config", "prefill_context_parallel_size"), 2, "prefill_context_parallel_size", id="pcp"),
     pytest.param(("parallel_config", "enable_eplb"), True, "enable_eplb", id="eplb"),
     pytest.param(("lora_config", "lora_extra_vocab_size"), 256, "lora_extra_vocab_size", id="lora-extra-vocab"),
@@ -183,6 +185,18 @@ def test_a_field_expected_digests_cannot_reproduce_is_refused_by_name(path, valu
         r = run_cli("expect", "--server", url)
     assert r.returncode == 2 and r.stdout == "", r
     assert len(r.stderr.strip().splitlines()) == 1 and named in r.stderr and url in r.stderr, r.stderr
+
+
+def test_a_quantized_engine_on_a_gpu_is_refused_naming_the_device():
+    """Expected digests of a quantized engine run vLLM's CPU kernels: a GPU
+    engine's processing is its own kernels' (docs/quantized.md)."""
+    body = edited(("model_config", "quantization"), "fp8_per_channel")
+    body["vllm_config"]["device_config"] = {"device": "cuda"}
+    with serving(body) as url:
+        with pytest.raises(ExpectedDigestsError, match=r"device_config\.device = 'cuda'"):
+            server_engine(url)
+    with serving(edited(("model_config", "quantization"), "fp8_per_channel")) as url:  # a CPU one is taken
+        assert server_engine(url).arguments["quantization"] == "fp8_per_channel"
 
 
 @pytest.mark.parametrize(

@@ -209,7 +209,9 @@ def _expected_digests(
 ) -> ExpectedDigests:
     checkpoint = Path(model) if isinstance(model, (str, Path)) else None
     if checkpoint is not None:
-        refuse_quantized_config(checkpoint)
+        from weight_checker.expected.vllm.quantized import CHECKPOINT_FORMATS
+
+        refuse_quantized_config(checkpoint, allow=CHECKPOINT_FORMATS)
     source = weights_source(weights, checkpoint, tp * pp)
     enable_lora = enable_lora or bool(loras)
     if enable_lora:
@@ -229,9 +231,9 @@ def _expected_digests(
     # A MoE model's DP ranks shard its experts between them; a dense model's are replicas.
     moe_dp = config.parallel_config.data_parallel_size > 1
     if model_config.quantization is not None:
-        raise ExpectedDigestsError(
-            f"quantized model ({model_config.quantization}): its post-load processing changes bytes; not supported"
-        )
+        return _quantized(config, source, tp, pp, dp, allow_unwritten, progress, weight_version, extras={
+            "LoRA": enable_lora, "a draft model": draft is not None, "buffers": buffers,
+        })  # fmt: skip
     from weight_checker.expected.vllm.lora import check_adapters
 
     adapters = check_adapters(loras, config.lora_config.max_loras) if enable_lora else []
@@ -299,6 +301,42 @@ def _expected_digests(
     # (it records where it was made): it must not keep the weights (a
     # checkpoint's mapping, the trainer's tensors) alive with it.
     del source, draft_source, weights, draft_weights
+    return out
+
+
+def _quantized(
+    config: Any,
+    source: Any,
+    tp: int,
+    pp: int,
+    dp: int,
+    allow_unwritten: bool,
+    progress: Callable[[str], None] | None,
+    weight_version: str | None,
+    extras: Mapping[str, bool],
+) -> ExpectedDigests:
+    """A quantized engine's expected digests: every rank processed after
+    loading by vLLM itself (:mod:`.vllm.quantized`), DP replicas as dp0."""
+    import vllm
+
+    from weight_checker.expected.vllm.quantized import check_known, quantized_ranks
+
+    model_config = config.model_config
+    method = check_known(model_config.quantization, "the engine")
+    asked = [what for what, on in extras.items() if on]
+    if asked or model_config.is_moe:
+        what = ", ".join(asked) if asked else "a MoE model's experts"
+        raise ExpectedDigestsError(f"not covered for a quantized engine ({method}): {what}")
+    out = ExpectedDigests(vllm_version=vllm.__version__, weight_version=weight_version)
+    out.layout = {
+        "tp": tp, "pp": pp, "dp": dp, "dtype": str(model_config.dtype).removeprefix("torch."),
+        "architecture": model_config.architecture, "quantization": method,
+    }  # fmt: skip
+    for rank in quantized_ranks(config, source, tp, pp, dp, allow_unwritten, out, progress):
+        for d in range(dp):
+            replica = rank_prefix(d, rank.pp_rank, 0, rank.tp_rank)
+            out.update({replica + k[len(rank.prefix) :]: v for k, v in rank.digests.items()})
+    source.forget_others()
     return out
 
 

@@ -12,7 +12,8 @@ tensors the engine holds, or their bytes, is read here and becomes the
 engine argument of the same meaning (:data:`MODEL_FIELDS`,
 :data:`LORA_FIELDS`, the layout, a draft model's speculative config); a
 field whose effect expected digests cannot reproduce is refused by name
-(quantization, class overrides, context parallelism, expert load balancing,
+(a quantization this project does not reproduce, or on a device other than
+the CPU: :mod:`.vllm.quantized`; class overrides, context parallelism, expert load balancing,
 speculative methods other than a draft model, a draft with its own TP size).
 A value the caller passed that contradicts the server is an error naming both.
 """
@@ -122,6 +123,8 @@ def server_engine(url: str, *, api_key: str | None = None, timeout: float = 60.0
     tp = int(parallel.get("tensor_parallel_size") or 1)
     args: dict[str, Any] = {}
     _model_arguments(url, config.get("model_config") or {}, args)
+    if _get(config, "model_config", "quantization"):
+        _quantized_device(url, config)
     _parallel_arguments(url, parallel, args)
     lora = config.get("lora_config")
     if isinstance(lora, dict):
@@ -141,6 +144,17 @@ def server_engine(url: str, *, api_key: str | None = None, timeout: float = 60.0
     )
 
 
+def _quantized_device(url: str, config: dict[str, Any]) -> None:
+    """A quantized engine's bytes are its kernels' on its own device: those
+    computed here (vLLM's CPU kernels) hold only for a CPU engine."""
+    device = _get(config, "device_config", "device")
+    if device not in (None, "cpu") and "cpu" not in str(device):
+        raise _refuse(
+            url, "device_config.device", device, "a quantized engine's post-load processing is its device's "
+            "kernels' (computed here on the CPU: docs/quantized.md)"
+        )  # fmt: skip
+
+
 def _refuse(url: str, name: str, value: Any, why: str) -> ExpectedDigestsError:
     return ExpectedDigestsError(
         f"{url} runs with {name} = {value!r}: {why}; expected digests cannot be computed for it"
@@ -148,9 +162,17 @@ def _refuse(url: str, name: str, value: Any, why: str) -> ExpectedDigestsError:
 
 
 def _model_arguments(url: str, model: dict[str, Any], args: dict[str, Any]) -> None:
-    for name in ("quantization", "quantization_config"):
-        if model.get(name):
-            raise _refuse(url, name, model[name], "a quantized model's post-load processing changes bytes")
+    quant = model.get("quantization")
+    if quant:
+        from weight_checker.expected.vllm.quantized import ONLINE, check_known
+
+        check_known(quant, f"{url} runs with quantization = {quant!r}")
+        # A checkpoint format is read from the checkpoint's own config again; an
+        # online shorthand is the engine argument, its quantization_config the
+        # one vLLM derives from it.
+        args["quantization"] = quant if quant in ONLINE else None
+    elif model.get("quantization_config"):
+        raise _refuse(url, "quantization_config", model["quantization_config"], "an online quantization of its own")
     if model.get("model_class_overrides"):
         raise _refuse(
             url,

@@ -137,9 +137,9 @@ def build_rank(args: Any, tp_rank: int, tp: int, pairs: Any, cpu_engine: bool = 
 
                 model_config = adjust_config_with_unaligned_cpu_tp(model_config, LoadConfig(load_format="auto"), tp)
             if model_config.quantization is not None:
-                raise ExpectedDigestsError(
-                    f"quantized model ({model_config.quantization}): its post-load processing changes bytes"
-                )
+                from weight_checker.expected.sglang.server import SGLANG_QUANTIZED
+
+                raise ExpectedDigestsError(f"quantized model ({model_config.quantization}): {SGLANG_QUANTIZED}")
             with set_default_torch_dtype(model_config.dtype), torch.device("cpu"):
                 model = _initialize_model(model_config, LoadConfig(load_format="auto"), None)
             params = dict(model.named_parameters())

@@ -22,11 +22,20 @@ from weight_checker.integrations.sglang.plugin import KNOWN_VERSIONS
 SGLANG = "sglang"
 
 #: ``/server_info`` fields that must be unset (``None``, false or empty), and why.
+#: Why an SGLang quantized engine is refused (docs/quantized.md): its CPU
+#: paths switch on only with AMX (``cpu_has_amx_support``) and a real
+#: ``sgl_kernel``, whose ops repack every layer (VNNI-packed weights for
+#: ``fp8_scaled_mm_cpu``, ``int8_scaled_mm_with_quant``, ``int4_scaled_mm_cpu``);
+#: its GPU paths are its CUDA kernels' post-load transforms. Neither runs here.
+SGLANG_QUANTIZED = (
+    "quantization on SGLang: its CPU kernels need AMX and repack every layer through sgl_kernel ops, its GPU "
+    "kernels transform the weights after loading; neither is reproduced (docs/quantized.md)"
+)
 REFUSED: dict[str, str] = {
-    "quantization": "quantization: its post-load processing changes the bytes",
-    "modelopt_quant": "quantization: its post-load processing changes the bytes",
-    "quantize_and_serve": "quantization: its post-load processing changes the bytes",
-    "rl_quant_profile": "quantization: its post-load processing changes the bytes",
+    "quantization": SGLANG_QUANTIZED,
+    "modelopt_quant": SGLANG_QUANTIZED,
+    "quantize_and_serve": SGLANG_QUANTIZED,
+    "rl_quant_profile": SGLANG_QUANTIZED,
     "enable_lora": "LoRA on SGLang is not covered yet",
     "speculative_algorithm": "speculative decoding (a draft model) on SGLang is not covered yet",
     "enable_dp_attention": "data-parallel attention shards differently; not covered",

@@ -150,8 +150,10 @@ def cache_key(model: Any, settings: Mapping[str, Any]) -> str | None:
         return None
 
 
-def refuse_quantized_config(checkpoint: Path) -> None:
-    """A model directory's config, checked before vLLM reads it."""
+def refuse_quantized_config(checkpoint: Path, allow: tuple[str, ...] = ()) -> str | None:
+    """A model directory's config, checked before vLLM reads it: its
+    quantization method (``None``: not quantized) where it is one of
+    ``allow``, else the refusal naming it."""
     try:
         config = json.loads((checkpoint / "config.json").read_text())
     except FileNotFoundError as e:
@@ -159,11 +161,19 @@ def refuse_quantized_config(checkpoint: Path) -> None:
     except (OSError, ValueError) as e:
         raise ExpectedDigestsError(f"{checkpoint / 'config.json'}: cannot read: {e}") from e
     quant = config.get("quantization_config") if isinstance(config, dict) else None
-    if quant is not None:
-        method = quant.get("quant_method", "unknown method") if isinstance(quant, dict) else "unknown method"
+    if quant is None:
+        return None
+    method = quant.get("quant_method", "unknown method") if isinstance(quant, dict) else "unknown method"
+    if method in allow:
+        return str(method)
+    if allow:
         raise ExpectedDigestsError(
-            f"{checkpoint}: quantized model ({method}): its post-load processing changes bytes; not supported"
+            f"{checkpoint}: quantized model (quant_method {method!r}): not a format this project reproduces "
+            f"(known: {', '.join(allow)}); its digests are not guessed"
         )
+    raise ExpectedDigestsError(
+        f"{checkpoint}: quantized model ({method}): its post-load processing changes bytes; not supported"
+    )
 
 
 _NO_OP_ON_GPU = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod", "UnquantizedFusedMoEMethod")
@@ -317,9 +327,11 @@ def build_and_load(
     return model, loaded, deferred
 
 
-def build_model(vllm_config: Any, model_config: Any, build: dict[str, Any]) -> Any:
+def build_model(vllm_config: Any, model_config: Any, build: dict[str, Any], quantized: bool = False) -> Any:
     """A rank's model, as vLLM builds it on the CPU (the caller set vLLM's
-    current config, dtype and rank groups; run in a clean thread)."""
+    current config, dtype and rank groups; run in a clean thread).
+    ``quantized``: its post-load processing will be run (:mod:`.quantized`),
+    so layers that change bytes after loading are expected, not refused."""
     import torch
     from vllm.model_executor.model_loader.utils import initialize_model
 
@@ -334,7 +346,8 @@ def build_model(vllm_config: Any, model_config: Any, build: dict[str, Any]) -> A
         raise
     except Exception as e:
         raise ExpectedDigestsError(f"vLLM cannot build {model_config.architecture}: {one_line(e)}") from e
-    _refuse_byte_changing_post_load(model)
+    if not quantized:
+        _refuse_byte_changing_post_load(model)
     _keep_buffers(model)
     _tie_as_the_engine_started(model, model_config)
     return model

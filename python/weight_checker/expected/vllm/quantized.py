@@ -1,0 +1,268 @@
+"""Expected digests of quantized vLLM engines, through vLLM's own code.
+
+A quantized engine does not hold the bytes it loads: after loading, each
+layer's quantization method rewrites them (``process_weights_after_loading``):
+online FP8 computes a scale per output channel and casts the weight, a
+compressed-tensors FP8 checkpoint's shards are fused and transposed, and the
+CPU INT4 kernel repacks GPTQ and AWQ weights into its own blocked layout.
+Each rank here is built, loaded and then processed by vLLM itself, exactly
+as the engine on this host does it, and hashed over the worker's own walk.
+
+One step of that processing talks to the other ranks: a row-parallel layer's
+per-channel amax is all-reduced over the TP group (each shard holds part of
+every row), so every shard's scales are the whole weight's. Ranks are built
+here one at a time, so the reduction is reproduced in two passes: the first
+loads and processes every rank and records the amax each one contributes
+(the calls come in the same order on every rank); the second processes every
+rank again with the reduced amax in place of the collective, then hashes.
+
+What cannot be reproduced is refused by name: a format this project does not
+know, a kernel that keeps a layer's weights outside its parameters (vLLM's
+CPU W8A8 int8 path packs them into a oneDNN handle: nothing to hash, on the
+engine or here), and a processing step vLLM itself cannot run on this host
+(its own error, e.g. a kernel that requires AMX).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+from weight_checker.errors import ExpectedDigestsError
+
+#: The online shorthand whose post-load processing runs here.
+ONLINE = ("fp8_per_channel",)
+#: Checkpoint formats, as their ``quantization_config.quant_method`` names them.
+CHECKPOINT_FORMATS = ("compressed-tensors", "gptq", "awq")
+#: Quantization methods as the engine names them (``model_config.quantization``):
+#: vLLM serves GPTQ and AWQ checkpoints on the CPU as ``auto_gptq`` /
+#: ``auto_awq`` (``gptq_marlin`` / ``awq_marlin`` are GPU kernels: refused).
+KNOWN = (*ONLINE, "compressed-tensors", "gptq", "auto_gptq", "awq", "auto_awq")
+
+
+def check_known(method: Any, where: str) -> str:
+    """``method`` if this project reproduces it, else the one-line refusal."""
+    if method in KNOWN:
+        return str(method)
+    known = ", ".join(KNOWN)
+    raise ExpectedDigestsError(
+        f"{where}: quantization {method!r} is not a format this project reproduces (known: {known}); "
+        "its digests are not guessed"
+    )
+
+
+_AMAX = "amax_for_tp_weight_quant"
+
+
+class AmaxReduce:
+    """vLLM's TP all-reduce (MAX) of weight amaxes, reproduced across ranks
+    built one after another: :meth:`recording` keeps each sharded call's
+    local amax, :meth:`reduce` takes the elementwise max over the ranks,
+    :meth:`applying` hands each call its reduced value."""
+
+    def __init__(self, tp: int):
+        self.tp = tp
+        self.recorded: dict[int, list[Any]] = {}
+        self.reduced: list[Any] | None = None
+
+    @property
+    def needed(self) -> bool:
+        """Whether any call was sharded (a row-parallel quantized layer at TP > 1)."""
+        return any(self.recorded.values())
+
+    @contextlib.contextmanager
+    def recording(self, tp_rank: int) -> Iterator[None]:
+        calls = self.recorded.setdefault(tp_rank, [])
+        calls.clear()
+
+        def record(amax: Any, is_sharded: bool) -> Any:
+            if is_sharded:
+                calls.append(amax.detach().clone())
+            return amax
+
+        with _patched(record):
+            yield
+
+    def reduce(self) -> None:
+        import torch
+
+        counts = {rank: len(calls) for rank, calls in self.recorded.items()}
+        if len(set(counts.values())) > 1:
+            raise ExpectedDigestsError(f"the TP ranks reduce different numbers of weight amaxes: {counts}")
+        ranks = [self.recorded[r] for r in sorted(self.recorded)]
+        self.reduced = [torch.stack(list(column)).amax(dim=0) for column in zip(*ranks, strict=True)]
+
+    @contextlib.contextmanager
+    def applying(self, tp_rank: int) -> Iterator[None]:
+        reduced = list(self.reduced or [])
+        at = [0]
+
+        def apply(amax: Any, is_sharded: bool) -> Any:
+            if not is_sharded:
+                return amax
+            if at[0] >= len(reduced):
+                raise ExpectedDigestsError(f"tp{tp_rank} reduces more weight amaxes than it did before")
+            value = reduced[at[0]]
+            at[0] += 1
+            if value.shape != amax.shape:
+                raise ExpectedDigestsError(
+                    f"tp{tp_rank}: a reduced weight amax of shape {list(value.shape)} where vLLM holds "
+                    f"{list(amax.shape)}"
+                )
+            amax.copy_(value)  # in place, as torch.distributed.all_reduce writes it
+            return amax
+
+        with _patched(apply):
+            yield
+
+
+@contextlib.contextmanager
+def _patched(fn: Any) -> Iterator[None]:
+    """``amax_for_tp_weight_quant`` replaced by ``fn`` in every vLLM module
+    that imported it (each quantization method imports it by name)."""
+    from vllm.model_executor.layers.quantization.utils import quant_utils
+
+    original = getattr(quant_utils, _AMAX)
+    holders = [
+        m for name, m in list(sys.modules.items()) if name.startswith("vllm.") and getattr(m, _AMAX, None) is original
+    ]
+    for m in holders:
+        setattr(m, _AMAX, fn)
+    try:
+        yield
+    finally:
+        for m in holders:
+            setattr(m, _AMAX, original)
+
+
+def process(model: Any, model_config: Any) -> None:
+    """vLLM's own post-load processing of a rank's model, as its model loader
+    runs it on the CPU; vLLM's error, when it cannot, in one line."""
+    import torch
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    try:
+        with torch.no_grad():
+            process_weights_after_loading(model, model_config, torch.device("cpu"))
+    except ExpectedDigestsError:
+        raise
+    except Exception as e:
+        reason = " ".join(str(e).split()) or type(e).__name__
+        raise ExpectedDigestsError(
+            f"vLLM's post-load processing of this quantized model fails on this host ({type(e).__name__}: {reason}): "
+            "its digests cannot be computed here"
+        ) from e
+
+
+def refuse_unseen(model: Any, rank_name: str) -> None:
+    """A layer whose weights the processing moved outside its parameters
+    holds nothing a digest covers: refused, naming the layer and the kernel."""
+    from weight_checker.hashing.unseen import unseen
+
+    hidden = unseen(model)
+    if hidden:
+        name, why = next(iter(hidden.items()))
+        more = f" (and {len(hidden) - 1} more)" if len(hidden) > 1 else ""
+        raise ExpectedDigestsError(
+            f"{rank_name}: {name}: {why}{more}: an engine that holds weights outside its parameters cannot be "
+            "checked, so no digests are expected of it"
+        )
+
+
+def quantized_ranks(
+    config: Any,
+    source: Any,
+    tp: int,
+    pp: int,
+    dp: int,
+    allow_unwritten: bool,
+    out: Any,
+    progress: Any = None,
+) -> list[Any]:
+    """Every rank of a quantized engine built, loaded, processed by vLLM and
+    hashed (the reduction's two passes where TP > 1): the ranks with their
+    digests, for the caller to lay out under their DP replicas."""
+    import time
+
+    from weight_checker.expected.rank import Rank
+
+    reduce = AmaxReduce(tp)
+    ranks = [Rank(p, t) for p in range(pp) for t in range(tp)]
+    if tp > 1:  # the first pass: what each rank contributes to the reduction
+        for rank in ranks:
+            if progress is not None:
+                progress(f"{rank.name} (amax)")
+            started = time.perf_counter()
+            with reduce.recording(rank.tp_rank):
+                _load_and_process(config, source, rank, tp, pp, dp, allow_unwritten, out)
+            out.seconds["load"] += time.perf_counter() - started
+        reduce.reduce()
+    for rank in ranks:
+        if progress is not None:
+            progress(rank.name)
+        started = time.perf_counter()
+        with reduce.applying(rank.tp_rank) if reduce.needed else reduce.recording(rank.tp_rank):
+            model = _load_and_process(config, source, rank, tp, pp, dp, allow_unwritten, out)
+        hashed_at = time.perf_counter()
+        out.seconds["load"] += hashed_at - started
+        refuse_unseen(model, rank.name)
+        rank.put(_digests(model, rank.prefix))
+        out.seconds["hash"] += time.perf_counter() - hashed_at
+        del model
+    return ranks
+
+
+def _load_and_process(
+    config: Any, source: Any, rank: Any, tp: int, pp: int, dp: int, allow_unwritten: bool, out: Any
+) -> Any:
+    """One rank's model: built by vLLM on the CPU, loaded with one pass of
+    the weights by its own ``load_weights``, then processed by vLLM."""
+    import torch
+
+    from weight_checker.expected.rank import on_rank
+    from weight_checker.expected.vllm.rank_model import build_model, in_a_clean_thread, one_line, unwritten_of
+
+    model_config = config.model_config
+    with on_rank(config, config, model_config, rank, tp, pp, dp, None):
+        model = in_a_clean_thread(build_model, config, model_config, {}, quantized=True)
+        weights = source.read()
+        try:
+            with torch.no_grad():
+                loaded = model.load_weights(iter(weights.pairs))
+        except ExpectedDigestsError:
+            raise
+        except Exception as e:
+            raise ExpectedDigestsError(f"the weights: vLLM's loader failed: {one_line(e)}") from e
+        # A quantized layer's parameters are its method's to write after the
+        # load (online FP8 creates weight_scale for the processing to fill):
+        # only other layers' parameters the load left out are unwritten.
+        owned = {
+            f"{name}.{p}" if name else p
+            for name, module in model.named_modules()
+            if _quantized_layer(module)
+            for p in getattr(module, "_parameters", {})
+        }
+        unwritten = [n for n in unwritten_of(model, loaded if isinstance(loaded, set) else None) if n not in owned]
+        process(model, model_config)
+        if unwritten and not allow_unwritten:
+            shown = ", ".join(unwritten[:5]) + (" ..." if len(unwritten) > 5 else "")
+            raise ExpectedDigestsError(
+                f"the weights never wrote {len(unwritten)} target parameter(s) of {rank.name}: {shown}"
+            )
+    return model
+
+
+def _quantized_layer(module: Any) -> bool:
+    method = getattr(module, "quant_method", None)
+    return method is not None and not type(method).__name__.startswith("Unquantized")
+
+
+def _digests(model: Any, prefix: str) -> dict[str, str]:
+    """The worker's walk of the processed model (what vLLM's checksum covers), hashed."""
+    from weight_checker.hashing.digests import checksum
+    from weight_checker.integrations.vllm.scope_walk import vllm_checksum_targets
+
+    targets = vllm_checksum_targets(model)
+    return checksum(model if targets is None else targets, prefix)

