@@ -1,0 +1,100 @@
+"""expected_digests of an online fp8_per_channel engine on a ~1 GB
+Llama-shaped bf16 checkpoint, against hashing the engine's tensors.
+
+    .venv/bin/python benches/bench_quantized.py [--repeat 3]
+
+The checkpoint (hidden 2048, intermediate 5632, 8 layers, vocab 32000: 0.52 B
+parameters, 1.05 GB bf16) is written once under .bench/. Each figure runs in a
+fresh process, the checkpoint in the page cache, a step being the second call
+in one process (as a trainer makes one per step):
+
+- ``hash``: ``sha256_many`` over the tensors the engine holds after vLLM's
+  processing (fp8 weights, fp32 scales, bf16 embeddings and norms), taken
+  from one rank's processed model; the reference (issue 55: at most 2x it);
+- ``expected``: ``expected_digests(..., quantization="fp8_per_channel")`` at
+  TP=1 and TP=2 (both ranks), with its split: building, loading and vLLM's
+  processing of each rank (``load``, both passes at TP=2) and hashing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from bench_expected import make_checkpoint, warm
+from ceiling import machine
+
+ROOT = Path(__file__).resolve().parent.parent
+SHAPE = {
+    "vocab_size": 32000,
+    "hidden_size": 2048,
+    "intermediate_size": 5632,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 256,
+}
+
+EXPECTED = """
+import json, sys, time
+import weight_checker
+ckpt, tp = sys.argv[1], int(sys.argv[2])
+weight_checker.expected_digests(ckpt, tp=tp, quantization="fp8_per_channel")  # imports, first build
+t = time.perf_counter()
+e = weight_checker.expected_digests(ckpt, tp=tp, quantization="fp8_per_channel")
+total = time.perf_counter() - t
+print(json.dumps({"seconds": total, "keys": len(e), "split": dict(e.seconds)}))
+"""
+
+HASH = """
+import json, sys, time
+import torch
+import weight_checker
+from weight_checker.expected.vllm import quantized
+ckpt = sys.argv[1]
+held = []
+original = quantized._digests
+def keep(model, prefix):
+    held.extend(t.detach().contiguous() for _, t in model.named_parameters())
+    return original(model, prefix)
+quantized._digests = keep
+weight_checker.expected_digests(ckpt, tp=1, quantization="fp8_per_channel")
+views = [t.view(-1).view(torch.uint8).numpy() for t in held]
+best = float("inf")
+for _ in range(3):
+    t = time.perf_counter()
+    weight_checker.sha256_many(views)
+    best = min(best, time.perf_counter() - t)
+print(json.dumps({"seconds": best, "bytes": sum(v.nbytes for v in views)}))
+"""
+
+
+def run(script: str, *args: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeat", type=int, default=3)
+    args = ap.parse_args()
+    ckpt = make_checkpoint(ROOT / ".bench" / "quantized-0.5b", SHAPE)
+    size = (ckpt / "model.safetensors").stat().st_size
+    print(machine())
+    print(f"checkpoint: {ckpt}, {size / 1e9:.2f} GB bf16 (Llama-shaped, {SHAPE['num_hidden_layers']} layers)")
+    warm(ckpt)
+    for _ in range(args.repeat):
+        hashed = run(HASH, str(ckpt))
+        line = [f"hash {hashed['seconds']:.3f} s ({hashed['bytes'] / 1e9:.2f} GB held)"]
+        for tp in (1, 2):
+            got = run(EXPECTED, str(ckpt), str(tp))
+            split = ", ".join(f"{k} {v:.2f}" for k, v in sorted(got["split"].items()))
+            line.append(f"TP={tp} {got['seconds']:.2f} s = {got['seconds'] / hashed['seconds']:.1f}x ({split})")
+        print("  " + "; ".join(line))
+
+
+if __name__ == "__main__":
+    main()
