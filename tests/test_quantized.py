@@ -144,6 +144,15 @@ def test_fp8_zeroed_rows_of_one_down_proj_are_its_weight_and_scale_on_every_rank
     want = {f"dp0:pp0:pcp0:tp{t}:{DOWN}.{p}": "changed" for t in range(tp) for p in ("weight", "weight_scale")}
     assert result.mismatches == want, result.mismatches
     assert result.verdict == "mismatch"
+    # Explained at the quantized level: the scales of output channels 32-63 (rows of the trainer's tensor).
+    assert result.explanation is not None, result.warnings
+    for t in range(tp):
+        got = result.explanation.keys[f"dp0:pp0:pcp0:tp{t}:{DOWN}.weight_scale"]
+        assert got.where == "rows 32-63 of 128", (got.where, got.note, result.explanation.notes)
+        assert got.note == "output channels 32-63 of 128; the weight bytes differ too", got.note
+        weight = result.explanation.keys[f"dp0:pp0:pcp0:tp{t}:{DOWN}.weight"]
+        assert weight.note == "stored [K, N]: its output channels are its columns; output channels 32-63 of 128"
+    print("\n".join(e.line() for e in result.explanation.keys.values()))
 
 
 # --- pre-quantized checkpoints: load-time digests -----------------------------------------------------

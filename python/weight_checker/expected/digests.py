@@ -233,7 +233,7 @@ def _expected_digests(
     if model_config.quantization is not None:
         return _quantized(config, source, tp, pp, dp, allow_unwritten, progress, weight_version, extras={
             "LoRA": enable_lora, "a draft model": draft is not None, "buffers": buffers,
-        })  # fmt: skip
+        }, model=model, weights=weights, checkpoint=checkpoint)  # fmt: skip
     from weight_checker.expected.vllm.lora import check_adapters
 
     adapters = check_adapters(loras, config.lora_config.max_loras) if enable_lora else []
@@ -314,12 +314,16 @@ def _quantized(
     progress: Callable[[str], None] | None,
     weight_version: str | None,
     extras: Mapping[str, bool],
+    *,
+    model: Any,
+    weights: Any,
+    checkpoint: Path | None,
 ) -> ExpectedDigests:
     """A quantized engine's expected digests: every rank processed after
     loading by vLLM itself (:mod:`.vllm.quantized`), DP replicas as dp0."""
     import vllm
 
-    from weight_checker.expected.vllm.quantized import check_known, quantized_ranks
+    from weight_checker.expected.vllm.quantized import check_known, quantized_digests_class, quantized_ranks
 
     model_config = config.model_config
     method = check_known(model_config.quantization, "the engine")
@@ -327,7 +331,7 @@ def _quantized(
     if asked or model_config.is_moe:
         what = ", ".join(asked) if asked else "a MoE model's experts"
         raise ExpectedDigestsError(f"not covered for a quantized engine ({method}): {what}")
-    out = ExpectedDigests(vllm_version=vllm.__version__, weight_version=weight_version)
+    out: ExpectedDigests = quantized_digests_class()(vllm_version=vllm.__version__, weight_version=weight_version)
     out.layout = {
         "tp": tp, "pp": pp, "dp": dp, "dtype": str(model_config.dtype).removeprefix("torch."),
         "architecture": model_config.architecture, "quantization": method,
@@ -336,6 +340,8 @@ def _quantized(
         for d in range(dp):
             replica = rank_prefix(d, rank.pp_rank, 0, rank.tp_rank)
             out.update({replica + k[len(rank.prefix) :]: v for k, v in rank.digests.items()})
+    # What the explanation's rebuild reads again: weak references to the weights, never the weights.
+    out._recompute = remember(model, weights, checkpoint, None, source, tp=tp, pp=pp, dp=dp)
     source.forget_others()
     return out
 

@@ -189,6 +189,7 @@ def quantized_ranks(
     from weight_checker.expected.rank import Rank
 
     reduce = AmaxReduce(tp)
+    out._quantized = (config, tp, pp, dp, reduce)  # what the explanation's rebuild needs (no weights)
     ranks = [Rank(p, t) for p in range(pp) for t in range(tp)]
     if tp > 1:  # the first pass: what each rank contributes to the reduction
         for rank in ranks:
@@ -266,3 +267,73 @@ def _digests(model: Any, prefix: str) -> dict[str, str]:
 
     targets = vllm_checksum_targets(model)
     return checksum(model if targets is None else targets, prefix)
+
+
+def quantized_digests_class() -> type:
+    """:class:`QuantizedExpectedDigests`, made on first use (it subclasses
+    the manifest's class, which this module must not import at its top)."""
+    global _CLASS
+    if _CLASS is None:
+        from weight_checker.expected.manifest import ExpectedDigests
+
+        class QuantizedExpectedDigests(ExpectedDigests):  # type: ignore[misc,valid-type]
+            """Expected digests of a quantized engine; :meth:`tensors` gives
+            the tensors behind them again (the explanation's source): the
+            ranks holding the keys rebuilt from the same weights, loaded and
+            processed by vLLM with the reduced amaxes kept from the first
+            computation, each checked against its digest."""
+
+            def tensors(self, keys: Any, transforms: Any) -> dict[str, dict[str | None, Any]]:
+                return _tensors_again(self, list(keys))
+
+        _CLASS = QuantizedExpectedDigests
+    return _CLASS
+
+
+_CLASS: type | None = None
+
+
+def _tensors_again(expected: Any, keys: list[str]) -> dict[str, dict[str | None, Any]]:
+    from weight_checker.expected.rank import Rank
+    from weight_checker.expected.recipe import pairs_for, read_again
+    from weight_checker.expected.vllm.rank_model import LOCK
+    from weight_checker.expected.weights import Pass, WeightsSource
+    from weight_checker.hashing.digests import checksum_sized
+    from weight_checker.keys import split_rank
+
+    state = getattr(expected, "_quantized", None)
+    recipe = getattr(expected, "_recompute", None)
+    if state is None or recipe is None or recipe.refusal:
+        why = getattr(recipe, "refusal", None) or "digests read from a manifest"
+        raise ExpectedDigestsError(f"{', '.join(keys)}: cannot recompute the expected tensors: {why}")
+    config, tp, pp, dp, reduce = state
+    wanted: dict[tuple[int, int], list[str]] = {}
+    for key in keys:
+        if key not in expected:
+            raise ExpectedDigestsError(f"{key}: not a key of these expected digests")
+        fields = split_rank(key)[0].split(":")
+        wanted.setdefault((int(fields[1].removeprefix("pp")), int(fields[3].removeprefix("tp"))), []).append(key)
+    weights = read_again(recipe, keys)
+    out: dict[str, dict[str | None, Any]] = {}
+    try:
+        pairs = pairs_for(weights, None, keys)
+        source = WeightsSource(lambda: Pass(pairs, stable=True))
+        with LOCK:
+            for (pp_rank, tp_rank), rank_keys in sorted(wanted.items()):
+                rank = Rank(pp_rank, tp_rank)
+                context = reduce.applying(tp_rank) if reduce.needed else reduce.recording(tp_rank)
+                with context:
+                    model = _load_and_process(config, source, rank, tp, pp, dp, True, None)
+                held = dict(model.named_parameters())
+                for key in rank_keys:
+                    t = held[split_rank(key)[1]].detach().clone()
+                    digests, _ = checksum_sized([("t", t)], "")
+                    if digests["t"] != expected[key]:
+                        raise ExpectedDigestsError(
+                            f"{key}: the expected tensors changed since the digests were computed"
+                        )
+                    out[key] = {None: t}
+                del model
+    finally:
+        weights.close()
+    return out

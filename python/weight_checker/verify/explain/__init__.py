@@ -122,8 +122,30 @@ def explain(
         differing = compare_blocks(pending, fetch, tensors, out)
         if differing is not None:
             match_candidates(differing, history, shards, out)
+    _quantized_pairs(out, mismatches)
     out.seconds["total"] = time.perf_counter() - started
     return out
+
+
+def _quantized_pairs(out: Explanation, mismatches: Mapping[str, str]) -> None:
+    """A quantized layer's weight and its per-output-channel scale
+    (``X.weight`` and ``X.weight_scale`` of shape ``[N, 1]``), explained
+    together: the scale's differing rows are the output channels (rows of
+    the trainer's tensor) that changed; whether the weight's bytes differ
+    too, or only the scale; and, for a weight stored transposed (``[K, N]``,
+    vLLM's FP8 layout), that its output channels are its columns."""
+    for key, scale in out.keys.items():
+        if not key.endswith(".weight_scale") or scale.shape is None or scale.shape[1:] not in ([], [1]):
+            continue
+        channels = (scale.where or "").replace("rows ", "output channels ", 1) or None
+        base = key.removesuffix("_scale")
+        weight = out.keys.get(base)
+        if base not in mismatches:
+            scale.note = f"{channels or 'its scales'}: only the scale differs (the weight bytes are as expected)"
+            continue
+        scale.note = f"{channels or 'its scales'}; the weight bytes differ too"
+        if weight is not None and weight.shape and len(weight.shape) == 2 and weight.shape[1] == scale.shape[0]:
+            weight.note = f"stored [K, N]: its output channels are its columns; {channels or 'see its scale'}"
 
 
 def explain_engines(
