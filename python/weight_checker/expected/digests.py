@@ -334,8 +334,12 @@ def _quantized(
     out: ExpectedDigests = quantized_digests_class()(vllm_version=vllm.__version__, weight_version=weight_version)
     out.layout = {
         "tp": tp, "pp": pp, "dp": dp, "dtype": str(model_config.dtype).removeprefix("torch."),
-        "architecture": model_config.architecture, "quantization": method,
+        "architecture": model_config.architecture, "quantization": method, "device": "cpu",
     }  # fmt: skip
+    out.warnings.append(
+        f"quantized ({method}): these are a CPU engine's tensors, made by vLLM's processing on this host's CPU "
+        "kernels; a GPU engine's kernels lay the same weights out otherwise (docs/quantized.md)"
+    )
     for rank in quantized_ranks(config, source, tp, pp, dp, allow_unwritten, out, progress):
         for d in range(dp):
             replica = rank_prefix(d, rank.pp_rank, 0, rank.tp_rank)

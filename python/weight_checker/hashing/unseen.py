@@ -40,7 +40,8 @@ _UNQUANTIZED = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod", "Unquan
 _NOT_WEIGHTS = ("bias", "input_scale", "input_zero_point", "azp_adj")
 
 
-def _holds_weights(name: str) -> bool:
+def holds_weights(name: str) -> bool:
+    """Whether a parameter of this name holds a layer's weights (never a bias, a scale or a zero point)."""
     if name in _NOT_WEIGHTS or "scale" in name or "zero" in name or name.endswith("g_idx"):
         return False
     return name == "weight" or name.endswith("weight") or name.endswith("weight_packed") or name == "qweight"
@@ -80,7 +81,7 @@ def unseen(model: Any, *, unquantized: bool = False) -> dict[str, str]:
             continue
         params = getattr(module, "_parameters", None) or {}
         for pname, p in params.items():
-            if not _holds_weights(pname):
+            if not holds_weights(pname):
                 continue
             name = f"{module_name}.{pname}" if module_name else pname
             if p is None:

@@ -75,8 +75,11 @@ class VerifyResult:
 
     @property
     def verdict(self) -> str:
-        """``"match"``, ``"mismatch"`` (some key or weight version differs) or
-        ``"unverified"`` (nothing differs, but some weights no digest covers)."""
+        """``"match"``, ``"mismatch"`` (some key or weight version differs),
+        ``"unverified"`` (nothing differs, but some weights no digest covers)
+        or ``"error"`` (the run failed or was interrupted before a verdict)."""
+        if self.error is not None and not self.key_count:
+            return "error"
         if self.mismatches or self.version_mismatches:
             return "mismatch"
         if self.unseen:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -59,22 +60,22 @@ _AMAX = "amax_for_tp_weight_quant"
 class AmaxReduce:
     """vLLM's TP all-reduce (MAX) of weight amaxes, reproduced across ranks
     built one after another: :meth:`recording` keeps each sharded call's
-    local amax, :meth:`reduce` takes the elementwise max over the ranks,
-    :meth:`applying` hands each call its reduced value."""
+    local amax, :meth:`reduce` takes the elementwise max over the TP ranks of
+    each pipeline stage, :meth:`applying` hands each call its reduced value.
+    Only the thread that records or applies sees the replacement
+    (:func:`_dispatch`): any other thread, an engine's own processing in the
+    same process among them, gets vLLM's collective."""
 
     def __init__(self, tp: int):
         self.tp = tp
-        self.recorded: dict[int, list[Any]] = {}
-        self.reduced: list[Any] | None = None
-
-    @property
-    def needed(self) -> bool:
-        """Whether any call was sharded (a row-parallel quantized layer at TP > 1)."""
-        return any(self.recorded.values())
+        self.recorded: dict[tuple[int, int], list[Any]] = {}
+        #: (pp_rank, index of the call) -> the reduced amax; kept for rebuilds.
+        self.reduced: dict[int, list[Any]] = {}
+        self.needed = False
 
     @contextlib.contextmanager
-    def recording(self, tp_rank: int) -> Iterator[None]:
-        calls = self.recorded.setdefault(tp_rank, [])
+    def recording(self, pp_rank: int, tp_rank: int) -> Iterator[None]:
+        calls = self.recorded.setdefault((pp_rank, tp_rank), [])
         calls.clear()
 
         def record(amax: Any, is_sharded: bool) -> Any:
@@ -82,59 +83,106 @@ class AmaxReduce:
                 calls.append(amax.detach().clone())
             return amax
 
-        with _patched(record):
+        with _replaced(record):
             yield
 
     def reduce(self) -> None:
+        """The elementwise max over each stage's TP ranks, call by call; the
+        local amaxes are dropped."""
         import torch
 
-        counts = {rank: len(calls) for rank, calls in self.recorded.items()}
-        if len(set(counts.values())) > 1:
-            raise ExpectedDigestsError(f"the TP ranks reduce different numbers of weight amaxes: {counts}")
-        ranks = [self.recorded[r] for r in sorted(self.recorded)]
-        self.reduced = [torch.stack(list(column)).amax(dim=0) for column in zip(*ranks, strict=True)]
+        for pp_rank in sorted({pp for pp, _ in self.recorded}):
+            stage = {tp: calls for (pp, tp), calls in self.recorded.items() if pp == pp_rank}
+            counts = {tp: len(calls) for tp, calls in stage.items()}
+            if len(set(counts.values())) > 1:
+                raise ExpectedDigestsError(
+                    f"the TP ranks of pp{pp_rank} reduce different numbers of weight amaxes: {counts}"
+                )
+            reduced = []
+            for column in zip(*(stage[tp] for tp in sorted(stage)), strict=True):
+                if len({tuple(t.shape) for t in column}) > 1:
+                    raise ExpectedDigestsError(
+                        f"the TP ranks of pp{pp_rank} reduce weight amaxes of different shapes: "
+                        f"{[list(t.shape) for t in column]}"
+                    )
+                reduced.append(torch.stack(list(column)).amax(dim=0))
+            self.reduced[pp_rank] = reduced
+            self.needed = self.needed or bool(reduced)
+        self.recorded.clear()
 
     @contextlib.contextmanager
-    def applying(self, tp_rank: int) -> Iterator[None]:
-        reduced = list(self.reduced or [])
+    def applying(self, pp_rank: int, tp_rank: int) -> Iterator[None]:
+        reduced = list(self.reduced.get(pp_rank, []))
         at = [0]
 
         def apply(amax: Any, is_sharded: bool) -> Any:
             if not is_sharded:
                 return amax
             if at[0] >= len(reduced):
-                raise ExpectedDigestsError(f"tp{tp_rank} reduces more weight amaxes than it did before")
+                raise ExpectedDigestsError(f"pp{pp_rank}:tp{tp_rank} reduces more weight amaxes than it did before")
             value = reduced[at[0]]
             at[0] += 1
             if value.shape != amax.shape:
                 raise ExpectedDigestsError(
-                    f"tp{tp_rank}: a reduced weight amax of shape {list(value.shape)} where vLLM holds "
+                    f"pp{pp_rank}:tp{tp_rank}: a reduced weight amax of shape {list(value.shape)} where vLLM holds "
                     f"{list(amax.shape)}"
                 )
             amax.copy_(value)  # in place, as torch.distributed.all_reduce writes it
             return amax
 
-        with _patched(apply):
+        with _replaced(apply):
             yield
+
+    def for_rank(self, pp_rank: int, tp_rank: int) -> Any:
+        """What a rank's processing runs under: the reduced amaxes where the
+        reduction was needed, else nothing replaced."""
+        if self.needed:
+            return self.applying(pp_rank, tp_rank)
+        return contextlib.nullcontext()
+
+
+#: This thread's replacement of vLLM's amax reduction, while one is in place.
+_LOCAL = threading.local()
+_INSTALL = threading.Lock()
+
+
+def _dispatch(original: Any) -> Any:
+    """vLLM's ``amax_for_tp_weight_quant``, or this thread's replacement."""
+
+    def amax_for_tp_weight_quant(amax: Any, is_sharded: bool) -> Any:
+        replacement = getattr(_LOCAL, "replacement", None)
+        if replacement is None:
+            return original(amax, is_sharded)
+        return replacement(amax, is_sharded)
+
+    amax_for_tp_weight_quant.weight_checker_original = original  # type: ignore[attr-defined]
+    return amax_for_tp_weight_quant
+
+
+def _install() -> None:
+    """The dispatcher put in place of ``amax_for_tp_weight_quant`` in every
+    loaded vLLM module that imported it by name (each quantization method
+    does), once per module: it calls vLLM's own unless this thread replaced it."""
+    from vllm.model_executor.layers.quantization.utils import quant_utils
+
+    with _INSTALL:
+        current = getattr(quant_utils, _AMAX)
+        original = getattr(current, "weight_checker_original", current)
+        dispatcher = current if current is not original else _dispatch(original)
+        for name, module in list(sys.modules.items()):
+            if name.startswith("vllm.") and getattr(module, _AMAX, None) is original:
+                setattr(module, _AMAX, dispatcher)
 
 
 @contextlib.contextmanager
-def _patched(fn: Any) -> Iterator[None]:
-    """``amax_for_tp_weight_quant`` replaced by ``fn`` in every vLLM module
-    that imported it (each quantization method imports it by name)."""
-    from vllm.model_executor.layers.quantization.utils import quant_utils
-
-    original = getattr(quant_utils, _AMAX)
-    holders = [
-        m for name, m in list(sys.modules.items()) if name.startswith("vllm.") and getattr(m, _AMAX, None) is original
-    ]
-    for m in holders:
-        setattr(m, _AMAX, fn)
+def _replaced(fn: Any) -> Iterator[None]:
+    _install()
+    previous = getattr(_LOCAL, "replacement", None)
+    _LOCAL.replacement = fn
     try:
         yield
     finally:
-        for m in holders:
-            setattr(m, _AMAX, original)
+        _LOCAL.replacement = previous
 
 
 def process(model: Any, model_config: Any) -> None:
@@ -196,16 +244,17 @@ def quantized_ranks(
             if progress is not None:
                 progress(f"{rank.name} (amax)")
             started = time.perf_counter()
-            with reduce.recording(rank.tp_rank):
-                _load_and_process(config, source, rank, tp, pp, dp, allow_unwritten, out)
+            with reduce.recording(rank.pp_rank, rank.tp_rank):
+                model = _load_and_process(config, source, rank, tp, pp, dp, allow_unwritten)
+            del model
             out.seconds["load"] += time.perf_counter() - started
         reduce.reduce()
     for rank in ranks:
         if progress is not None:
             progress(rank.name)
         started = time.perf_counter()
-        with reduce.applying(rank.tp_rank) if reduce.needed else reduce.recording(rank.tp_rank):
-            model = _load_and_process(config, source, rank, tp, pp, dp, allow_unwritten, out)
+        with reduce.for_rank(rank.pp_rank, rank.tp_rank):
+            model = _load_and_process(config, source, rank, tp, pp, dp, allow_unwritten)
         hashed_at = time.perf_counter()
         out.seconds["load"] += hashed_at - started
         refuse_unseen(model, rank.name)
@@ -215,9 +264,7 @@ def quantized_ranks(
     return ranks
 
 
-def _load_and_process(
-    config: Any, source: Any, rank: Any, tp: int, pp: int, dp: int, allow_unwritten: bool, out: Any
-) -> Any:
+def _load_and_process(config: Any, source: Any, rank: Any, tp: int, pp: int, dp: int, allow_unwritten: bool) -> Any:
     """One rank's model: built by vLLM on the CPU, loaded with one pass of
     the weights by its own ``load_weights``, then processed by vLLM."""
     import torch
@@ -236,14 +283,18 @@ def _load_and_process(
             raise
         except Exception as e:
             raise ExpectedDigestsError(f"the weights: vLLM's loader failed: {one_line(e)}") from e
-        # A quantized layer's parameters are its method's to write after the
-        # load (online FP8 creates weight_scale for the processing to fill):
-        # only other layers' parameters the load left out are unwritten.
+        # A quantized layer's scales and zero points may be its method's to
+        # write after the load (online FP8 creates weight_scale for the
+        # processing to fill); its weights never are: a weight the load left
+        # out is unwritten, as any other layer's parameter.
+        from weight_checker.hashing.unseen import holds_weights
+
         owned = {
             f"{name}.{p}" if name else p
             for name, module in model.named_modules()
             if _quantized_layer(module)
             for p in getattr(module, "_parameters", {})
+            if not holds_weights(p)
         }
         unwritten = [n for n in unwritten_of(model, loaded if isinstance(loaded, set) else None) if n not in owned]
         process(model, model_config)
@@ -284,6 +335,8 @@ def quantized_digests_class() -> type:
             computation, each checked against its digest."""
 
             def tensors(self, keys: Any, transforms: Any) -> dict[str, dict[str | None, Any]]:
+                if transforms:  # no transform of a quantized tensor is a cause: nothing to rebuild for
+                    return {key: {} for key in keys}
                 return _tensors_again(self, list(keys))
 
         _CLASS = QuantizedExpectedDigests
@@ -321,9 +374,8 @@ def _tensors_again(expected: Any, keys: list[str]) -> dict[str, dict[str | None,
         with LOCK:
             for (pp_rank, tp_rank), rank_keys in sorted(wanted.items()):
                 rank = Rank(pp_rank, tp_rank)
-                context = reduce.applying(tp_rank) if reduce.needed else reduce.recording(tp_rank)
-                with context:
-                    model = _load_and_process(config, source, rank, tp, pp, dp, True, None)
+                with reduce.for_rank(pp_rank, tp_rank):
+                    model = _load_and_process(config, source, rank, tp, pp, dp, True)
                 held = dict(model.named_parameters())
                 for key in rank_keys:
                     t = held[split_rank(key)[1]].detach().clone()
@@ -333,7 +385,7 @@ def _tensors_again(expected: Any, keys: list[str]) -> dict[str, dict[str | None,
                             f"{key}: the expected tensors changed since the digests were computed"
                         )
                     out[key] = {None: t}
-                del model
+                del model, held  # one rank's model alive at a time
     finally:
         weights.close()
     return out

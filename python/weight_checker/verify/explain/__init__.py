@@ -122,12 +122,14 @@ def explain(
         differing = compare_blocks(pending, fetch, tensors, out)
         if differing is not None:
             match_candidates(differing, history, shards, out)
-    _quantized_pairs(out, mismatches)
+    _quantized_pairs(out, mismatches, current, expected)
     out.seconds["total"] = time.perf_counter() - started
     return out
 
 
-def _quantized_pairs(out: Explanation, mismatches: Mapping[str, str]) -> None:
+def _quantized_pairs(
+    out: Explanation, mismatches: Mapping[str, str], current: Mapping[str, str], expected: Mapping[str, str]
+) -> None:
     """A quantized layer's weight and its per-output-channel scale
     (``X.weight`` and ``X.weight_scale`` of shape ``[N, 1]``), explained
     together: the scale's differing rows are the output channels (rows of
@@ -140,11 +142,16 @@ def _quantized_pairs(out: Explanation, mismatches: Mapping[str, str]) -> None:
         channels = (scale.where or "").replace("rows ", "output channels ", 1) or None
         base = key.removesuffix("_scale")
         weight = out.keys.get(base)
-        if base not in mismatches:
+        if base not in mismatches and base in current and base in expected:
             scale.note = f"{channels or 'its scales'}: only the scale differs (the weight bytes are as expected)"
             continue
+        if base not in mismatches:  # no weight key to compare (held outside the parameters?)
+            scale.note = channels
+            continue
         scale.note = f"{channels or 'its scales'}; the weight bytes differ too"
-        if weight is not None and weight.shape and len(weight.shape) == 2 and weight.shape[1] == scale.shape[0]:
+        if weight is None or not (weight.dtype or "").startswith("float8"):  # vLLM keeps FP8 weights as [K, N]
+            continue
+        if weight.shape and len(weight.shape) == 2 and weight.shape[1] == scale.shape[0]:
             weight.note = f"stored [K, N]: its output channels are its columns; {channels or 'see its scale'}"
 
 
