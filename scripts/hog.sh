@@ -17,26 +17,42 @@ if [ $# -eq 0 ]; then
 fi
 loops=${HOG_LOOPS:-2}
 write_mb=${HOG_WRITE_MB:-64}
-dir=$(mktemp -d "${TMPDIR:-/tmp}/wc-hog.XXXXXX")
+dir=$(mktemp -d "${TMPDIR:-/tmp}/wc-hog.XXXXXX") || { echo "hog: cannot make a temporary folder" >&2; exit 2; }
 pids=()
+cmd=
 stop() {
     for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done
     wait "${pids[@]}" 2>/dev/null
     rm -rf "$dir"
 }
+# A signal to this script is passed on to the command, which is waited for
+# (bash runs a trap only once a foreground command ends: the command runs in
+# the background so that a signal ends the run at once).
+on_signal() {
+    [ -n "$cmd" ] && kill "-$1" "$cmd" 2>/dev/null
+    [ -n "$cmd" ] && wait "$cmd" 2>/dev/null
+    exit "$2"
+}
 trap stop EXIT
-trap 'exit 130' INT TERM
+trap 'on_signal INT 130' INT
+trap 'on_signal TERM 143' TERM
+trap 'on_signal HUP 129' HUP
 for _ in $(seq "$loops"); do
     ( exec 0</dev/null; while :; do :; done ) &
     pids+=($!)
 done
 if [ "$write_mb" -gt 0 ]; then
-    ( exec 0</dev/null; while :; do dd if=/dev/zero of="$dir/hog.bin" bs=1M count="$write_mb" conv=fsync status=none; done ) &
+    # The writer's dd is killed with it (a TERM to the subshell alone would leave it writing).
+    ( exec 0</dev/null; trap 'kill "$dd" 2>/dev/null; exit 0' TERM
+      while :; do dd if=/dev/zero of="$dir/hog.bin" bs=1M count="$write_mb" conv=fsync status=none & dd=$!; wait "$dd"; done ) &
     pids+=($!)
 fi
 echo "hog: $loops busy loop(s) and a ${write_mb} MiB disk writer running (pids ${pids[*]}) while: $*" >&2
 started=$(date +%s)
-"$@"
+"$@" &
+cmd=$!
+wait "$cmd"
 rc=$?
+cmd=
 echo "hog: '$*' exited $rc after $(( $(date +%s) - started )) s under load" >&2
 exit $rc
