@@ -218,6 +218,14 @@ class MultiHasher:
     with the GIL released, so it must not be written until the call returns."""
 
     def __new__(cls, n: int) -> MultiHasher: ...
+    @staticmethod
+    def resume(states: Sequence[bytes | None]) -> MultiHasher:
+        """A hasher whose digest ``i`` continues chain state ``states[i]``
+        (from :meth:`export_states`, here or on another rank; ``None``: a
+        fresh digest). ``ValueError`` names the first state that is not one."""
+    def export_states(self) -> list[bytes]:
+        """Every digest's chain state (at most 109 bytes: the state words, the
+        length, the pending tail), without finishing it."""
     def __len__(self) -> int: ...
     def bytes_fed(self, index: int) -> int: ...
     def update(self, feeds: Iterable[tuple[int, Any]]) -> None:

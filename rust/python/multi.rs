@@ -1,15 +1,15 @@
 //! `_core.MultiHasher`: digests fed over many calls (large staged tensors).
 
-use pyo3::exceptions::{PyBufferError, PyIndexError, PyRuntimeError, PyTypeError};
+use pyo3::exceptions::{PyBufferError, PyIndexError, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::PyTuple;
+use pyo3::types::{PyBytes, PyTuple};
 
 use super::acquire::{acquire, Names, Source};
 use super::runs::{recorded, settings_valid};
 use super::to_py_err;
 use crate::error::Error;
 use crate::scheduler::{self as scheduler_mod, MultiHasher as CoreMultiHasher, RunSummary, Scheduler};
-use crate::sha256::Digest;
+use crate::sha256::{Digest, Sha256};
 
 /// Several SHA-256 digests open at once, each fed its bytes in order over
 /// many `update` calls (the staging pipeline streams large tensors this way).
@@ -37,6 +37,34 @@ impl MultiHasher {
         Ok(MultiHasher {
             inner: Some(Scheduler::default().multi(n)),
         })
+    }
+
+    /// A hasher whose digest `i` continues chain state `states[i]` (bytes
+    /// from `export_states`, here or in another process; `None`: a fresh
+    /// digest). Raises `ValueError` naming the first state that is not one.
+    #[staticmethod]
+    fn resume(states: Vec<Option<Vec<u8>>>) -> PyResult<Self> {
+        settings_valid()?;
+        let mut chains = Vec::with_capacity(states.len());
+        for (i, state) in states.iter().enumerate() {
+            chains.push(match state {
+                None => Sha256::new(),
+                Some(bytes) => {
+                    Sha256::import(bytes).map_err(|why| PyValueError::new_err(format!("state #{i}: {why}")))?
+                }
+            });
+        }
+        Ok(MultiHasher {
+            inner: Some(Scheduler::default().resume(chains)),
+        })
+    }
+
+    /// Every digest's chain state, in index order, without finishing it: up
+    /// to 109 bytes each, from which `MultiHasher.resume` (here or on another
+    /// rank) continues the same digest, bit-identical to hashing the whole
+    /// message in one place.
+    fn export_states<'py>(&mut self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+        Ok(self.open()?.export().iter().map(|s| PyBytes::new(py, s)).collect())
     }
 
     fn __len__(&self) -> usize {

@@ -277,6 +277,12 @@ impl Scheduler {
         MultiHasher::new(*self, n)
     }
 
+    /// A multi-hasher continuing these chain states (each an exported
+    /// [`crate::sha256::Sha256`] state, already checked by its import).
+    pub fn resume(&self, states: Vec<crate::sha256::Sha256>) -> MultiHasher {
+        MultiHasher::resume(*self, states)
+    }
+
     /// Hashes `tasks`; returns the outcome and the run's shape (`None`: no
     /// tasks).
     fn run<S: ChunkSource>(

@@ -29,6 +29,18 @@ impl MultiHasher {
         self.states.is_empty()
     }
 
+    /// A hasher whose digests continue the given chain states
+    /// ([`Sha256::import`]ed): each fed bytes continue its message.
+    pub(super) fn resume(scheduler: Scheduler, states: Vec<Sha256>) -> MultiHasher {
+        MultiHasher { scheduler, states }
+    }
+
+    /// The chain states of every digest, in index order ([`Sha256::export`]):
+    /// another hasher, in this process or another, can continue each.
+    pub fn export(&self) -> Vec<Vec<u8>> {
+        self.states.iter().map(Sha256::export).collect()
+    }
+
     /// Bytes fed so far to digest `index`.
     pub fn bytes_fed(&self, index: usize) -> Option<u64> {
         self.states.get(index).map(|s| s.len())

@@ -179,3 +179,131 @@ pub fn digest_with(kernel: Kernel, data: &[u8]) -> Digest {
     s.update_with(kernel, data);
     s.finalize_with(kernel)
 }
+
+/// Magic and version of an exported chain state ([`Sha256::export`]).
+const STATE_MAGIC: &[u8; 4] = b"WCS1";
+/// Bytes of an exported state before its pending tail.
+const STATE_HEAD: usize = 4 + 32 + 8 + 1 + 1;
+
+impl Sha256 {
+    /// The chain state as bytes another process can continue from
+    /// ([`Sha256::import`]): magic `WCS1`, the eight state words (big
+    /// endian), the length so far (little endian u64), a flags byte (bit 0:
+    /// a non-zero byte was seen), the pending tail's length and the tail
+    /// itself (under 64 bytes). At most 109 bytes: SHA-256 is a chain, so a
+    /// digest begun on one rank can be finished on another, bit-identical to
+    /// hashing the whole message in one place.
+    pub fn export(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(STATE_HEAD + self.buf_len);
+        out.extend_from_slice(STATE_MAGIC);
+        for word in self.h {
+            out.extend_from_slice(&word.to_be_bytes());
+        }
+        out.extend_from_slice(&self.len.to_le_bytes());
+        out.push(u8::from(self.nonzero));
+        out.push(self.buf_len as u8);
+        out.extend_from_slice(&self.buf[..self.buf_len]);
+        out
+    }
+
+    /// A state exported by [`Sha256::export`], checked: the magic, the tail
+    /// under one block and consistent with the length (every byte before
+    /// the tail was compressed in whole blocks), no trailing bytes.
+    pub fn import(bytes: &[u8]) -> Result<Sha256, String> {
+        if bytes.len() < STATE_HEAD || &bytes[..4] != STATE_MAGIC {
+            return Err(format!(
+                "not a weight-checker SHA-256 chain state ({} bytes; one starts with {:?} and has at least {STATE_HEAD})",
+                bytes.len(),
+                std::str::from_utf8(STATE_MAGIC).unwrap_or("WCS1")
+            ));
+        }
+        let mut h = [0u32; 8];
+        for (word, chunk) in h.iter_mut().zip(bytes[4..36].chunks_exact(4)) {
+            *word = u32::from_be_bytes(chunk.try_into().expect("4 bytes"));
+        }
+        let len = u64::from_le_bytes(bytes[36..44].try_into().expect("8 bytes"));
+        let flags = bytes[44];
+        let tail_len = bytes[45] as usize;
+        if flags > 1 {
+            return Err(format!("chain state flags {flags:#04x}: only bit 0 is defined"));
+        }
+        if tail_len >= BLOCK_LEN || bytes.len() != STATE_HEAD + tail_len {
+            return Err(format!(
+                "chain state of {} bytes with a pending tail of {tail_len}: the tail must be under {BLOCK_LEN} bytes \
+                 and end the state",
+                bytes.len()
+            ));
+        }
+        if len % BLOCK_LEN as u64 != tail_len as u64 {
+            return Err(format!(
+                "chain state of length {len} with a pending tail of {tail_len}: the length less the tail must be \
+                 whole {BLOCK_LEN}-byte blocks"
+            ));
+        }
+        let mut buf = [0u8; BLOCK_LEN];
+        buf[..tail_len].copy_from_slice(&bytes[STATE_HEAD..]);
+        Ok(Sha256 {
+            h,
+            buf,
+            buf_len: tail_len,
+            len,
+            nonzero: flags & 1 == 1,
+        })
+    }
+}
+
+#[cfg(test)]
+mod chain_tests {
+    use super::*;
+    use sha2::Digest as _;
+
+    fn message(n: usize) -> Vec<u8> {
+        (0..n).map(|i| (i * 131 + 7) as u8).collect()
+    }
+
+    #[test]
+    fn a_chain_exported_and_imported_at_any_cut_gives_sha2s_digest() {
+        let kernel = crate::sha256::Kernel::best_available();
+        for n in [0usize, 1, 55, 56, 63, 64, 65, 127, 128, 1000, 4096 + 17] {
+            let data = message(n);
+            let want: [u8; 32] = sha2::Sha256::digest(&data).into();
+            for cut in [0, 1, n / 3, n / 2, n.saturating_sub(1), n] {
+                let cut = cut.min(n);
+                let mut first = Sha256::new();
+                first.update_with(kernel, &data[..cut]);
+                let exported = first.export();
+                assert!(exported.len() <= STATE_HEAD + 63);
+                let mut second = Sha256::import(&exported).expect("a state just exported");
+                second.update_with(kernel, &data[cut..]);
+                let got = second.finalize_with(kernel);
+                assert_eq!(got.bytes, want, "n={n} cut={cut}");
+                assert_eq!(got.all_zero, data.iter().all(|&b| b == 0));
+            }
+        }
+    }
+
+    fn refusal(bytes: &[u8]) -> String {
+        match Sha256::import(bytes) {
+            Ok(_) => panic!("a bad state was accepted"),
+            Err(why) => why,
+        }
+    }
+
+    #[test]
+    fn a_bad_state_is_refused_with_a_reason() {
+        let mut s = Sha256::new();
+        s.update_with(crate::sha256::Kernel::best_available(), &message(70));
+        let good = s.export();
+        assert!(Sha256::import(&good).is_ok());
+        assert!(refusal(&good[..good.len() - 1]).contains("tail"));
+        let mut wrong_len = good.clone();
+        wrong_len[36] ^= 1; // the length no longer ends in the tail
+        assert!(refusal(&wrong_len).contains("whole 64-byte blocks"));
+        let mut magic = good.clone();
+        magic[0] = b'X';
+        assert!(refusal(&magic).contains("not a weight-checker"));
+        let mut flags = good;
+        flags[44] = 2;
+        assert!(refusal(&flags).contains("flags"));
+    }
+}
