@@ -199,6 +199,17 @@ def test_a_quantized_engine_on_a_gpu_is_refused_naming_the_device():
         assert server_engine(url).arguments["quantization"] == "fp8_per_channel"
 
 
+def test_an_online_quantization_that_ignores_layers_is_refused_naming_the_field():
+    """``--quantization fp8_per_channel --quantization-config '{"ignore": [...]}'``
+    leaves layers unquantized that the shorthand alone would quantize: refused
+    by name, never computed as the shorthand (every such key would differ)."""
+    body = edited(("model_config", "quantization"), "fp8_per_channel")
+    body["vllm_config"]["model_config"]["quantization_config"] = {"ignore": ["re:.*down_proj"]}
+    with serving(body) as url:
+        with pytest.raises(ExpectedDigestsError, match=r"quantization_config\.ignore"):
+            server_engine(url)
+
+
 @pytest.mark.parametrize(
     ("flags", "stated"),
     [

@@ -116,7 +116,7 @@ def test_fp8_expect_server_equals_the_route_key_for_key(fp8, tmp_path):
     server, tp = fp8
     held = route_digests(server)
     expected = expect_server(server, tmp_path)
-    assert len(held) == 23 * tp and expected == held
+    assert expected == held
     # Every linear layer holds an fp8 weight and its scale: both among the keys.
     for m in LINEARS:
         assert f"dp0:pp0:pcp0:tp{tp - 1}:model.layers.0.{m}.weight_scale" in held

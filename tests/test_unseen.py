@@ -98,3 +98,24 @@ def test_a_real_mismatch_beside_unseen_weights_is_a_mismatch():
             timeout=120,
         )
     assert r.returncode == 1 and "result: MISMATCH" in r.stdout and "unseen:w.weight" in r.stdout, r.stdout
+
+
+def test_compare_of_manifests_with_unseen_keys_is_unverified_never_a_match(tmp_path):
+    base = {"dp0:pp0:pcp0:tp0:a.weight_scale": "1" * 64, "dp0:pp0:pcp0:tp0:unseen:a.weight": "2" * 64}
+    (tmp_path / "a.json").write_text(json.dumps({"checksums": base}))
+    (tmp_path / "b.json").write_text(json.dumps({"checksums": base | {"dp0:pp0:pcp0:tp0:unseen:a.weight": "3" * 64}}))
+    for other in ("a.json", "b.json"):  # the same file twice too: random or not, unseen is never a match
+        r = subprocess.run(
+            [*CLI, "compare", str(tmp_path / "a.json"), str(tmp_path / other)], capture_output=True, text=True
+        )
+        assert r.returncode == 3 and r.stdout.startswith("UNVERIFIED:"), (other, r.stdout, r.stderr)
+    (tmp_path / "c.json").write_text(json.dumps({"checksums": base | {"dp0:pp0:pcp0:tp0:a.weight_scale": "4" * 64}}))
+    r = subprocess.run(
+        [*CLI, "compare", str(tmp_path / "a.json"), str(tmp_path / "c.json"), "--json"], capture_output=True, text=True
+    )
+    report = json.loads(r.stdout)
+    assert (
+        r.returncode == 1
+        and report["verdict"] == "mismatch"
+        and report["mismatches"] == ["dp0:pp0:pcp0:tp0:a.weight_scale"]
+    )

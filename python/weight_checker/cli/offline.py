@@ -21,6 +21,8 @@ from weight_checker.errors import CheckpointError, ExpectedDigestsError
 from weight_checker.keys import rank_prefix
 
 EXIT_OK, EXIT_MISMATCH = 0, 1
+#: Nothing differs, but some keys name weights no digest covers (unseen:).
+EXIT_UNVERIFIED = 3
 DEFAULT_PREFIX = rank_prefix(0, 0, 0, 0)
 
 
@@ -130,4 +132,6 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if args.report is not None:
         title = f"weight-checker compare {args.baseline} {args.current}"
         write_report(args.report, rank_map, summary_line(result, len(baseline), len(current)), title=title)
-    return EXIT_OK if result["match"] else EXIT_MISMATCH
+    if result["match"]:
+        return EXIT_OK
+    return EXIT_UNVERIFIED if result.get("verdict") == "unverified" else EXIT_MISMATCH

@@ -48,13 +48,22 @@ class Progress:
 def compare_report(baseline: dict[str, str], current: dict[str, str]) -> dict:
     """``compare``'s JSON report: vLLM's compare with every mismatching key
     classed by :func:`weight_checker.classes.classify`, grouped by class."""
+    from weight_checker.hashing.unseen import is_unseen_key
     from weight_checker.verify.classes import classify
 
-    classes = classify(baseline, current)
+    # unseen: keys name weights no digest covers (their digests are random):
+    # never compared, never a match.
+    unseen = sorted({k for k in baseline.keys() | current.keys() if is_unseen_key(k)})
+    seen_base = {k: v for k, v in baseline.items() if not is_unseen_key(k)}
+    seen_current = {k: v for k, v in current.items() if not is_unseen_key(k)}
+    classes = classify(seen_base, seen_current)
     by_class: dict[str, list[str]] = {}
     for k in sorted(classes):
         by_class.setdefault(classes[k], []).append(k)
-    return {"match": not classes, "mismatches": sorted(classes), "classes": by_class}
+    report = {"match": not classes and not unseen, "mismatches": sorted(classes), "classes": by_class}
+    if unseen:
+        report |= {"unseen": unseen, "verdict": "mismatch" if classes else "unverified"}
+    return report
 
 
 def print_mismatches(result: dict, out=sys.stdout) -> None:
@@ -68,6 +77,11 @@ def print_mismatches(result: dict, out=sys.stdout) -> None:
 def summary_line(result: dict, nbase: int, ncur: int) -> str:
     if result["match"]:
         return f"match: {nbase} keys, all digests equal"
+    if result.get("verdict") == "unverified":
+        return (
+            f"UNVERIFIED: every other digest equal, but {len(result['unseen'])} key(s) name weights held outside the "
+            "model's parameters (unseen:), which no digest covers"
+        )
     counts = class_counts({k: c for c, ks in result["classes"].items() for k in ks})
     n = len(result["mismatches"])
     return f"MISMATCH: {n} keys differ ({counts}); baseline {nbase} keys, current {ncur}"

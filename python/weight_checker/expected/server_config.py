@@ -167,6 +167,11 @@ def _model_arguments(url: str, model: dict[str, Any], args: dict[str, Any]) -> N
         from weight_checker.expected.vllm.quantized import ONLINE, check_known
 
         check_known(quant, f"{url} runs with quantization = {quant!r}")
+        config = model.get("quantization_config")
+        if quant in ONLINE and isinstance(config, dict) and config.get("ignore"):
+            # Layers the engine left unquantized by a config of its own: not
+            # the shorthand's, and not read back from vLLM's dump (yet).
+            raise _refuse(url, "quantization_config.ignore", config["ignore"], "an online quantization of its own")
         # A checkpoint format is read from the checkpoint's own config again; an
         # online shorthand is the engine argument, its quantization_config the
         # one vLLM derives from it.

@@ -56,15 +56,23 @@ def _declared_size(module: Any) -> int:
     return 0
 
 
-def _kernel_name(method: Any) -> str:
+def _kernel_name(method: Any, module: Any = None) -> str:
     """The quantization method, and the kernel it handed the weights to where
-    it names one (``Fp8...Method / CPUInt8ScaledMMLinearKernel``)."""
-    kernels = [
-        type(v).__name__
-        for v in vars(method).values()
-        if type(v).__name__.endswith("Kernel") and not isinstance(v, (str, bytes, type))
-    ]
-    return " / ".join([type(method).__name__, *sorted(set(kernels))])
+    it names one, a few attributes deep (compressed-tensors keeps it on the
+    layer's scheme: ``CompressedTensorsLinearMethod / CPUInt8ScaledMMLinearKernel``)."""
+    kernels: set[str] = set()
+    level = [method, getattr(module, "scheme", None)]
+    for _ in range(3):
+        found = []
+        for obj in level:
+            for value in getattr(obj, "__dict__", {}).values():
+                if isinstance(value, (str, bytes, int, float, bool, type)) or value is None:
+                    continue
+                if type(value).__name__.endswith("Kernel"):
+                    kernels.add(type(value).__name__)
+                found.append(value)
+        level = found[:64]
+    return " / ".join([type(method).__name__, *sorted(kernels)])
 
 
 def unseen(model: Any, *, unquantized: bool = False) -> dict[str, str]:
@@ -85,9 +93,11 @@ def unseen(model: Any, *, unquantized: bool = False) -> dict[str, str]:
                 continue
             name = f"{module_name}.{pname}" if module_name else pname
             if p is None:
-                out[name] = f"no tensor: {_kernel_name(method)} holds this layer's weights outside its parameters"
+                kernel = _kernel_name(method, module)
+                out[name] = f"no tensor: {kernel} holds this layer's weights outside its parameters"
             elif getattr(p, "numel", lambda: 1)() == 0 and _declared_size(module) > 0:
-                out[name] = f"emptied: {_kernel_name(method)} moved this layer's weights into a packed buffer"
+                kernel = _kernel_name(method, module)
+                out[name] = f"emptied: {kernel} moved this layer's weights into a packed buffer"
     return out
 
 

@@ -189,10 +189,18 @@ def process(model: Any, model_config: Any) -> None:
     """vLLM's own post-load processing of a rank's model, as its model loader
     runs it on the CPU; vLLM's error, when it cannot, in one line."""
     import torch
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_processing
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
+    # As vLLM's model loader (base_loader.load_model): online quantization
+    # quantizes each layer as its weights complete, and finishes the layers
+    # whose weights came in an order it did not count (a bias before its
+    # weight: every Qwen2 checkpoint), before the processing proper.
+    online = any(getattr(getattr(m, "quant_method", None), "uses_meta_device", False) for m in model.modules())
     try:
         with torch.no_grad():
+            if online:
+                finalize_layerwise_processing(model, model_config)
             process_weights_after_loading(model, model_config, torch.device("cpu"))
     except ExpectedDigestsError:
         raise
