@@ -24,19 +24,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bench_expected import SHAPE as EXPECTED_SHAPE
 from bench_expected import make_checkpoint, warm
 from ceiling import machine
 
 ROOT = Path(__file__).resolve().parent.parent
-SHAPE = {
-    "vocab_size": 32000,
-    "hidden_size": 2048,
-    "intermediate_size": 5632,
-    "num_hidden_layers": 8,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 4,
-    "max_position_embeddings": 256,
-}
+#: bench_expected.py's Llama shape with 8 layers (bench_explain_expected.py's): about 1 GB bf16.
+SHAPE = {**EXPECTED_SHAPE, "num_hidden_layers": 8}
 
 EXPECTED = """
 import json, sys, time
