@@ -29,7 +29,7 @@ stop() {
 # (bash runs a trap only once a foreground command ends: the command runs in
 # the background so that a signal ends the run at once).
 on_signal() {
-    [ -n "$cmd" ] && kill "-$1" "$cmd" 2>/dev/null
+    [ -n "$cmd" ] && kill "-$1" -- "-$cmd" 2>/dev/null  # its whole process group: make, pytest, servers
     [ -n "$cmd" ] && wait "$cmd" 2>/dev/null
     exit "$2"
 }
@@ -49,8 +49,10 @@ if [ "$write_mb" -gt 0 ]; then
 fi
 echo "hog: $loops busy loop(s) and a ${write_mb} MiB disk writer running (pids ${pids[*]}) while: $*" >&2
 started=$(date +%s)
+set -m  # the command in a process group of its own, which a signal reaches whole
 "$@" &
 cmd=$!
+set +m
 wait "$cmd"
 rc=$?
 cmd=
