@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 from .jobs import Jobs
-from .servers import CONFIGS, Models, ServerPool, fixture_name
+from .servers import CONFIGS, QUANTIZED_CONFIGS, Models, ServerPool, fixture_name
 
 # `fast` for CI (the default), `slow` for deep local runs:
 #   HYPOTHESIS_PROFILE=slow pytest
@@ -272,6 +272,11 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     pool = config.stash.get(_POOL, None)
     jobs = config.stash.get(_JOBS, None)
     lines = (pool.summary() if pool is not None and pool.root is not None else []) + (jobs.summary() if jobs else [])
+    if pool is not None and any(name in pool.summary_names() for name in QUANTIZED_CONFIGS):
+        # What decides each quantized form on this host (docs/quantized.md), printed under CI too.
+        from .test_quantized import cpu_features
+
+        lines.append(f"quantized servers on this CPU: {cpu_features()}")
     if not lines:
         return
     terminalreporter.section("vLLM servers and background jobs")

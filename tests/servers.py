@@ -198,6 +198,8 @@ CONFIGS: dict[str, Config] = {
 #: AWQ), and compressed-tensors W8A8 int8, whose CPU kernel keeps the int8
 #: weights outside the parameters (its checksum names them unseen:).
 FP8 = ("--quantization", "fp8_per_channel")
+#: The quantized configurations below (the summary prints the CPU features that decide them).
+QUANTIZED_CONFIGS = ("fp8-tp1", "fp8-tp2", "ct-fp8-tp2", "gptq-tp2", "awq-tp1", "w8a8-tp1")
 CONFIGS |= {
     "fp8-tp1": Config("tiny-llama", (*FP8, *HOOKS), (*_HOOKED, *ROUTE.items()), purpose="online fp8_per_channel, TP=1"),
     "fp8-tp2": Config(
@@ -542,6 +544,10 @@ class ServerPool:
         self._executor.shutdown(wait=True)
         for name in list(self._starts):  # started while closing
             self._stop(name)
+
+    def summary_names(self) -> set[str]:
+        """The configurations whose servers this session started."""
+        return {name for name, _, _ in self.started}
 
     def summary(self) -> list[str]:
         lines = [f"vLLM servers started: {len(self.started)} (shared by configuration, tests/servers.py)"]
