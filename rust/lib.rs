@@ -6,11 +6,13 @@
 pub mod checkpoint;
 pub mod error;
 mod fault_guard;
+pub mod fp8;
 mod prefetch;
 pub mod scheduler;
 pub mod settings;
 pub mod sha256;
 pub mod strided;
+mod transpose;
 
 #[cfg(feature = "python")]
 mod python;

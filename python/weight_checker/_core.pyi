@@ -31,6 +31,8 @@ __all__ = [
     "describe_assignment",
     "digest_many",
     "dominant_chains",
+    "fp8_quantize_rows",
+    "fp8_row_abs_max",
     "hash_floor",
     "kernel",
     "lanes",
@@ -183,6 +185,17 @@ def copy_into(dst: Any, *srcs: Any) -> None:
     """Copies the C-order bytes of ``srcs``, back to back, into the writable
     contiguous buffer ``dst`` of exactly their total size, on this thread,
     with the GIL released."""
+
+def fp8_row_abs_max(weight: Any, cols: int, out: Any) -> bool:
+    """Per-row ``max(|x|)`` of ``weight`` (bf16 bits as 2-byte items, C order,
+    rows of ``cols``) into ``out`` (bf16 bits, one per row); ``True`` if an
+    element is NaN (then ``out`` is not torch's)."""
+
+def fp8_quantize_rows(weight: Any, cols: int, scale: Any, out: Any, transposed: bool) -> bool:
+    """``clamp(w / scale, -448, 448)`` cast to float8_e4m3fn as torch casts it,
+    one fp32 ``scale`` a row of ``weight`` (bf16 bits, rows of ``cols``), into
+    ``out`` (one byte an element; transposed: ``out[k * rows + n]``); ``True``
+    if a quotient was NaN (then ``out`` is not torch's)."""
 
 def checksum_safetensors(
     paths: Sequence[str],

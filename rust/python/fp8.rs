@@ -1,0 +1,159 @@
+//! `_core.fp8_row_abs_max` and `_core.fp8_quantize_rows`: the FP8 kernels
+//! of `crate::fp8` over buffer-protocol arrays (numpy views of torch
+//! tensors), with the GIL released.
+
+use pyo3::exceptions::PyValueError;
+use pyo3::ffi;
+use pyo3::prelude::*;
+
+use super::acquire::BufferExport;
+use crate::fp8;
+
+/// A C-contiguous buffer export as a slice of `T`: its length in bytes
+/// must be a whole number of `T` and its address aligned for `T`.
+struct Typed {
+    export: BufferExport,
+    len: usize,
+}
+
+impl Typed {
+    fn new<T>(obj: &Bound<'_, PyAny>, writable: bool, what: &str) -> PyResult<Typed> {
+        let flags = ffi::PyBUF_C_CONTIGUOUS | if writable { ffi::PyBUF_WRITABLE } else { 0 };
+        let export = BufferExport::new(obj, flags)?;
+        let view = export.view();
+        let bytes = view.len.max(0) as usize;
+        let size = std::mem::size_of::<T>();
+        if !bytes.is_multiple_of(size) || !(view.buf as usize).is_multiple_of(std::mem::align_of::<T>()) {
+            return Err(PyValueError::new_err(format!(
+                "{what}: {bytes} bytes at an address that is not a whole, aligned array of {size}-byte items"
+            )));
+        }
+        Ok(Typed {
+            export,
+            len: bytes / size,
+        })
+    }
+
+    fn ptr(&self) -> *mut u8 {
+        self.export.view().buf as *mut u8
+    }
+}
+
+/// `rows * cols` items, or the error naming `what` when the product overflows.
+fn items(rows: usize, cols: usize, what: &str) -> PyResult<usize> {
+    rows.checked_mul(cols)
+        .ok_or_else(|| PyValueError::new_err(format!("{what}: {rows} rows of {cols} overflow")))
+}
+
+/// `len` items of `T` at address `at` (any address when `len` is 0).
+///
+/// # Safety
+/// As `std::slice::from_raw_parts`, for a non-empty slice: `len` readable,
+/// aligned items, unwritten for `'a`.
+unsafe fn shared<'a, T>(at: usize, len: usize) -> &'a [T] {
+    let ptr = if len == 0 {
+        std::ptr::NonNull::dangling().as_ptr()
+    } else {
+        at as *const T
+    };
+    // SAFETY: the caller's contract; an empty slice reads nothing.
+    unsafe { std::slice::from_raw_parts(ptr, len) }
+}
+
+/// [`shared`], writable.
+///
+/// # Safety
+/// As `std::slice::from_raw_parts_mut`, for a non-empty slice: `len`
+/// writable, aligned items nobody else reads or writes for `'a`.
+unsafe fn exclusive<'a, T>(at: usize, len: usize) -> &'a mut [T] {
+    let ptr = if len == 0 {
+        std::ptr::NonNull::dangling().as_ptr()
+    } else {
+        at as *mut T
+    };
+    // SAFETY: the caller's contract; an empty slice touches nothing.
+    unsafe { std::slice::from_raw_parts_mut(ptr, len) }
+}
+
+fn check(got: usize, want: usize, what: &str) -> PyResult<()> {
+    if got != want {
+        return Err(PyValueError::new_err(format!(
+            "{what}: {got} items where {want} are needed"
+        )));
+    }
+    Ok(())
+}
+
+/// `out` must share no byte with an input: the core reads the inputs while
+/// it writes `out` (a shared and a mutable slice of one memory are unsound).
+fn apart(out: &Typed, out_bytes: usize, input: &Typed, input_bytes: usize, what: &str) -> PyResult<()> {
+    let (o, i) = (out.ptr() as usize, input.ptr() as usize);
+    if out_bytes > 0 && input_bytes > 0 && o < i + input_bytes && i < o + out_bytes {
+        return Err(PyValueError::new_err(format!("out overlaps {what}")));
+    }
+    Ok(())
+}
+
+/// Per-row `max(|x|)` of `weight` (bf16 bits, `rows` x `cols`) into `out`
+/// (bf16 bits, one per row); `True` if an element is NaN (`out` unusable).
+#[pyfunction]
+pub(super) fn fp8_row_abs_max(
+    py: Python<'_>,
+    weight: &Bound<'_, PyAny>,
+    cols: usize,
+    out: &Bound<'_, PyAny>,
+) -> PyResult<bool> {
+    let src = Typed::new::<u16>(weight, false, "weight")?;
+    let dst = Typed::new::<u16>(out, true, "out")?;
+    check(src.len, items(dst.len, cols, "weight")?, "weight")?;
+    apart(&dst, dst.len * 2, &src, src.len * 2, "weight")?;
+    let (s, d) = (src.ptr() as usize, dst.ptr() as usize);
+    let (n_src, n_dst) = (src.len, dst.len);
+    // SAFETY: both exports are C-contiguous, aligned for u16 and of the
+    // lengths checked above (no overflow), alive until `src` / `dst` drop
+    // after this call; `out` shares no byte with the weight (checked); the
+    // caller's contract keeps the weight unwritten while the GIL is released.
+    // An empty export's pointer is never dereferenced: the slices are empty.
+    let nan = py.detach(|| unsafe {
+        let src = shared::<u16>(s, n_src);
+        let dst = exclusive::<u16>(d, n_dst);
+        fp8::row_abs_max(src, cols, dst)
+    });
+    drop((src, dst));
+    Ok(nan)
+}
+
+/// Quantizes `weight` (bf16 bits, one row per `scale`, `cols` a row) into
+/// `out` (bytes, e4m3fn): row-major, or transposed (`out[k * rows + n]`);
+/// `True` if a quotient was NaN (`out` unusable).
+#[pyfunction]
+pub(super) fn fp8_quantize_rows(
+    py: Python<'_>,
+    weight: &Bound<'_, PyAny>,
+    cols: usize,
+    scale: &Bound<'_, PyAny>,
+    out: &Bound<'_, PyAny>,
+    transposed: bool,
+) -> PyResult<bool> {
+    let src = Typed::new::<u16>(weight, false, "weight")?;
+    let sc = Typed::new::<f32>(scale, false, "scale")?;
+    let dst = Typed::new::<u8>(out, true, "out")?;
+    check(src.len, items(sc.len, cols, "weight")?, "weight")?;
+    check(dst.len, src.len, "out")?;
+    apart(&dst, dst.len, &src, src.len * 2, "weight")?;
+    apart(&dst, dst.len, &sc, sc.len * 4, "scale")?;
+    let (s, c, d) = (src.ptr() as usize, sc.ptr() as usize, dst.ptr() as usize);
+    let (n_src, n_sc) = (src.len, sc.len);
+    // SAFETY: as in `fp8_row_abs_max`: three live, C-contiguous, aligned
+    // exports of the checked lengths (no overflow), `out` sharing no byte
+    // with the inputs (checked), the inputs unwritten by anyone else while
+    // the GIL is released; empty ones are never read.
+    let nan = py.detach(|| unsafe {
+        let src = shared::<u16>(s, n_src);
+        let sc = shared::<f32>(c, n_sc);
+        let dst = exclusive::<u8>(d, n_src);
+        fp8::quantize_rows(src, cols, sc, dst, transposed)
+    });
+    drop((src, sc, dst));
+    Ok(nan)
+}

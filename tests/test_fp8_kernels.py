@@ -1,0 +1,141 @@
+"""The core's FP8 arithmetic (expected/vllm/fp8_kernels.py) against its
+oracle, vLLM's own functions: the per-row amax and the per-channel cast give
+the same bytes for every finite bf16 value by many scales (the specials
+among them), NaN goes to vLLM's own code, and only the thread inside
+``fast()`` sees the replacement."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from weight_checker.expected.vllm import fp8_kernels
+from weight_checker.testing.launch import vllm_available
+
+pytestmark = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed")
+
+
+@pytest.fixture(scope="module")
+def vllm_fp8():
+    """vLLM's online FP8 module and its two functions, as vLLM defines them."""
+    module = fp8_kernels._fp8_module()
+    fp8_kernels._install()
+    return module, {name: getattr(module, name).weight_checker_original for name in fp8_kernels._NAMES}
+
+
+def every_finite_bf16() -> torch.Tensor:
+    values = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    return values[torch.isfinite(values)]
+
+
+def scales(n: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1)
+    wide = torch.exp2(torch.empty(n, dtype=torch.float64).uniform_(-40, 40, generator=g)).float()
+    special = torch.tensor([1 / 229376, 1.0, 448.0, 2.0**-126, 2.0**-149, 1e-38, 3e38, 0.0078125])
+    return torch.cat([special, wide]).reshape(-1, 1)
+
+
+def test_the_cast_equals_vllms_for_every_finite_bf16_by_many_scales(vllm_fp8):
+    module, original = vllm_fp8
+    weight = every_finite_bf16()
+    s = scales(120)
+    rows = weight.expand(s.shape[0], -1).contiguous()
+    want = original["_fp8_quant_per_channel"](rows, s)
+    with fp8_kernels.fast():
+        got = module._fp8_quant_per_channel(rows, s)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert got.t().is_contiguous()  # laid out as vLLM keeps it, [K, N]
+    differ = (got.view(torch.uint8) != want.view(torch.uint8)).nonzero()
+    assert differ.numel() == 0, f"{len(differ)} bytes differ, first at {differ[:5].tolist()}"
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (7, 1), (64, 64), (129, 300), (3072, 2048), (200, 5632)])
+def test_amax_and_cast_of_weight_like_tensors_equal_vllms(vllm_fp8, shape):
+    module, original = vllm_fp8
+    g = torch.Generator().manual_seed(shape[0] * 7919 + shape[1])
+    weight = (torch.randn(shape, generator=g) * 0.02).to(torch.bfloat16)
+    weight[0, 0] = float("inf")  # saturates, as torch's clamp does
+    if shape[0] > 2:
+        weight[1] = 0.0  # a zero row: the scale's floor
+        weight[2, -1] = -0.0
+    want_amax = original["weight_amax"](weight, dim=-1, keepdim=True)
+    scale = module._fp8_channel_scale(want_amax)
+    want = original["_fp8_quant_per_channel"](weight, scale)
+    with fp8_kernels.fast():
+        got_amax = module.weight_amax(weight, dim=-1, keepdim=True)
+        got = module._fp8_quant_per_channel(weight, scale)
+    assert got_amax.dtype == want_amax.dtype and torch.equal(got_amax, want_amax)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+def test_nan_and_other_inputs_go_to_vllms_own_functions(vllm_fp8):
+    module, original = vllm_fp8
+    weight = (torch.randn(8, 40) * 0.02).to(torch.bfloat16)
+    weight[3, 5] = float("nan")
+    amax = original["weight_amax"](weight, dim=-1, keepdim=True)
+    scale = module._fp8_channel_scale(amax)
+    with fp8_kernels.fast():
+        got_amax = module.weight_amax(weight, dim=-1, keepdim=True)
+        got = module._fp8_quant_per_channel(weight, scale)
+        as_fp32 = module._fp8_quant_per_channel(weight.float(), scale)  # not bf16: vLLM's
+    assert torch.equal(got_amax.isnan(), amax.isnan()) and torch.equal(got_amax[~amax.isnan()], amax[~amax.isnan()])
+    assert torch.equal(got.view(torch.uint8), original["_fp8_quant_per_channel"](weight, scale).view(torch.uint8))
+    want_fp32 = original["_fp8_quant_per_channel"](weight.float(), scale)
+    assert torch.equal(as_fp32.view(torch.uint8), want_fp32.view(torch.uint8))
+    # No columns: vLLM's functions fail, and so do they inside fast() (never a made-up amax).
+    empty = torch.zeros(3, 0, dtype=torch.bfloat16)
+    for name, args in (("weight_amax", (empty,)), ("_fp8_quant_per_channel", (empty, torch.ones(3, 1)))):
+        kwargs = {"dim": -1, "keepdim": True} if name == "weight_amax" else {}
+        with pytest.raises(Exception) as vllms:
+            original[name](*args, **kwargs)
+        with fp8_kernels.fast(), pytest.raises(vllms.type):
+            getattr(module, name)(*args, **kwargs)
+
+
+def test_only_the_thread_inside_fast_runs_the_core(vllm_fp8, monkeypatch):
+    module, _ = vllm_fp8
+    from weight_checker import _core
+
+    calls = []
+    real = _core.fp8_quantize_rows
+    monkeypatch.setattr(_core, "fp8_quantize_rows", lambda *a: calls.append(threading.get_ident()) or real(*a))
+    weight = (torch.randn(4, 16) * 0.02).to(torch.bfloat16)
+    scale = module._fp8_channel_scale(module.weight_amax(weight, dim=-1, keepdim=True))
+    inside = threading.Event()
+    leave = threading.Event()
+
+    def hold():
+        with fp8_kernels.fast():
+            module._fp8_quant_per_channel(weight, scale)
+            inside.set()
+            leave.wait(10)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    assert inside.wait(10)
+    module._fp8_quant_per_channel(weight, scale)  # this thread: vLLM's own, while the other is inside
+    leave.set()
+    t.join()
+    assert calls == [t.ident]
+
+
+def test_the_core_refuses_sizes_that_overflow_and_an_output_over_its_input():
+    """The binding's own checks (the core builds slices from them): an
+    overflowing size and an ``out`` sharing memory with an input are
+    ValueErrors, and nothing is written."""
+    import numpy as np
+    from weight_checker import _core
+
+    a = np.array([0x3F80, 0x4000], np.int16)
+    out = np.full(2, 7, np.int16)
+    with pytest.raises(ValueError, match="overflow"):
+        _core.fp8_row_abs_max(a, 2**63 + 1, out)
+    with pytest.raises(ValueError, match="out overlaps weight"):
+        _core.fp8_row_abs_max(a, 1, a)
+    scale = np.ones(2, np.float32)
+    with pytest.raises(ValueError, match="out overlaps weight"):
+        _core.fp8_quantize_rows(a, 1, scale, a.view(np.uint8)[:2], False)
+    with pytest.raises(ValueError, match="out overlaps scale"):
+        _core.fp8_quantize_rows(a, 1, scale, scale.view(np.uint8)[:2], False)
+    assert out.tolist() == [7, 7]
