@@ -6,6 +6,7 @@
 //! scratch buffer, one bounded piece at a time, and streamed into SHA-256.
 
 use crate::sha256::{Digest, Kernel, Sha256};
+use crate::transpose::{transpose16, BLOCK};
 
 /// Scratch size for one gather: bounded memory, large enough to amortise calls.
 pub const GATHER_BYTES: usize = 1 << 20;
@@ -286,7 +287,35 @@ impl StridedView {
             let start = out.len();
             out.resize(start + band * row_bytes, 0);
             let dst = &mut out[start..];
+            // One-byte items (FP8, int8) in whole 16x16 blocks with SSE2; the
+            // rest (the ragged edges, wider items) element column by column.
+            let (full_k, full_i) = if item == 1 {
+                (inner_n / BLOCK * BLOCK, band / BLOCK * BLOCK)
+            } else {
+                (0, 0)
+            };
+            for k0 in (0..full_k).step_by(BLOCK) {
+                for i0 in (0..full_i).step_by(BLOCK) {
+                    // SAFETY: the 16 bytes at `offset + k * inner_s + i0` for
+                    // k in k0..k0+16 are elements i0..i0+16 of the band (as
+                    // below: inside the view, readable and unwritten); the 16
+                    // bytes at `(i0 + c) * row_bytes + k0` for c < 16 lie in
+                    // `dst` (`band * row_bytes` bytes, i0 + 16 <= band, k0 + 16
+                    // <= inner_n = row_bytes), which the view cannot overlap.
+                    unsafe {
+                        transpose16(
+                            self.ptr.offset(offset + k0 as isize * inner_s + i0 as isize),
+                            inner_s,
+                            dst.as_mut_ptr().add(i0 * row_bytes + k0),
+                            row_bytes,
+                        )
+                    };
+                }
+            }
             for k in 0..inner_n {
+                if k < full_k && full_i == band {
+                    continue; // every element of this column is written above
+                }
                 // SAFETY: element k of rows `*row .. *row + band` lies at
                 // `offset + k * inner_s + i * item` for i < band (the band
                 // stays inside one block of the second-to-last dimension,
@@ -294,7 +323,14 @@ impl StridedView {
                 // view, readable and unwritten, per the contract of `new`.
                 let src =
                     unsafe { std::slice::from_raw_parts(self.ptr.offset(offset + k as isize * inner_s), band * item) };
-                scatter(src, &mut dst[k * item..], item, row_bytes);
+                // Rows full_i.. of a blocked column; all of any other.
+                let from = if k < full_k { full_i } else { 0 };
+                scatter(
+                    &src[from * item..],
+                    &mut dst[from * row_bytes + k * item..],
+                    item,
+                    row_bytes,
+                );
             }
             *row += band;
         }
