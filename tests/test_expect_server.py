@@ -210,6 +210,22 @@ def test_an_online_quantization_that_ignores_layers_is_refused_naming_the_field(
             server_engine(url)
 
 
+def test_weights_whose_config_is_not_the_servers_quantization_are_refused(models):
+    """A server running a compressed-tensors checkpoint, and weights whose
+    config (read here, as vLLM resolves it) is unquantized: their digests
+    would be another engine's, so the call is refused in one line naming both."""
+    body = edited(("model_config", "quantization"), "compressed-tensors")
+    body["vllm_config"]["model_config"]["model"] = str(models.path("tiny-llama"))
+    body["vllm_config"]["parallel_config"]["tensor_parallel_size"] = 1
+    body["vllm_config"]["lora_config"] = None
+    with serving(body) as url:
+        r = run_cli("expect", "--server", url, "--no-progress")
+    assert r.returncode == 2 and r.stdout == "", r
+    line = r.stderr.strip()
+    assert len(line.splitlines()) == 1, line
+    assert "quantization = 'compressed-tensors'" in line and "resolves to None" in line and url in line, line
+
+
 @pytest.mark.parametrize(
     ("flags", "stated"),
     [

@@ -43,6 +43,8 @@ class ServerEngine:
     #: ``expected_digests``' other arguments (engine arguments): dtype, LoRA, draft, EP...
     #: A field the server states as unset is ``None`` here (vLLM's default is used).
     arguments: dict[str, Any] = field(default_factory=dict)
+    #: The quantization method the server's engine runs (vLLM's name), or ``None``.
+    quantization: str | None = None
 
 
 def _get(mapping: Any, *path: str) -> Any:
@@ -134,6 +136,7 @@ def server_engine(url: str, *, api_key: str | None = None, timeout: float = 60.0
     if isinstance(spec, dict):
         _draft_arguments(url, spec, tp, args)
     args["engine"] = "vllm"
+    quantization = _get(config, "model_config", "quantization")
     return ServerEngine(
         url,
         model,
@@ -141,7 +144,22 @@ def server_engine(url: str, *, api_key: str | None = None, timeout: float = 60.0
         int(parallel.get("pipeline_parallel_size") or 1),
         int(parallel.get("data_parallel_size") or 1),
         args,
+        str(quantization) if quantization else None,
     )
+
+
+def check_quantization(server: ServerEngine, found: str | None) -> None:
+    """The quantization the expected digests were computed for (``found``,
+    from the weights' config as vLLM resolves it here) must be the server's:
+    a checkpoint's format comes from its config, so other weights than the
+    server's (an unquantized checkpoint, another format) would give digests
+    of another engine."""
+    if (found or None) != server.quantization:
+        raise ExpectedDigestsError(
+            f"{server.url} runs with quantization = {server.quantization!r}, but these weights' config "
+            f"resolves to {found!r} here: their digests would be another engine's (give the server's checkpoint, "
+            "or weights of its format)"
+        )
 
 
 def _quantized_device(url: str, config: dict[str, Any]) -> None:
