@@ -149,10 +149,57 @@ def test_fp8_zeroed_rows_of_one_down_proj_are_its_weight_and_scale_on_every_rank
     for t in range(tp):
         got = result.explanation.keys[f"dp0:pp0:pcp0:tp{t}:{DOWN}.weight_scale"]
         assert got.where == "rows 32-63 of 128", (got.where, got.note, result.explanation.notes)
-        assert got.note == "output channels 32-63 of 128; the weight bytes differ too", got.note
+        # Zeros, through quantization: the rank recomputed with those rows zero gives both digests.
+        assert got.cause == "zeros", (got.line(), result.explanation.notes)
+        assert got.note == "output channels 32-63 of 128 were zero before quantization"
         weight = result.explanation.keys[f"dp0:pp0:pcp0:tp{t}:{DOWN}.weight"]
-        assert weight.note == "stored [K, N]: its output channels are its columns; output channels 32-63 of 128"
+        assert weight.cause == "zeros", (weight.line(), result.explanation.notes)
+        assert weight.note == (
+            "output channels 32-63 of 128 were zero before quantization; stored [K, N]: they are its columns"
+        )
     print("\n".join(e.line() for e in result.explanation.keys.values()))
+
+
+@pytest.mark.parametrize("fp8", ["fp8-tp2"], indirect=True)  # TP=2: the reduced scales too; one layout is enough
+def test_fp8_a_stale_step_is_named_by_its_version_at_the_quantized_level(fp8, tmp_path):
+    """Step 2 expected, step 1 still served (the update never arrived):
+    every quantized key (fp8 weight, its scale) and every bf16 one is the
+    previous version's, named from the history's expected digests."""
+    server, tp = fp8
+    step1 = train_step(state_of(server), 1)
+    step2 = train_step(step1, 2)
+    history = weight_checker.expected_digests(None, step1.items(), like=server.url)
+    expected = weight_checker.expected_digests(None, step2.items(), like=server.url)
+    path = push(step1, Path(server.model), tmp_path / "step1")
+    result = weight_checker.verify(
+        server.url, transfer=reload(server, path), expected=expected, history=[("step-1", history)]
+    )
+    assert result.verdict == "mismatch" and result.explanation is not None, result.warnings
+    scales = [k for k in result.mismatches if k.endswith(".weight_scale")]
+    assert len(scales) == len(LINEARS) * 2 * tp  # every quantized layer of both layers on every rank
+    causes = {k: e.cause for k, e in result.explanation.keys.items()}
+    assert set(causes.values()) == {"version:step-1"}, causes
+
+
+@pytest.mark.parametrize("fp8", ["fp8-tp1"], indirect=True)  # what is refused does not depend on the layout
+def test_fp8_rows_changed_otherwise_are_not_called_zeros(fp8, tmp_path):
+    """The zeros cause is named only where the recomputation through vLLM
+    gives the engine's digests: rows scaled down to tiny values (their scale
+    at the same floor, their weight bytes not zero) are not zeros."""
+    server, tp = fp8
+    step1 = train_step(state_of(server), 1)
+    expected = weight_checker.expected_digests(None, step1.items(), like=server.url)
+    faulty = dict(step1)
+    faulty[f"{DOWN}.weight"] = faulty[f"{DOWN}.weight"].clone()
+    faulty[f"{DOWN}.weight"][32:64] *= 1e-4  # amax under 1/512: the floor scale, and non-zero bytes
+    path = push(faulty, Path(server.model), tmp_path / "tiny")
+    result = weight_checker.verify(server.url, transfer=reload(server, path), expected=expected)
+    assert set(result.mismatches) == {
+        f"dp0:pp0:pcp0:tp{t}:{DOWN}.{p}" for t in range(tp) for p in ("weight", "weight_scale")
+    }
+    assert result.explanation is not None
+    causes = {k: e.cause for k, e in result.explanation.keys.items()}
+    assert "zeros" not in causes.values(), causes
 
 
 # --- pre-quantized checkpoints: load-time digests -----------------------------------------------------

@@ -184,6 +184,9 @@ def expected_digests(
             buffers=buffers, **args,
         )  # fmt: skip
     if like is not None:
+        from weight_checker.expected.server_config import check_quantization
+
+        check_quantization(server, out.layout.get("quantization"))
         out.layout["server"] = like
     return out
 
@@ -323,7 +326,8 @@ def _quantized(
     loading by vLLM itself (:mod:`.vllm.quantized`), DP replicas as dp0."""
     import vllm
 
-    from weight_checker.expected.vllm.quantized import check_known, quantized_digests_class, quantized_ranks
+    from weight_checker.expected.vllm.quantized import check_known, quantized_ranks
+    from weight_checker.expected.vllm.quantized_tensors import quantized_digests_class
 
     model_config = config.model_config
     method = check_known(model_config.quantization, "the engine")

@@ -247,42 +247,74 @@ def quantized_ranks(
     reduce = AmaxReduce(tp)
     out._quantized = (config, tp, pp, dp, reduce)  # what the explanation's rebuild needs (no weights)
     ranks = [Rank(p, t) for p in range(pp) for t in range(tp)]
+    # Online quantization's first pass only records amaxes (its casts are
+    # skipped); a checkpoint format's is hashed, and it is the only pass
+    # where no rank reduced an amax.
+    online = getattr(config.model_config, "quantization", None) in ONLINE
+    first: dict[str, dict[str, str]] = {}
     if tp > 1:  # the first pass: what each rank contributes to the reduction
         for rank in ranks:
             if progress is not None:
                 progress(f"{rank.name} (amax)")
             started = time.perf_counter()
             with reduce.recording(rank.pp_rank, rank.tp_rank):
-                model = _load_and_process(config, source, rank, tp, pp, dp, allow_unwritten)
+                model = load_and_process(config, source, rank, tp, pp, dp, allow_unwritten, amax_only=online)
+            hashed_at = time.perf_counter()
+            out.seconds["load"] += hashed_at - started
+            if not online:
+                refuse_unseen(model, rank.name)
+                first[rank.name] = rank_digests(model, rank.prefix)
+                out.seconds["hash"] += time.perf_counter() - hashed_at
             del model
-            out.seconds["load"] += time.perf_counter() - started
         reduce.reduce()
+        if not reduce.needed and len(first) == len(ranks):
+            for rank in ranks:
+                rank.put(first[rank.name])
+            return ranks
     for rank in ranks:
         if progress is not None:
             progress(rank.name)
         started = time.perf_counter()
         with reduce.for_rank(rank.pp_rank, rank.tp_rank):
-            model = _load_and_process(config, source, rank, tp, pp, dp, allow_unwritten)
+            model = load_and_process(config, source, rank, tp, pp, dp, allow_unwritten)
         hashed_at = time.perf_counter()
         out.seconds["load"] += hashed_at - started
         refuse_unseen(model, rank.name)
-        rank.put(_digests(model, rank.prefix))
+        rank.put(rank_digests(model, rank.prefix))
         out.seconds["hash"] += time.perf_counter() - hashed_at
         del model
     return ranks
 
 
-def _load_and_process(config: Any, source: Any, rank: Any, tp: int, pp: int, dp: int, allow_unwritten: bool) -> Any:
+def load_and_process(
+    config: Any,
+    source: Any,
+    rank: Any,
+    tp: int,
+    pp: int,
+    dp: int,
+    allow_unwritten: bool,
+    zero: list[tuple[str, list[int], int]] | None = None,
+    amax_only: bool = False,
+) -> Any:
     """One rank's model: built by vLLM on the CPU, loaded with one pass of
-    the weights by its own ``load_weights``, then processed by vLLM."""
+    the weights by its own ``load_weights``, then processed by vLLM.
+    ``zero``: ``[(layer, rows, tp rank of the key)]``, those rows of each
+    layer's weight zeroed before it is quantized (:func:`_zeroed_again`)."""
     import torch
 
     from weight_checker.expected.rank import on_rank
+    from weight_checker.expected.vllm import fp8_kernels
     from weight_checker.expected.vllm.rank_model import build_model, in_a_clean_thread, one_line, unwritten_of
 
     model_config = config.model_config
-    with on_rank(config, config, model_config, rank, tp, pp, dp, None):
+    # Online FP8 quantizes as the load completes each layer (and in process()):
+    # its arithmetic by the core, the same bytes (fp8_kernels); ``amax_only``:
+    # a pass whose model is dropped once its amaxes are recorded.
+    with on_rank(config, config, model_config, rank, tp, pp, dp, None), fp8_kernels.fast(amax_only):
         model = in_a_clean_thread(build_model, config, model_config, {}, quantized=True)
+        if zero:
+            _mark_zero_rows(model, rank, zero)
         weights = source.read()
         try:
             with torch.no_grad():
@@ -314,12 +346,27 @@ def _load_and_process(config: Any, source: Any, rank: Any, tp: int, pp: int, dp:
     return model
 
 
+def _mark_zero_rows(model: Any, rank: Any, zero: list[tuple[str, list[int], int]]) -> None:
+    """Marks each layer of ``zero`` in this rank's model to have its rows
+    zeroed before quantization: on the key's own rank, and on every rank of
+    a row-parallel layer (each holds a part of every row, and the amax of a
+    row is reduced over all of them); a rank's own key wins."""
+    layers = dict(model.named_modules())
+    for layer_name, rows, key_tp in sorted(zero, key=lambda z: z[2] == rank.tp_rank):
+        layer = layers.get(layer_name)
+        if layer is None:
+            raise ExpectedDigestsError(f"{rank.name}: no layer {layer_name!r} to zero channels of")
+        row_parallel = getattr(layer, "input_size", None) != getattr(layer, "input_size_per_partition", None)
+        if key_tp == rank.tp_rank or row_parallel:
+            setattr(layer, _ZERO_ROWS, list(rows))
+
+
 def _quantized_layer(module: Any) -> bool:
     method = getattr(module, "quant_method", None)
     return method is not None and not type(method).__name__.startswith("Unquantized")
 
 
-def _digests(model: Any, prefix: str) -> dict[str, str]:
+def rank_digests(model: Any, prefix: str) -> dict[str, str]:
     """The worker's walk of the processed model (what vLLM's checksum covers), hashed."""
     from weight_checker.hashing.digests import checksum
     from weight_checker.integrations.vllm.scope_walk import vllm_checksum_targets
@@ -328,72 +375,27 @@ def _digests(model: Any, prefix: str) -> dict[str, str]:
     return checksum(model if targets is None else targets, prefix)
 
 
-def quantized_digests_class() -> type:
-    """:class:`QuantizedExpectedDigests`, made on first use (it subclasses
-    the manifest's class, which this module must not import at its top)."""
-    global _CLASS
-    if _CLASS is None:
-        from weight_checker.expected.manifest import ExpectedDigests
-
-        class QuantizedExpectedDigests(ExpectedDigests):  # type: ignore[misc,valid-type]
-            """Expected digests of a quantized engine; :meth:`tensors` gives
-            the tensors behind them again (the explanation's source): the
-            ranks holding the keys rebuilt from the same weights, loaded and
-            processed by vLLM with the reduced amaxes kept from the first
-            computation, each checked against its digest."""
-
-            def tensors(self, keys: Any, transforms: Any) -> dict[str, dict[str | None, Any]]:
-                if transforms:  # no transform of a quantized tensor is a cause: nothing to rebuild for
-                    return {key: {} for key in keys}
-                return _tensors_again(self, list(keys))
-
-        _CLASS = QuantizedExpectedDigests
-    return _CLASS
+#: The attribute that marks a layer of a model built for an explanation: the
+#: rows of its weight to zero before vLLM quantizes it (:func:`_zeroing`).
+_ZERO_ROWS = "_weight_checker_zero_rows"
 
 
-_CLASS: type | None = None
+def install_zeroing() -> None:
+    """vLLM's online FP8 processing, wrapped once: a layer marked with
+    :data:`_ZERO_ROWS` has those rows of its weight zeroed first. Only a
+    model built here is ever marked; any other layer is processed as is."""
+    from vllm.model_executor.layers.quantization.online.fp8 import Fp8PtpcOnlineLinearMethod
 
+    with _INSTALL:
+        original = Fp8PtpcOnlineLinearMethod.process_weights_after_loading
+        if getattr(original, "weight_checker_original", None) is not None:
+            return
 
-def _tensors_again(expected: Any, keys: list[str]) -> dict[str, dict[str | None, Any]]:
-    from weight_checker.expected.rank import Rank
-    from weight_checker.expected.recipe import pairs_for, read_again
-    from weight_checker.expected.vllm.rank_model import LOCK
-    from weight_checker.expected.weights import Pass, WeightsSource
-    from weight_checker.hashing.digests import checksum_sized
-    from weight_checker.keys import split_rank
+        def process_weights_after_loading(self: Any, layer: Any) -> None:
+            rows = getattr(layer, _ZERO_ROWS, None)
+            if rows is not None and not getattr(layer, "_already_called_process_weights_after_loading", False):
+                layer.weight.data[rows] = 0
+            original(self, layer)
 
-    state = getattr(expected, "_quantized", None)
-    recipe = getattr(expected, "_recompute", None)
-    if state is None or recipe is None or recipe.refusal:
-        why = getattr(recipe, "refusal", None) or "digests read from a manifest"
-        raise ExpectedDigestsError(f"{', '.join(keys)}: cannot recompute the expected tensors: {why}")
-    config, tp, pp, dp, reduce = state
-    wanted: dict[tuple[int, int], list[str]] = {}
-    for key in keys:
-        if key not in expected:
-            raise ExpectedDigestsError(f"{key}: not a key of these expected digests")
-        fields = split_rank(key)[0].split(":")
-        wanted.setdefault((int(fields[1].removeprefix("pp")), int(fields[3].removeprefix("tp"))), []).append(key)
-    weights = read_again(recipe, keys)
-    out: dict[str, dict[str | None, Any]] = {}
-    try:
-        pairs = pairs_for(weights, None, keys)
-        source = WeightsSource(lambda: Pass(pairs, stable=True))
-        with LOCK:
-            for (pp_rank, tp_rank), rank_keys in sorted(wanted.items()):
-                rank = Rank(pp_rank, tp_rank)
-                with reduce.for_rank(pp_rank, tp_rank):
-                    model = _load_and_process(config, source, rank, tp, pp, dp, True)
-                held = dict(model.named_parameters())
-                for key in rank_keys:
-                    t = held[split_rank(key)[1]].detach().clone()
-                    digests, _ = checksum_sized([("t", t)], "")
-                    if digests["t"] != expected[key]:
-                        raise ExpectedDigestsError(
-                            f"{key}: the expected tensors changed since the digests were computed"
-                        )
-                    out[key] = {None: t}
-                del model, held  # one rank's model alive at a time
-    finally:
-        weights.close()
-    return out
+        process_weights_after_loading.weight_checker_original = original  # type: ignore[attr-defined]
+        Fp8PtpcOnlineLinearMethod.process_weights_after_loading = process_weights_after_loading  # type: ignore[method-assign]

@@ -1,0 +1,166 @@
+"""The tensors behind a quantized engine's expected digests, rebuilt for an
+explanation (:mod:`weight_checker.verify.explain`): the expected tensors of
+some keys, and the digests the ranks would hold had the trainer sent some
+output channels as zeros. Each rank holding the keys is built, loaded and
+processed by vLLM again from the same weights (:mod:`.quantized`), with the
+amax reduction reproduced, and only when a check failed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from weight_checker.errors import ExpectedDigestsError
+from weight_checker.expected.vllm.quantized import (
+    ONLINE,
+    AmaxReduce,
+    install_zeroing,
+    load_and_process,
+    rank_digests,
+)
+
+
+def quantized_digests_class() -> type:
+    """:class:`QuantizedExpectedDigests`, made on first use (it subclasses
+    the manifest's class, which this module must not import at its top)."""
+    global _CLASS
+    if _CLASS is None:
+        from weight_checker.expected.manifest import ExpectedDigests
+
+        class QuantizedExpectedDigests(ExpectedDigests):  # type: ignore[misc,valid-type]
+            """Expected digests of a quantized engine; :meth:`tensors` gives
+            the tensors behind them again (the explanation's source): the
+            ranks holding the keys rebuilt from the same weights, loaded and
+            processed by vLLM with the reduced amaxes kept from the first
+            computation, each checked against its digest."""
+
+            def tensors(self, keys: Any, transforms: Any) -> dict[str, dict[str | None, Any]]:
+                if transforms:  # no transform of a quantized tensor is a cause: nothing to rebuild for
+                    return {key: {} for key in keys}
+                return _tensors_again(self, list(keys))
+
+            def digests_with_channels_zeroed(self, zeros: dict[str, list[int]]) -> dict[str, str]:
+                """The digests had the trainer sent these output channels as
+                zeros (weight key -> the rank's rows of the layer's weight):
+                every key of the ranks holding them, recomputed through vLLM."""
+                return _zeroed_again(self, zeros)
+
+        _CLASS = QuantizedExpectedDigests
+    return _CLASS
+
+
+_CLASS: type | None = None
+
+
+def _rebuildable(expected: Any, keys: list[str]) -> tuple[Any, Any]:
+    """What a rebuild of ``expected`` needs (the ranks' config and reduction,
+    the weights' recipe), or the refusal naming ``keys``."""
+    state = getattr(expected, "_quantized", None)
+    recipe = getattr(expected, "_recompute", None)
+    if state is None or recipe is None or recipe.refusal:
+        why = getattr(recipe, "refusal", None) or "digests read from a manifest"
+        raise ExpectedDigestsError(f"{', '.join(keys)}: cannot recompute the expected tensors: {why}")
+    return state, recipe
+
+
+def _tensors_again(expected: Any, keys: list[str]) -> dict[str, dict[str | None, Any]]:
+    from weight_checker.expected.rank import Rank
+    from weight_checker.expected.recipe import pairs_for, read_again
+    from weight_checker.expected.vllm.rank_model import LOCK
+    from weight_checker.expected.weights import Pass, WeightsSource
+    from weight_checker.hashing.digests import checksum_sized
+    from weight_checker.keys import split_rank
+
+    state, recipe = _rebuildable(expected, keys)
+    config, tp, pp, dp, reduce = state
+    wanted: dict[tuple[int, int], list[str]] = {}
+    for key in keys:
+        if key not in expected:
+            raise ExpectedDigestsError(f"{key}: not a key of these expected digests")
+        fields = split_rank(key)[0].split(":")
+        wanted.setdefault((int(fields[1].removeprefix("pp")), int(fields[3].removeprefix("tp"))), []).append(key)
+    weights = read_again(recipe, keys)
+    out: dict[str, dict[str | None, Any]] = {}
+    try:
+        pairs = pairs_for(weights, None, keys)
+        source = WeightsSource(lambda: Pass(pairs, stable=True))
+        with LOCK:
+            for (pp_rank, tp_rank), rank_keys in sorted(wanted.items()):
+                rank = Rank(pp_rank, tp_rank)
+                with reduce.for_rank(pp_rank, tp_rank):
+                    model = load_and_process(config, source, rank, tp, pp, dp, True)
+                held = dict(model.named_parameters())
+                for key in rank_keys:
+                    t = held[split_rank(key)[1]].detach().clone()
+                    digests, _ = checksum_sized([("t", t)], "")
+                    if digests["t"] != expected[key]:
+                        raise ExpectedDigestsError(
+                            f"{key}: the expected tensors changed since the digests were computed"
+                        )
+                    out[key] = {None: t}
+                del model, held  # one rank's model alive at a time
+    finally:
+        weights.close()
+    return out
+
+
+def _zeroed_again(expected: Any, zeros: dict[str, list[int]]) -> dict[str, str]:
+    """:meth:`QuantizedExpectedDigests.digests_with_channels_zeroed`: the
+    ranks holding the weight keys of ``zeros`` rebuilt from the same weights,
+    each layer's rows zeroed before vLLM quantizes it (on the key's rank, and
+    on every rank of its stage for a row-parallel layer, whose rows every
+    rank holds a part of), the amax reduction reproduced, then hashed: every
+    key of those ranks, under each asking key's prefix. All layers in one
+    rebuild: a layer's quantization reads only its own weight."""
+    from weight_checker.expected.rank import Rank
+    from weight_checker.expected.recipe import pairs_for, read_again
+    from weight_checker.expected.vllm.rank_model import LOCK
+    from weight_checker.expected.weights import Pass, WeightsSource
+    from weight_checker.keys import split_rank
+
+    keys = sorted(zeros)
+    state, recipe = _rebuildable(expected, keys)
+    config, tp, pp, dp, _ = state
+    if getattr(config.model_config, "quantization", None) not in ONLINE:
+        raise ExpectedDigestsError(f"{', '.join(keys)}: zeroed channels are recomputed for online FP8 only")
+    # (pp, tp) -> the prefixes asked of it; pp -> [(layer, rows, tp)] to zero.
+    asked: dict[tuple[int, int], set[str]] = {}
+    stages: dict[int, list[tuple[str, list[int], int]]] = {}
+    for key in keys:
+        if key not in expected or not key.endswith(".weight"):
+            raise ExpectedDigestsError(f"{key}: not a weight key of these expected digests")
+        prefix, name = split_rank(key)
+        fields = prefix.split(":")
+        pp_rank, tp_rank = int(fields[1].removeprefix("pp")), int(fields[3].removeprefix("tp"))
+        asked.setdefault((pp_rank, tp_rank), set()).add(prefix)
+        stages.setdefault(pp_rank, []).append((name.removesuffix(".weight"), list(zeros[key]), tp_rank))
+    install_zeroing()
+    weights = read_again(recipe, keys)
+    out: dict[str, str] = {}
+    try:
+        pairs = pairs_for(weights, None, keys)
+        source = WeightsSource(lambda: Pass(pairs, stable=True))
+        with LOCK:
+            for pp_rank, marks in sorted(stages.items()):
+                reduce = AmaxReduce(tp)
+
+                def build(rank: Any, amax_only: bool = False, marks: Any = marks) -> Any:
+                    return load_and_process(config, source, rank, tp, pp, dp, True, zero=marks, amax_only=amax_only)
+
+                if tp > 1:
+                    for t in range(tp):
+                        with reduce.recording(pp_rank, t):
+                            build(Rank(pp_rank, t), amax_only=True)  # what it contributes to the reduction; dropped
+                    reduce.reduce()
+                for (stage, tp_rank), prefixes in sorted(asked.items()):
+                    if stage != pp_rank:
+                        continue
+                    rank = Rank(pp_rank, tp_rank)
+                    with reduce.for_rank(pp_rank, tp_rank):
+                        model = build(rank)
+                    digests = rank_digests(model, rank.prefix)
+                    del model
+                    for prefix in prefixes:  # under each asking key's own prefix (a DP replica's too)
+                        out |= {prefix + ":" + k.removeprefix(rank.prefix): v for k, v in digests.items()}
+    finally:
+        weights.close()
+    return out
