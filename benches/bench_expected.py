@@ -156,9 +156,9 @@ def make_checkpoint(path: Path, shape: dict[str, int] | None = None) -> Path:
     torch.manual_seed(0)
     tensors = {}
     for name, shape in shapes.items():
-        t = torch.empty(shape, dtype=torch.bfloat16)
-        t.view(torch.int16).random_(-16000, 16000)  # finite bf16 values
-        tensors[name] = t
+        # Weights as a trained model's are distributed (no NaN: an FP8
+        # quantization of them is the real computation, bench_quantized.py).
+        tensors[name] = (torch.randn(shape) * 0.02).to(torch.bfloat16)
     save_file(tensors, str(path / "model.safetensors"))
     return path
 
