@@ -25,6 +25,7 @@ from weight_checker.testing.launch import vllm_available
 
 from . import vllm_checks as checks
 from .cli import run_cli
+from .servers import CHECKPOINT_CONFIGS
 from .test_expected_verify import push, reload, train_step
 
 pytestmark = [
@@ -205,7 +206,7 @@ def test_fp8_rows_changed_otherwise_are_not_called_zeros(fp8, tmp_path):
 # --- pre-quantized checkpoints: load-time digests -----------------------------------------------------
 
 
-@pytest.mark.parametrize("config", ["ct-fp8-tp2", "gptq-tp2", "awq-tp1"])
+@pytest.mark.parametrize("config", CHECKPOINT_CONFIGS)
 def test_a_quantized_checkpoints_expect_server_equals_the_route_key_for_key(config, request, tmp_path):
     server = request.getfixturevalue("vllm_" + config.replace("-", "_"))
     held = route_digests(server)
@@ -218,7 +219,7 @@ def test_a_quantized_checkpoints_expect_server_equals_the_route_key_for_key(conf
     assert status == 200 and body["checksums"] == held
 
 
-@pytest.mark.parametrize("config", ["ct-fp8-tp2", "gptq-tp2", "awq-tp1"])
+@pytest.mark.parametrize("config", CHECKPOINT_CONFIGS)
 def test_a_quantized_checkpoint_with_zeroed_rows_mismatches_exactly_that_layer(config, request, tmp_path):
     """The trainer's bf16 tensor with 32 zeroed output channels, quantized to
     the server's format and reloaded: exactly that layer's quantized keys
@@ -247,6 +248,13 @@ def test_a_quantized_checkpoint_with_zeroed_rows_mismatches_exactly_that_layer(c
     assert differing and all(k.startswith(DOWN + ".") for k in differing), result.mismatches
     ranks = {k.split(":")[3] for k in result.mismatches}
     assert ranks == {f"tp{t}" for t in range(int(config[-1]))}, result.mismatches
+    # The rows named: down_proj is row-parallel, so every rank holds all its
+    # output channels, and each differing key (weight or packed weight, scale,
+    # zero points) is explained as those channels, from block digests.
+    assert result.explanation is not None
+    for key in result.mismatches:
+        note = result.explanation.keys[key].note or ""
+        assert "output channels 32-63 of " in note, (key, note)
 
 
 def state_of_dir(path: Path) -> dict:

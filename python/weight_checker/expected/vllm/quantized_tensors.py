@@ -36,7 +36,13 @@ def quantized_digests_class() -> type:
             def tensors(self, keys: Any, transforms: Any) -> dict[str, dict[str | None, Any]]:
                 if transforms:  # no transform of a quantized tensor is a cause: nothing to rebuild for
                     return {key: {} for key in keys}
-                return _tensors_again(self, list(keys))
+                # The explanation asks for a layer's keys more than once (blocks, then
+                # its output channels): the last rebuild's tensors are kept for that.
+                last = getattr(self, "_last_tensors", {})
+                if not all(key in last for key in keys):
+                    last = _tensors_again(self, list(keys))
+                    object.__setattr__(self, "_last_tensors", last)
+                return {key: last[key] for key in keys}
 
             def digests_with_channels_zeroed(self, zeros: dict[str, list[int]]) -> dict[str, str]:
                 """The digests had the trainer sent these output channels as

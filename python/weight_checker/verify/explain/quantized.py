@@ -1,0 +1,223 @@
+"""Explanations at the quantized level: which output channels (rows of the
+trainer's tensor) a quantized layer's differing keys hold, whether only the
+scale or the weight bytes too, and zeros through FP8 quantization.
+
+vLLM's layouts on the CPU (``docs/quantized.md``):
+
+- FP8 per channel: ``weight`` float8 ``[K, N]`` (a transposed view) and
+  ``weight_scale`` fp32 ``[N, 1]``: the scale's rows are the output channels;
+- INT4 (AWQ, GPTQ, compressed-tensors W4A16), repacked by vLLM's CPU kernel:
+  the packed weight int32 ``[N / 16, K * 2]``, each row 16 output channels;
+  the scales ``[K / group, N]``, whose columns are the output channels; AWQ's
+  zero points int32 ``[K / group, N / 8]``, eight output channels an int32.
+
+The channels are found from block digests only (the engine's against the
+expected tensors'), never guessed from a layout the shapes do not show.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import struct
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from weight_checker.errors import WeightCheckerError
+from weight_checker.hashing.blocks import MAX_BLOCKS, block_digests
+from weight_checker.verify.explain.fetchers import BlockFetcher, fetch_all
+from weight_checker.verify.explain.model import ExpectedTensors, Explanation, KeyExplanation
+
+#: The packed INT4 weight's and its scale's names: vLLM's AWQ / GPTQ
+#: parameters, then compressed-tensors'.
+PACKED_WEIGHTS = ("qweight", "weight_packed")
+INT4_SCALES = ("scales", "weight_scale")
+INT4_ZEROS = ("qzeros", "weight_zero_point")
+
+#: Output channels in one row of vLLM's CPU INT4 layout
+#: (``CPUWNA16LinearKernel._process_gptq_weights_w4a16``).
+CHANNELS_A_ROW = 16
+
+
+def quantized_pairs(
+    out: Explanation, mismatches: Mapping[str, str], current: Mapping[str, str], expected: Mapping[str, str]
+) -> None:
+    """A quantized layer's weight and its per-output-channel scale
+    (``X.weight`` and ``X.weight_scale`` of shape ``[N, 1]``), explained
+    together: the scale's differing rows are the output channels (rows of
+    the trainer's tensor) that changed; whether the weight's bytes differ
+    too, or only the scale; and, for a weight stored transposed (``[K, N]``,
+    vLLM's FP8 layout), that its output channels are its columns."""
+    for key, scale in out.keys.items():
+        if not key.endswith(".weight_scale") or scale.shape is None or scale.shape[1:] not in ([], [1]):
+            continue
+        channels = (scale.where or "").replace("rows ", "output channels ", 1) or None
+        base = key.removesuffix("_scale")
+        weight = out.keys.get(base)
+        if base not in mismatches and base in current and base in expected:
+            scale.note = f"{channels or 'its scales'}: only the scale differs (the weight bytes are as expected)"
+            continue
+        if base not in mismatches:  # no weight key to compare (held outside the parameters?)
+            scale.note = channels
+            continue
+        scale.note = f"{channels or 'its scales'}; the weight bytes differ too"
+        if weight is None or not (weight.dtype or "").startswith("float8"):  # vLLM keeps FP8 weights as [K, N]
+            continue
+        if weight.shape and len(weight.shape) == 2 and weight.shape[1] == scale.shape[0]:
+            weight.note = f"stored [K, N]: its output channels are its columns; {channels or 'see its scale'}"
+
+
+#: The scale vLLM's online FP8 gives an output channel whose amax is 0 (a
+#: zero row): its floor, ``1 / (448 * 512)`` in fp32.
+FP8_SCALE_FLOOR = struct.pack("<f", 1.0 / (448.0 * 512.0))
+
+
+def quantized_zeros(
+    out: Explanation, current: Mapping[str, str], fetch: BlockFetcher | None, tensors: ExpectedTensors | None
+) -> None:
+    """Zeros through quantization: an online FP8 layer whose trainer rows
+    were zero holds its floor scale in those output channels. The engine's
+    scale is hashed row by row (four bytes a row), the rows at the floor
+    are zeroed in the expected weights, the rank is recomputed through vLLM,
+    and ``zeros`` is named only where both the weight's and the scale's
+    digests then equal the engine's."""
+    zeroed_digests = getattr(tensors, "digests_with_channels_zeroed", None)
+    if zeroed_digests is None or fetch is None:
+        return
+    floor = hashlib.sha256(FP8_SCALE_FLOOR).hexdigest()
+    scales = [
+        key
+        for key, scale in out.keys.items()
+        if key.endswith(".weight_scale")
+        and scale.cause == "unknown"
+        and scale.dtype == "float32"
+        and scale.shape is not None
+        and len(scale.shape) == 2
+        and scale.shape[1] == 1
+        and key.removesuffix("_scale") in current
+    ]
+    if not scales:
+        return
+    answers, _ = fetch_all(fetch, scales, 4)  # four bytes a row; a refusal: no rows, nothing named
+    zeros: dict[str, list[int]] = {}
+    for key in scales:
+        rows = [i for i, d in enumerate((answers.get(key) or {}).get("digests") or []) if d == floor]
+        if rows:
+            zeros[key.removesuffix("_scale")] = rows
+    if not zeros:
+        return
+    try:
+        found = zeroed_digests(zeros)
+    except WeightCheckerError as err:
+        out.notes.append(f"zeros through quantization: not told ({err})")
+        return
+    for base, rows in zeros.items():
+        key = base + "_scale"
+        if found.get(key) != current.get(key) or found.get(base) != current.get(base):
+            continue
+        of = out.keys[key].shape[0]  # type: ignore[index]
+        for k in (key, base):
+            e = out.keys.get(k)
+            if e is None:
+                continue
+            e.cause = "zeros"
+            e.note = f"output channels {row_spans(rows)} of {of} were zero before quantization" + (
+                "; stored [K, N]: they are its columns" if k == base and (e.dtype or "").startswith("float8") else ""
+            )
+
+
+def row_spans(rows: Sequence[int]) -> str:
+    """``[3, 4, 5, 9]`` as ``"3-5, 9"``."""
+    spans: list[list[int]] = []
+    for r in rows:
+        if spans and spans[-1][1] == r - 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    return ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in spans)
+
+
+def int4_channels(
+    out: Explanation, mismatches: Mapping[str, str], fetch: BlockFetcher | None, tensors: ExpectedTensors | None
+) -> None:
+    """The output channels an INT4 layer's differing keys hold, in vLLM's
+    CPU layout (the packed weight's rows of 16 channels, the scales' and
+    zero points' columns), each from the engine's block digests against the
+    expected tensor's, cut where a block is one row of the packed weight or
+    a run of columns of the others. A layer whose shapes are not that layout
+    is left as the block comparison told it."""
+    if fetch is None or tensors is None:
+        return
+    layers: dict[str, dict[str, KeyExplanation]] = {}
+    for key, e in out.keys.items():
+        base, _, leaf = key.rpartition(".")
+        if leaf in PACKED_WEIGHTS + INT4_SCALES + INT4_ZEROS and key in mismatches:
+            layers.setdefault(base, {})[leaf] = e
+    # An INT4 layer told here: its packed weight and its scale both differ.
+    layers = {b: p for b, p in layers.items() if _has(p, PACKED_WEIGHTS) and _has(p, INT4_SCALES)}
+    if not layers:
+        return
+    keys = [e.key for parts in layers.values() for e in parts.values()]
+    try:
+        held = {k: v.get(None) for k, v in tensors.tensors(keys, []).items()}
+    except WeightCheckerError as err:
+        out.notes.append(f"output channels of the INT4 layers: not told ({err})")
+        return
+    for parts in layers.values():
+        packed = next(parts[p] for p in PACKED_WEIGHTS if p in parts)
+        scale = next(parts[s] for s in INT4_SCALES if s in parts)
+        w, s = held.get(packed.key), held.get(scale.key)
+        if w is None or s is None or w.dim() != 2 or s.dim() != 2 or w.shape[0] * CHANNELS_A_ROW != s.shape[1]:
+            continue
+        n = int(s.shape[1])
+        found = {packed.key: _differing_channels(fetch, packed.key, w, w.shape[1], CHANNELS_A_ROW)}
+        found[scale.key] = _differing_channels(fetch, scale.key, s, 1, 1, by_column=True)
+        zero = next((parts[z] for z in INT4_ZEROS if z in parts), None)
+        z = held.get(zero.key) if zero is not None else None
+        if zero is not None and z is not None and z.dim() == 2 and z.shape[1] * 8 == n:
+            found[zero.key] = _differing_channels(fetch, zero.key, z, 1, 8, by_column=True)
+        for key, channels in found.items():
+            e = out.keys[key]
+            if channels is None:
+                continue
+            what = {
+                packed.key: f"{CHANNELS_A_ROW} output channels a row (vLLM's CPU INT4 layout)",
+                scale.key: "its columns",
+            }.get(key, "eight output channels an int32, in columns")
+            e.note = f"output channels {row_spans(channels)} of {n} ({what})"
+
+
+def _has(parts: Mapping[str, Any], leaves: Sequence[str]) -> bool:
+    return any(leaf in parts for leaf in leaves)
+
+
+def _differing_channels(
+    fetch: BlockFetcher, key: str, expected: Any, elements: int, channels_each: int, *, by_column: bool = False
+) -> list[int] | None:
+    """The output channels where the engine's ``key`` differs from
+    ``expected``: blocks of ``elements`` elements, each one row (a row of
+    ``channels_each`` channels), or with ``by_column`` a run of columns
+    (each column ``channels_each`` channels; runs as short as
+    :data:`~weight_checker.hashing.blocks.MAX_BLOCKS` allows). ``None``
+    where the engine's block digests could not be had or do not compare."""
+    rows, cols = int(expected.shape[0]), int(expected.shape[1])
+    if by_column:
+        # The shortest run of columns dividing a row that keeps the blocks within the limit.
+        least = math.ceil(rows * cols / MAX_BLOCKS)
+        elements = next((d for d in range(max(least, 1), cols + 1) if cols % d == 0), cols)
+    size = elements * expected.element_size()
+    answers, _ = fetch_all(fetch, [key], size)
+    engine = (answers.get(key) or {}).get("digests")
+    mine = block_digests([expected], [size], [key])[0]
+    if not engine or len(engine) != len(mine):
+        return None
+    differing: set[int] = set()
+    for j, (a, b) in enumerate(zip(engine, mine, strict=True)):
+        if a == b:
+            continue
+        if by_column:
+            first = (j * elements) % cols
+            differing.update(range(first * channels_each, (first + elements) * channels_each))
+        else:
+            differing.update(range(j * channels_each, (j + 1) * channels_each))
+    return sorted(differing)
