@@ -20,11 +20,18 @@ thousands of scales). The quantized weight comes back laid out as vLLM
 keeps it (``qweight.t()`` is contiguous), so the digest reads it in order.
 Any input they do not cover (another dtype or shape, a NaN, a platform whose
 FP8 type or range differs) goes to vLLM's own function.
+
+A third one costs time and no byte of the parameters: the oneDNN handle
+vLLM's CPU backend packs for each unquantized layer that keeps its weight
+(the ``lm_head`` beside quantized linears), a copy of the weight an expected
+model never runs. Inside :func:`fast` it is not made where the caller keeps
+the weight; where it drops the weight, vLLM makes it as the engine does.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -104,6 +111,26 @@ def _quant_per_channel(original: Any) -> Any:
     return fp8_quant_per_channel
 
 
+def _no_handle(original: Any) -> Any:
+    def create_onednn_mm(weight: Any, *args: Any, **kwargs: Any) -> Any:
+        # vLLM's CPU backend packs an unquantized layer's weight into a oneDNN
+        # handle (``dispatch_cpu_unquantized_gemm``): a copy the parameters
+        # never see, which an expected model never runs. Skipped only where
+        # the caller keeps the weight (``remove_weight`` false): there the
+        # parameters are the same whether the handle is made or fails; where
+        # it drops the weight, only a made handle does, so vLLM makes it.
+        caller = sys._getframe(1)
+        if caller.f_code.co_name == "dispatch_cpu_unquantized_gemm" and caller.f_locals.get("remove_weight") is False:
+            return _NO_HANDLE
+        return original(weight, *args, **kwargs)
+
+    return create_onednn_mm
+
+
+#: What an expected model's unquantized layers hold in place of a oneDNN handle.
+_NO_HANDLE = object()
+
+
 def _dispatch(original: Any, make: Any) -> Any:
     fast_version = make(original)
 
@@ -119,12 +146,17 @@ def _dispatch(original: Any, make: Any) -> Any:
 def _install() -> None:
     """The dispatchers put in place of vLLM's two functions in its online FP8
     module, once: each calls vLLM's own unless this thread is in :func:`fast`."""
+    from vllm import _custom_ops
+
     module = _fp8_module()
     with _INSTALL:
         for name, make in zip(_NAMES, (_row_abs_max, _quant_per_channel), strict=True):
             current = getattr(module, name)
             if getattr(current, "weight_checker_original", None) is None:
                 setattr(module, name, _dispatch(current, make))
+        current = getattr(_custom_ops, "create_onednn_mm", None)
+        if current is not None and getattr(current, "weight_checker_original", None) is None:
+            _custom_ops.create_onednn_mm = _dispatch(current, _no_handle)
 
 
 @contextlib.contextmanager
