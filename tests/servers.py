@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -215,6 +216,23 @@ CONFIGS |= {
         "tiny-llama-w8a8", (), tuple(ROUTE.items()), purpose="compressed-tensors W8A8 int8: weights unseen"
     ),
 }
+#: The pre-quantized checkpoints the suite checks, one layout each (CI's time
+#: on two cores: docs/development.md); ``WEIGHT_CHECKER_QUANTIZED_MATRIX=full``
+#: adds every other format x layout this host loads (docs/quantized.md).
+CHECKPOINT_CONFIGS = ("ct-fp8-tp2", "gptq-tp2", "awq-tp1")
+CHECKPOINT_MATRIX = ("ct-fp8-tp1", "gptq-tp1", "awq-tp2", "w4a16-tp1", "w4a16-tp2")
+CONFIGS |= {
+    name: Config(
+        f"tiny-llama-{name.rsplit('-', 1)[0]}",
+        TP2 if name.endswith("tp2") else (),
+        tuple(ROUTE.items()),
+        purpose=f"the full quantized matrix: {name}",
+    )
+    for name in CHECKPOINT_MATRIX
+}
+if os.environ.get("WEIGHT_CHECKER_QUANTIZED_MATRIX") == "full":
+    CHECKPOINT_CONFIGS += CHECKPOINT_MATRIX
+QUANTIZED_CONFIGS += CHECKPOINT_MATRIX
 
 
 def fixture_name(config: str) -> str:
@@ -229,6 +247,7 @@ QUANTIZED = {
     "tiny-llama-gptq": "write_gptq_int4",
     "tiny-llama-awq": "write_awq_int4",
     "tiny-llama-w8a8": "write_w8a8_int8",
+    "tiny-llama-w4a16": "write_w4a16_pack_quantized",
 }
 
 
