@@ -139,3 +139,40 @@ def test_the_core_refuses_sizes_that_overflow_and_an_output_over_its_input():
     with pytest.raises(ValueError, match="out overlaps scale"):
         _core.fp8_quantize_rows(a, 1, scale, scale.view(np.uint8)[:2], False)
     assert out.tolist() == [7, 7]
+
+
+def test_the_onednn_handle_is_skipped_only_where_the_caller_keeps_the_weight():
+    """Inside ``fast()``, vLLM's ``dispatch_cpu_unquantized_gemm`` (run as
+    vLLM runs it, on a real layer) leaves the layer's parameters exactly as
+    vLLM's own run outside it does, and makes no handle where it keeps the
+    weight; where it drops the weight, vLLM's own handle is made (whether it
+    is made, or fails and keeps the weight, decides the parameters)."""
+    from vllm import _custom_ops
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    fp8_kernels._install()
+    dispatcher = _custom_ops.create_onednn_mm
+    original = dispatcher.weight_checker_original
+    made = []
+
+    def counting(*args, **kwargs):
+        made.append(1)
+        return original(*args, **kwargs)
+
+    _custom_ops.create_onednn_mm = fp8_kernels._dispatch(counting, fp8_kernels._no_handle)
+    try:
+        for remove in (False, True):
+            torch.manual_seed(0)
+            theirs = torch.nn.Linear(256, 512, bias=False).to(torch.bfloat16)
+            mine = torch.nn.Linear(256, 512, bias=False).to(torch.bfloat16)
+            mine.load_state_dict(theirs.state_dict())
+            made.clear()
+            dispatch_cpu_unquantized_gemm(theirs, remove_weight=remove)
+            assert made == [1]  # outside fast(): vLLM's own function
+            made.clear()
+            with fp8_kernels.fast():
+                dispatch_cpu_unquantized_gemm(mine, remove_weight=remove)
+            assert made == ([1] if remove else [])
+            assert mine.weight.shape == theirs.weight.shape and torch.equal(mine.weight, theirs.weight)
+    finally:
+        _custom_ops.create_onednn_mm = dispatcher

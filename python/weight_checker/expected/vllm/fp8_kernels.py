@@ -119,7 +119,7 @@ def _no_handle(original: Any) -> Any:
         # the caller keeps the weight (``remove_weight`` false): there the
         # parameters are the same whether the handle is made or fails; where
         # it drops the weight, only a made handle does, so vLLM makes it.
-        caller = sys._getframe(1)
+        caller = sys._getframe(2)  # 1: the dispatcher (_dispatch); 2: vLLM's caller
         if caller.f_code.co_name == "dispatch_cpu_unquantized_gemm" and caller.f_locals.get("remove_weight") is False:
             return _NO_HANDLE
         return original(weight, *args, **kwargs)
