@@ -127,7 +127,7 @@ def _configs_of(item) -> list[str]:
 #: (``vllm_servers.lease(value, ...)``): ordered with that server's tests,
 #: which stop it after the last (a server leased by a test this does not know
 #: stays alive to the session's end).
-SERVER_PARAMS = ("vllm_config", "config", "lifecycle")
+SERVER_PARAMS = ("vllm_config", "config", "lifecycle", "fp8")
 
 
 def _jobs_of(item) -> list[str]:
