@@ -143,17 +143,20 @@ def int4_channels(
     """The output channels an INT4 layer's differing keys hold, in vLLM's
     CPU layout (the packed weight's rows of 16 channels, the scales' and
     zero points' columns), each from the engine's block digests against the
-    expected tensor's, cut where a block is one row of the packed weight or
-    a run of columns of the others. A layer whose shapes are not that layout
-    is left as the block comparison told it."""
+    expected tensor's: a block is one row of the packed weight, or a run of
+    elements of the others (one element while the blocks stay within the
+    route's limit). The channels are the rank's own (for a row-parallel
+    layer, every rank holds all of them: the trainer's rows). Told only for
+    a layer whose packed weight and scale both differ, in that layout, and
+    for a key the block comparison found no other difference in (a dtype or
+    a shape: its note stays)."""
     if fetch is None or tensors is None:
         return
     layers: dict[str, dict[str, KeyExplanation]] = {}
     for key, e in out.keys.items():
         base, _, leaf = key.rpartition(".")
-        if leaf in PACKED_WEIGHTS + INT4_SCALES + INT4_ZEROS and key in mismatches:
+        if leaf in PACKED_WEIGHTS + INT4_SCALES + INT4_ZEROS and key in mismatches and e.note is None:
             layers.setdefault(base, {})[leaf] = e
-    # An INT4 layer told here: its packed weight and its scale both differ.
     layers = {b: p for b, p in layers.items() if _has(p, PACKED_WEIGHTS) and _has(p, INT4_SCALES)}
     if not layers:
         return
@@ -170,21 +173,23 @@ def int4_channels(
         if w is None or s is None or w.dim() != 2 or s.dim() != 2 or w.shape[0] * CHANNELS_A_ROW != s.shape[1]:
             continue
         n = int(s.shape[1])
-        found = {packed.key: _differing_channels(fetch, packed.key, w, w.shape[1], CHANNELS_A_ROW)}
-        found[scale.key] = _differing_channels(fetch, scale.key, s, 1, 1, by_column=True)
+        found = {packed.key: _differing_channels(fetch, packed.key, w, CHANNELS_A_ROW, by_row=True)}
+        found[scale.key] = _differing_channels(fetch, scale.key, s, 1)
         zero = next((parts[z] for z in INT4_ZEROS if z in parts), None)
         z = held.get(zero.key) if zero is not None else None
         if zero is not None and z is not None and z.dim() == 2 and z.shape[1] * 8 == n:
-            found[zero.key] = _differing_channels(fetch, zero.key, z, 1, 8, by_column=True)
-        for key, channels in found.items():
-            e = out.keys[key]
-            if channels is None:
+            found[zero.key] = _differing_channels(fetch, zero.key, z, 8)
+        for key, told in found.items():
+            if told is None:
                 continue
+            channels, run = told
             what = {
                 packed.key: f"{CHANNELS_A_ROW} output channels a row (vLLM's CPU INT4 layout)",
                 scale.key: "its columns",
             }.get(key, "eight output channels an int32, in columns")
-            e.note = f"output channels {row_spans(channels)} of {n} ({what})"
+            if run > 1:
+                what += f"; hashed {run} elements a block, so these hold the differing ones"
+            out.keys[key].note = f"output channels {row_spans(channels)} of {n} on this rank ({what})"
 
 
 def _has(parts: Mapping[str, Any], leaves: Sequence[str]) -> bool:
@@ -192,32 +197,38 @@ def _has(parts: Mapping[str, Any], leaves: Sequence[str]) -> bool:
 
 
 def _differing_channels(
-    fetch: BlockFetcher, key: str, expected: Any, elements: int, channels_each: int, *, by_column: bool = False
-) -> list[int] | None:
+    fetch: BlockFetcher, key: str, expected: Any, channels_each: int, *, by_row: bool = False
+) -> tuple[list[int], int] | None:
     """The output channels where the engine's ``key`` differs from
-    ``expected``: blocks of ``elements`` elements, each one row (a row of
-    ``channels_each`` channels), or with ``by_column`` a run of columns
-    (each column ``channels_each`` channels; runs as short as
-    :data:`~weight_checker.hashing.blocks.MAX_BLOCKS` allows). ``None``
-    where the engine's block digests could not be had or do not compare."""
+    ``expected`` (2-D), and the elements a block held: ``by_row``, blocks of
+    one row, each ``channels_each`` channels; otherwise each column is
+    ``channels_each`` channels and a block is a run of elements, as short as
+    :data:`~weight_checker.hashing.blocks.MAX_BLOCKS` allows (a run crossing
+    a row covers the columns it touches). ``None`` where the engine's block
+    digests could not be had or are not of a tensor like ``expected``."""
     rows, cols = int(expected.shape[0]), int(expected.shape[1])
-    if by_column:
-        # The shortest run of columns dividing a row that keeps the blocks within the limit.
-        least = math.ceil(rows * cols / MAX_BLOCKS)
-        elements = next((d for d in range(max(least, 1), cols + 1) if cols % d == 0), cols)
+    elements = cols if by_row else max(1, math.ceil(rows * cols / MAX_BLOCKS))
     size = elements * expected.element_size()
     answers, _ = fetch_all(fetch, [key], size)
-    engine = (answers.get(key) or {}).get("digests")
+    answer = answers.get(key) or {}
+    engine = answer.get("digests")
     mine = block_digests([expected], [size], [key])[0]
-    if not engine or len(engine) != len(mine):
+    like = (
+        answer.get("nbytes") in (None, expected.numel() * expected.element_size())
+        and answer.get("shape") in (None, list(expected.shape))
+        and answer.get("dtype") in (None, str(expected.dtype).removeprefix("torch."))
+    )
+    if not engine or not like or len(engine) != len(mine):
         return None
     differing: set[int] = set()
     for j, (a, b) in enumerate(zip(engine, mine, strict=True)):
         if a == b:
             continue
-        if by_column:
-            first = (j * elements) % cols
-            differing.update(range(first * channels_each, (first + elements) * channels_each))
-        else:
+        if by_row:
             differing.update(range(j * channels_each, (j + 1) * channels_each))
-    return sorted(differing)
+            continue
+        first, last = j * elements, min((j + 1) * elements, rows * cols) - 1
+        columns = range(cols) if last - first + 1 >= cols else {i % cols for i in range(first, last + 1)}
+        for c in columns:
+            differing.update(range(c * channels_each, (c + 1) * channels_each))
+    return sorted(differing), (1 if by_row else elements)

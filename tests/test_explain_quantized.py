@@ -1,0 +1,95 @@
+"""The output channels of an INT4 layer's differing keys, in vLLM's CPU
+layout (verify/explain/quantized.py), against what was really changed: an
+"engine" copy of the layer's tensors with chosen channels altered, its block
+digests from hashlib-checked block hashing (tests/test_explain.engine_fetch),
+and the expected tensors. No server: the real servers' zeroed channels are
+in tests/test_quantized.py."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+import torch
+from weight_checker.verify.explain import TensorMap, explain
+
+from .test_explain import engine_fetch
+
+LAYER = "dp0:pp0:pcp0:tp0:model.layers.1.mlp.down_proj."
+
+
+def sha(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def layer(n: int, k: int, groups: int, scale_dtype=torch.bfloat16) -> dict[str, torch.Tensor]:
+    """An INT4 layer as vLLM's CPU kernel holds it: packed weight int32
+    ``[N / 16, K * 2]`` (16 output channels a row), scales ``[K / g, N]``,
+    zero points int32 ``[K / g, N / 8]``."""
+    g = torch.Generator().manual_seed(n + k)
+    return {
+        LAYER + "qweight": torch.randint(-(2**31), 2**31 - 1, (n // 16, k * 2), generator=g, dtype=torch.int32),
+        LAYER + "scales": (torch.rand(groups, n, generator=g) + 0.5).to(scale_dtype),
+        LAYER + "qzeros": torch.randint(-(2**31), 2**31 - 1, (groups, n // 8), generator=g, dtype=torch.int32),
+    }
+
+
+def alter(expected: dict[str, torch.Tensor], channels: list[int]) -> dict[str, torch.Tensor]:
+    """The engine's copy: every key of the layer changed in ``channels`` only."""
+    engine = {k: v.clone() for k, v in expected.items()}
+    for c in channels:
+        engine[LAYER + "qweight"][c // 16, c % 7] ^= 1 << (c % 16)  # a nibble of channel c's row block
+        engine[LAYER + "scales"][:, c] *= 2
+        engine[LAYER + "qzeros"][:, c // 8] ^= 1 << (4 * (c % 8))
+    return engine
+
+
+def told(expected, engine) -> dict[str, str | None]:
+    keys = {k: "changed" for k in expected}
+    result = explain(keys, {k: sha(v) for k, v in engine.items()}, {k: sha(v) for k, v in expected.items()},
+                     engine_fetch(engine), TensorMap(expected))  # fmt: skip
+    return {k.rsplit(".", 1)[1]: e.note for k, e in result.keys.items()}
+
+
+def channels_in(note: str | None) -> set[int]:
+    spans = re.match(r"output channels ([\d, -]+) of \d+ on this rank", note or "")
+    assert spans, note
+    out: set[int] = set()
+    for part in spans.group(1).split(", "):
+        a, _, b = part.partition("-")
+        out |= set(range(int(a), int(b or a) + 1))
+    return out
+
+
+def test_channels_32_to_63_are_named_on_every_key():
+    expected = layer(n=64, k=128, groups=4)
+    notes = told(expected, alter(expected, list(range(32, 64))))
+    assert all(channels_in(note) == set(range(32, 64)) for note in notes.values()), notes
+    assert "16 output channels a row" in notes["qweight"] and "its columns" in notes["scales"]
+
+
+def test_one_channel_of_an_awkward_width_is_named_exactly_by_the_scales():
+    expected = layer(n=16 * 7, k=64, groups=2)  # N = 112: columns with few divisors
+    notes = told(expected, alter(expected, [5]))
+    assert channels_in(notes["scales"]) == {5}
+    assert channels_in(notes["qzeros"]) == set(range(0, 8))  # an int32 holds eight channels
+    assert channels_in(notes["qweight"]) == set(range(0, 16))  # a row holds sixteen
+
+
+def test_over_the_block_limit_runs_of_elements_hold_the_changed_channel_and_say_so():
+    expected = layer(n=4096, k=64, groups=86)  # 352,256 scales: more than 65,536 blocks of one
+    notes = told(expected, alter(expected, [100]))
+    got = channels_in(notes["scales"])
+    # Each group row's run of six that holds column 100 (runs start anywhere in a row).
+    assert 100 in got and got <= set(range(95, 106)), notes["scales"]
+    assert "hashed 6 elements a block" in notes["scales"]
+
+
+def test_a_dtype_difference_keeps_its_own_diagnosis():
+    """Scales the engine holds in fp16 where bf16 was expected: every column
+    differs, and the note must say why, not name 64 channels."""
+    expected = layer(n=64, k=128, groups=4)
+    engine = alter(expected, [3])
+    engine[LAYER + "scales"] = engine[LAYER + "scales"].to(torch.float16)
+    notes = told(expected, engine)
+    assert "float16" in (notes["scales"] or "") and "output channels" not in (notes["scales"] or ""), notes
