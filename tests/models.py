@@ -18,6 +18,8 @@ FAMILIES = {
         "LlamaForCausalLM",
         {"tie_word_embeddings": True, "vocab_size": 500, "num_key_value_heads": 1, "attention_bias": True},
     ),
+    # q_norm and k_norm per layer (replicated on every TP rank)
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
     # experts stacked into w13 / w2 and sharded per tp rank
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
     # q/k/v and gate/up fused on disk (loaded whole, with no shard id, then sharded)

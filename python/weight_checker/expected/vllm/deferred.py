@@ -35,8 +35,11 @@ while the loader reads them.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import math
+import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from torch.overrides import TorchFunctionMode
@@ -371,6 +374,14 @@ class PendingDigests:
 
         if not self._keys:
             return {}
+        captured = getattr(_CAPTURE, "pieces", None)
+        if captured is not None:  # a layout (capturing_pieces): where the bytes come from, nothing read
+            out = {}
+            for key, pieces in zip(self._keys, self._pieces, strict=True):
+                out[key] = f"{PLACEHOLDER}{len(captured)}"
+                captured.append(pieces)
+            self._keys, self._pieces = [], []
+            return out
         for pieces in self._pieces:
             for piece in pieces:
                 piece.check()
@@ -384,3 +395,23 @@ class PendingDigests:
         out = dict(zip(self._keys, hexes, strict=True))
         self._keys, self._pieces = [], []
         return out
+
+
+_CAPTURE = threading.local()
+#: What :class:`PendingDigests` gives, under :func:`capturing_pieces`, in
+#: place of a digest: this prefix and the index of the key's pieces.
+PLACEHOLDER = "pieces:"
+
+
+@contextlib.contextmanager
+def capturing_pieces() -> Iterator[list[list[_Piece]]]:
+    """On this thread, inside: :class:`PendingDigests` hashes nothing; each
+    key it was given reads ``pieces:<i>``, ``i`` its pieces' index in the
+    list yielded (the layout of a load: :mod:`weight_checker.expected.vllm.layout`)."""
+    previous = getattr(_CAPTURE, "pieces", None)
+    captured: list[list[_Piece]] = []
+    _CAPTURE.pieces = captured
+    try:
+        yield captured
+    finally:
+        _CAPTURE.pieces = previous

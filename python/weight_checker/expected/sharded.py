@@ -1,0 +1,143 @@
+"""Engine digests from dim-0 shards, the SHA-256 chain handed from holder to holder.
+
+A key's bytes are runs of the trainer's tensors (:mod:`.vllm.layout`). Under
+dim-0 sharding (FSDP2's ``Shard(0)``) each tensor's C-order elements are cut
+into contiguous ranges, one per holder, so every run lies in one holder or
+crosses into the next. A key's digest is then made where the bytes are: the
+holder of its first bytes hashes them, hands on the chain state (the state
+words, the length, the pending tail: ``MultiHasher.export_states``), and the
+holder of the next bytes continues it (``MultiHasher.resume``). The result
+is bit-identical to hashing the gathered tensor.
+
+:func:`segments` cuts a key's runs at the holders' boundaries;
+:func:`chained_digests` hashes every key from shards that are all in this
+process, handing the state on exactly as a holder on another rank would
+receive it (the transport over ``torch.distributed`` builds on the same
+segments).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from weight_checker.errors import ExpectedDigestsError
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Holder ``rank``'s elements ``[start, start + numel)`` of a tensor's
+    C-order flattening, as ``tensor`` (any shape, contiguous)."""
+
+    rank: int
+    start: int
+    tensor: Any
+
+    @property
+    def end(self) -> int:
+        return self.start + int(self.tensor.numel())
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Bytes of one key held by one holder: elements ``[start, start + length)``
+    of weight ``source`` (``None``: ``length`` zero bytes, any holder's)."""
+
+    rank: int | None
+    source: str | None
+    start: int
+    length: int
+
+
+def check_shards(name: str, shards: Sequence[Shard], numel: int) -> list[Shard]:
+    """``shards`` in order, refused in one line unless they tile the
+    tensor's ``numel`` elements exactly once."""
+    ordered = sorted(shards, key=lambda s: s.start)
+    at = 0
+    for s in ordered:
+        if s.start != at:
+            what = "overlaps the one before" if s.start < at else f"leaves elements {at}..{s.start} unheld"
+            raise ExpectedDigestsError(f"weight '{name}': the shard of rank {s.rank} at element {s.start} {what}")
+        at = s.end
+    if at != numel:
+        raise ExpectedDigestsError(f"weight '{name}': the shards hold {at} of its {numel} elements")
+    return ordered
+
+
+def segments(runs: Iterable[Any], shards: Mapping[str, Sequence[Shard]]) -> list[Segment]:
+    """A key's runs cut where the holder changes, in byte order, adjacent
+    pieces of one holder and weight merged."""
+    bounds = {name: [s.start for s in held] for name, held in shards.items()}
+    out: list[Segment] = []
+
+    def put(rank: int | None, source: str | None, start: int, length: int) -> None:
+        last = out[-1] if out else None
+        if last and last.rank == rank and last.source == source and last.start + last.length == start:
+            out[-1] = Segment(rank, source, last.start, last.length + length)
+        else:
+            out.append(Segment(rank, source, start, length))
+
+    for run in runs:
+        if run.source is None:
+            put(None, None, 0, run.length)
+            continue
+        held = shards.get(run.source)
+        if held is None:
+            raise ExpectedDigestsError(f"weight '{run.source}': no rank holds a shard of it")
+        starts = bounds[run.source]
+        for start, length in run.spans():
+            while length > 0:
+                i = bisect.bisect_right(starts, start) - 1
+                shard = held[i]
+                take = min(length, shard.end - start)
+                put(shard.rank, run.source, start, take)
+                start, length = start + take, length - take
+    return out
+
+
+def chained_digests(layout: Mapping[str, Any], shards: Mapping[str, Sequence[Shard]]) -> dict[str, str]:
+    """``{key: hex}`` for every key of ``layout`` that is a sequence of pieces,
+    each hashed holder by holder from ``shards`` (weight name -> its dim-0
+    shards), the chain state handed on wherever the holder changes; a key
+    whose bytes are not pieces is refused by name."""
+    import torch
+
+    from weight_checker import _core
+
+    flat: dict[tuple[int, Any], Any] = {}
+
+    def local(shard: Shard, dtype: Any) -> Any:
+        # Cast where the shard lies (fp32 masters to the engine's bf16), as
+        # vLLM's copy_ casts: once per shard and dtype.
+        at = (id(shard.tensor), dtype)
+        if at not in flat:
+            flat[at] = shard.tensor.detach().reshape(-1).to(dtype).contiguous().view(torch.uint8)
+        return flat[at]
+
+    ordered = {name: sorted(held, key=lambda s: s.start) for name, held in shards.items()}
+    out: dict[str, str] = {}
+    for key, key_layout in layout.items():
+        if key_layout.runs is None:
+            raise ExpectedDigestsError(f"{key}: {key_layout.why}: gather its tensor, or leave the key out")
+        size = torch.empty((), dtype=key_layout.dtype).element_size()
+        state: bytes | None = None
+        holder: int | None = None
+        hasher = None
+        for seg in segments(key_layout.runs, ordered):
+            if seg.source is None:
+                data = torch.zeros(seg.length, dtype=torch.uint8)
+            else:
+                shard = ordered[seg.source][bisect.bisect_right([s.start for s in ordered[seg.source]], seg.start) - 1]
+                data = local(shard, key_layout.dtype)[(seg.start - shard.start) * size :][: seg.length * size]
+            if hasher is None or (seg.rank is not None and seg.rank != holder):
+                if hasher is not None:
+                    state = hasher.export_states()[0]  # what travels to the next holder
+                hasher = _core.MultiHasher.resume([state])
+                holder = seg.rank if seg.rank is not None else holder
+            hasher.update([(0, data)])
+        if hasher is None:
+            hasher = _core.MultiHasher(1)
+        out[key] = hasher.finish()[0][0]
+    return out
