@@ -18,6 +18,8 @@ FAMILIES = {
         "LlamaForCausalLM",
         {"tie_word_embeddings": True, "vocab_size": 500, "num_key_value_heads": 1, "attention_bias": True},
     ),
+    # dim-0 sizes no trainer world of 2-4 divides (vocabulary 502, intermediate 250)
+    "odd": ("LlamaConfig", "LlamaForCausalLM", {"vocab_size": 502, "intermediate_size": 250}),
     # q_norm and k_norm per layer (replicated on every TP rank)
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
     # experts stacked into w13 / w2 and sharded per tp rank

@@ -66,9 +66,10 @@ def check_shards(name: str, shards: Sequence[Shard], numel: int) -> list[Shard]:
     return ordered
 
 
-def segments(runs: Iterable[Any], shards: Mapping[str, Sequence[Shard]]) -> list[Segment]:
+def segments(runs: Iterable[Any], shards: Mapping[str, Sequence[Any]]) -> list[Segment]:
     """A key's runs cut where the holder changes, in byte order, adjacent
-    pieces of one holder and weight merged."""
+    pieces of one holder and weight merged. ``shards``: each weight's
+    holders in order, anything with ``rank``, ``start`` and ``end``."""
     bounds = {name: [s.start for s in held] for name, held in shards.items()}
     out: list[Segment] = []
 

@@ -85,6 +85,19 @@ def engine_layout(
     dtypes of ``tensors`` (tensors of any kind: meta, ``DTensor``s, whose
     global shape counts); ``cast_to``: the dtype the trainer sends them in,
     where not their own (fp32 masters sent as bf16)."""
+    return layout_and_shell(model, tensors, cast_to=cast_to, **expected_args)[0]
+
+
+def layout_and_shell(
+    model: Any,
+    tensors: Mapping[str, Any] | Iterable[tuple[str, Any]],
+    *,
+    cast_to: Any = None,
+    **expected_args: Any,
+) -> tuple[dict[str, KeyLayout], Any]:
+    """:func:`engine_layout`, and the ``ExpectedDigests`` of that call with
+    no digest in it yet (its keys, layout and warnings; nothing to
+    recompute from): the result a sharded call fills in."""
     import torch
 
     from weight_checker.expected.digests import expected_digests
@@ -122,7 +135,10 @@ def engine_layout(
                     out[key] = KeyLayout(pieces[0].dtype, tuple(runs))
                     continue
             out[key] = KeyLayout(None, None, NOT_PIECES)
-        return out
+        digests._recompute = None  # its weights are address space, never bytes to recompute from
+        for key in digests:
+            digests[key] = ""
+        return out, digests
     finally:
         del pairs
         try:

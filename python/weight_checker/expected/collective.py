@@ -1,0 +1,306 @@
+"""Expected digests from a sharded trainer, collectively, with no gather.
+
+Every rank of the trainer's process group calls :func:`collective_digests`
+with its local shards (FSDP2 ``DTensor``s placed ``Shard(0)``, or
+:class:`LocalShard`). Each rank asks vLLM's loaders for the layout (shapes
+only: :mod:`.vllm.layout`), so all agree on every key's runs; the runs are
+cut where the holder changes (:func:`.sharded.segments`) into *legs*, and a
+key's legs are hashed in turn by their holders, the SHA-256 chain state (at
+most 109 bytes) sent from each to the next. Legs are taken in rounds (every
+key's first leg, then every key's second...), so while one rank continues a
+key the others hash theirs; each round a rank hashes all its legs in one
+multi-buffer run. Only states and digests travel; no weight leaves its rank.
+
+Deadlock-free by construction: every rank walks the same rounds in the same
+order, sends never wait (``isend``), and a receive waits only for a leg
+earlier in that order. A rank that does not answer within ``timeout`` is
+named, never waited on for ever.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from weight_checker.errors import ExpectedDigestsError
+
+#: Bytes of a chain state on the wire: its length, then its bytes (at most 109).
+_WIRE = 128
+
+
+@dataclass(frozen=True)
+class LocalShard:
+    """This rank's rows ``[offset, offset + tensor.shape[0])`` of a tensor of
+    ``shape`` (dim-0 sharding; ``tensor`` holds whole rows)."""
+
+    tensor: Any
+    offset: int
+    shape: tuple[int, ...]
+
+
+class _Held(NamedTuple):
+    """Rank ``rank`` holds elements ``[start, end)`` of a tensor's flattening."""
+
+    rank: int
+    start: int
+    end: int
+
+
+class _Leg(NamedTuple):
+    key: int
+    rank: int
+    segments: list[Any]
+
+
+def is_sharded(weights: Any) -> bool:
+    """Whether ``weights`` (a mapping or pairs) holds a ``DTensor`` or a :class:`LocalShard`."""
+    if not isinstance(weights, Mapping | list | tuple):
+        return False
+    values = weights.values() if isinstance(weights, Mapping) else [p[1] for p in weights if isinstance(p, tuple)]
+    return any(isinstance(v, LocalShard) or type(v).__name__ == "DTensor" for v in values)
+
+
+def _local(name: str, value: Any, me: int) -> tuple[tuple[int, ...], Any, int, Any]:
+    """``(whole shape, dtype, first element, local tensor)`` of one weight on this rank."""
+    import torch
+
+    row: int | None
+    if isinstance(value, LocalShard):
+        shape, local, row = tuple(value.shape), value.tensor, value.offset
+    elif type(value).__name__ == "DTensor":
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor import Shard as Dim
+
+        placements = tuple(value.placements)
+        if value.device_mesh.ndim != 1 or not all(isinstance(p, Dim | Replicate) for p in placements):
+            raise ExpectedDigestsError(
+                f"weight '{name}' on rank {me}: placements {placements} on a {value.device_mesh.ndim}-D mesh: "
+                "only Shard(0) or Replicate on one mesh dimension is supported"
+            )
+        if isinstance(placements[0], Dim) and placements[0].dim != 0:
+            raise ExpectedDigestsError(
+                f"weight '{name}' on rank {me}: {placements[0]} is not supported (only dim-0 shards: Shard(0))"
+            )
+        shape, local = tuple(value.shape), value.to_local()
+        if isinstance(placements[0], Replicate):
+            row = 0 if value.device_mesh.get_local_rank() == 0 else None
+        else:
+            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+            _, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, placements)
+            row = int(offset[0]) if len(offset) else 0
+    elif isinstance(value, torch.Tensor):
+        shape, local, row = tuple(value.shape), value, 0 if me == 0 else None  # whole on every rank: rank 0's
+    else:
+        raise ExpectedDigestsError(f"weight '{name}' on rank {me}: {type(value).__name__} is not a tensor or a shard")
+    if row is None:
+        return shape, local.dtype, 0, None
+    per_row = torch.Size(shape[1:]).numel() if len(shape) > 1 else 1
+    if (
+        tuple(local.shape[1:]) != tuple(shape[1:])
+        or row < 0
+        or row + (local.shape[0] if local.dim() else 1) > (shape[0] if shape else 1)
+    ):
+        raise ExpectedDigestsError(
+            f"weight '{name}' on rank {me}: a shard of shape {list(local.shape)} at row {row} is not whole rows "
+            f"of its tensor of shape {list(shape)}"
+        )
+    return shape, local.dtype, row * per_row, local.detach().contiguous().reshape(-1)
+
+
+def collective_digests(
+    model: Any,
+    weights: Mapping[str, Any] | Iterable[tuple[str, Any]],
+    *,
+    group: Any = None,
+    cast_to: Any = None,
+    timeout: float = 300.0,
+    **expected_args: Any,
+) -> Any:
+    """The ``ExpectedDigests`` of ``model`` loaded with the trainer's
+    tensors, on every rank of ``group``, each rank passing its own shards
+    (see the module's note). ``cast_to``: the dtype the trainer sends
+    (fp32 masters sent as bf16), cast where each piece lies."""
+    import torch
+    import torch.distributed as dist
+
+    from weight_checker.expected.sharded import check_shards, segments
+    from weight_checker.expected.vllm.layout import layout_and_shell
+
+    started = time.perf_counter()
+    me, world = dist.get_rank(group), dist.get_world_size(group)
+    items = list(weights.items() if isinstance(weights, Mapping) else weights)
+    mine = {name: _local(name, value, me) for name, value in items}
+    described = {
+        n: (list(s), str(d), start, 0 if t is None else int(t.numel())) for n, (s, d, start, t) in mine.items()
+    }
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, described, group=group)
+    held = _check_agreement(every, check_shards)
+    meta = {n: torch.empty(mine[n][0], dtype=mine[n][1], device="meta") for n in mine}
+    layout, shell = layout_and_shell(model, meta, cast_to=cast_to, **expected_args)
+    refused = [k for k, v in layout.items() if v.runs is None]
+    if refused:
+        more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
+        raise ExpectedDigestsError(
+            f"{refused[0]}{more}: {layout[refused[0]].why}: these keys need their tensors gathered"
+        )
+    keys = sorted(layout)
+    legs: list[list[_Leg]] = []
+    for index, key in enumerate(keys):
+        legs.append(_legs(index, segments(layout[key].runs or (), held)))
+    digests, exchanged = _hash_in_rounds(keys, legs, layout, mine, me, group, timeout)
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, digests, group=group)
+    for part in gathered:
+        for key, hex_digest in part.items():
+            shell[key] = hex_digest
+    missing = [k for k in shell if not shell[k]]
+    if missing:
+        raise ExpectedDigestsError(f"{missing[0]}: no rank finished its digest")
+    shell.seconds["hash"] = time.perf_counter() - started
+    shell.bytes_exchanged = exchanged
+    return shell
+
+
+def _check_agreement(every: list[dict[str, Any]], check_shards: Any) -> dict[str, list[_Held]]:
+    """The shards of every weight across the ranks, refused in one line
+    where the ranks disagree on its shape or dtype, or its shards do not tile it."""
+    import math
+
+    names = every[0].keys()
+    for rank, described in enumerate(every):
+        for name in sorted(set(names) ^ set(described)):
+            which = f"rank {rank} gives it, rank 0 does not" if name in described else f"rank {rank} does not give it"
+            raise ExpectedDigestsError(
+                f"weight '{name}': {which} (every rank passes every weight, its shard empty or not)"
+            )
+    held: dict[str, list[_Held]] = {}
+    for name in names:
+        shape, dtype = every[0][name][0], every[0][name][1]
+        for rank, described in enumerate(every):
+            if list(described[name][:2]) != [shape, dtype]:
+                raise ExpectedDigestsError(
+                    f"weight '{name}': rank {rank} has shape {described[name][0]} {described[name][1]}, "
+                    f"rank 0 {shape} {dtype}"
+                )
+        parts = [_Held(r, d[name][2], d[name][2] + d[name][3]) for r, d in enumerate(every) if d[name][3]]
+        ordered = check_shards(name, [_Sized(p) for p in parts], math.prod(shape))
+        held[name] = [p.held for p in ordered]
+    return held
+
+
+class _Sized:
+    """A :class:`_Held` as :func:`check_shards` reads a shard."""
+
+    def __init__(self, held: _Held):
+        self.held, self.rank, self.start, self.end = held, held.rank, held.start, held.end
+
+
+def _legs(index: int, segs: list[Any]) -> list[_Leg]:
+    """A key's segments as legs: runs of one holder; zeros go with the holder beside them."""
+    legs: list[_Leg] = []
+    pending: list[Any] = []
+    for seg in segs:
+        if seg.rank is None:
+            (legs[-1].segments if legs else pending).append(seg)
+        elif legs and legs[-1].rank == seg.rank:
+            legs[-1].segments.append(seg)
+        else:
+            legs.append(_Leg(index, seg.rank, [*pending, seg]))
+            pending = []
+    if not legs:  # all zeros (or empty): rank 0 hashes them
+        legs.append(_Leg(index, 0, pending))
+    return legs
+
+
+def _hash_in_rounds(
+    keys: list[str],
+    legs: list[list[_Leg]],
+    layout: Mapping[str, Any],
+    mine: Mapping[str, Any],
+    me: int,
+    group: Any,
+    timeout: float,
+) -> tuple[dict[str, str], int]:
+    """This rank's legs hashed round by round; ``({key: hex} of the keys
+    whose last leg is this rank's, bytes of chain state sent)``."""
+    import torch
+    import torch.distributed as dist
+
+    from weight_checker import _core
+
+    wait = datetime.timedelta(seconds=timeout)
+    sends: list[Any] = []
+    done: dict[str, str] = {}
+    exchanged = 0
+    rounds = max((len(k) for k in legs), default=0)
+    for j in range(rounds):
+        todo = [(i, k[j]) for i, k in enumerate(legs) if j < len(k) and k[j].rank == me]
+        if not todo:
+            continue
+        states: list[bytes | None] = []
+        for i, _leg in todo:
+            if j == 0:
+                states.append(None)
+                continue
+            source = legs[i][j - 1].rank
+            wire = torch.empty(_WIRE, dtype=torch.uint8)
+            work: Any = dist.irecv(wire, src=_global(group, source), group=group, tag=_tag(j - 1, i, len(keys)))
+            try:
+                work.wait(wait)
+            except RuntimeError as e:
+                raise ExpectedDigestsError(
+                    f"{keys[i]}: rank {source} did not hand on its chain state within {timeout:g} s ({e})"
+                ) from e
+            states.append(bytes(wire[1 : 1 + int(wire[0])].tolist()))
+        hasher = _core.MultiHasher.resume(states)
+        hasher.update([(n, data) for n, (i, leg) in enumerate(todo) for data in _bytes_of(leg, layout[keys[i]], mine)])
+        ended = [n for n, (i, _leg) in enumerate(todo) if j == len(legs[i]) - 1]
+        exported = hasher.export_states()
+        for n, (i, _leg) in enumerate(todo):
+            if n in ended:
+                continue
+            state = exported[n]
+            wire = torch.zeros(_WIRE, dtype=torch.uint8)
+            wire[0] = len(state)
+            wire[1 : 1 + len(state)] = torch.frombuffer(bytearray(state), dtype=torch.uint8)
+            target = legs[i][j + 1].rank
+            sends.append(dist.isend(wire, dst=_global(group, target), group=group, tag=_tag(j, i, len(keys))))
+            exchanged += len(state)
+        if ended:
+            finished = _core.MultiHasher.resume([exported[n] for n in ended]).finish()[0]
+            done.update({keys[todo[n][0]]: h for n, h in zip(ended, finished, strict=True)})
+    for work in sends:
+        work.wait(wait)
+    return done, exchanged
+
+
+def _tag(round_: int, key: int, keys: int) -> int:
+    return round_ * keys + key
+
+
+def _global(group: Any, rank: int) -> int:
+    import torch.distributed as dist
+
+    return rank if group is None else dist.get_global_rank(group, rank)
+
+
+def _bytes_of(leg: _Leg, key_layout: Any, mine: Mapping[str, Any]) -> list[Any]:
+    """The buffers of a leg's segments, in order, from this rank's shards
+    (cast to the engine's dtype where they are not in it: one segment at a time)."""
+    import torch
+
+    dtype = key_layout.dtype
+    out = []
+    for seg in leg.segments:
+        if seg.source is None:
+            out.append(torch.zeros(seg.length, dtype=torch.uint8))
+            continue
+        _, _, first, local = mine[seg.source]
+        part = local[seg.start - first : seg.start - first + seg.length]
+        out.append(part.to(dtype).view(torch.uint8) if part.dtype != dtype else part.view(torch.uint8))
+    return out

@@ -1,0 +1,117 @@
+"""Expected digests from a real FSDP2 trainer's shards, collectively, no
+gather (issue 56): tests/fsdp_worker.py runs a trainer of 2 or 4 processes
+on a gloo CPU mesh (``fully_shard`` on every layer, uneven dim-0 shards, a
+real optimizer step on fp32 masters), and each rank hands only chain
+states on. The oracle is the whole-tensor path over the gathered tensors.
+The refusals are tested here on shard metadata, with no process group."""
+
+from __future__ import annotations
+
+import functools
+import json
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from weight_checker.errors import ExpectedDigestsError
+from weight_checker.expected.collective import LocalShard, _check_agreement, _legs, _local, is_sharded
+from weight_checker.expected.sharded import Segment, check_shards
+from weight_checker.testing.launch import vllm_available, vllm_env
+
+pytestmark = [pytest.mark.vllm, pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed")]
+
+WORKER = Path(__file__).with_name("fsdp_worker.py")
+
+
+def trainer(checkpoint: Path, world: int, tp: int, steps: int, perturb: int | None = None) -> tuple[dict, str]:
+    """Runs the ``world`` ranks of tests/fsdp_worker.py (torchrun's environment); rank 0's result and the logs."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = Path(tempfile.mkdtemp(prefix="fsdp-")) / "result.json"
+    args = [str(checkpoint), str(out), str(tp), str(steps)] + ([str(perturb)] if perturb is not None else [])
+    procs = []
+    for rank in range(world):
+        env = vllm_env(env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                            "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)})  # fmt: skip
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), *args], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))  # fmt: skip
+    logs = []
+    for p in procs:
+        try:
+            logs.append(p.communicate(timeout=600)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+    log = "\n".join(logs)
+    assert all(p.returncode == 0 for p in procs), log[-6000:]
+    return json.loads(out.read_text()), log
+
+
+def background_jobs(env) -> dict[str, functools.partial]:
+    """The trainers, in the background from the session's start (tests/jobs.py)."""
+    odd = functools.partial(env.models.path, "odd")
+    return {
+        "fsdp-world2-tp2": functools.partial(lambda: trainer(odd(), 2, 2, steps=1)),
+        "fsdp-world4-tp1-perturbed": functools.partial(lambda: trainer(odd(), 4, 1, steps=1, perturb=1)),
+    }
+
+
+@pytest.mark.uses_jobs("fsdp-world2-tp2")
+def test_fsdp2_shards_after_a_training_step_give_the_whole_tensor_paths_digests(jobs):
+    result, log = jobs.result("fsdp-world2-tp2")
+    assert result["got"] == result["oracle"], log[-3000:]
+    assert len(result["got"]) == 30  # 15 parameters on each of 2 TP ranks
+    # Uneven shards: vocabulary 502 and intermediate 250 split 251/251 and 125/125, gate 250 rows.
+    assert result["rows"]["model.embed_tokens.weight"] == 251
+    # Only chain states travelled: at most 109 bytes a hand-over, no weight.
+    assert 0 < result["exchanged"] <= 109 * 4 * len(result["got"])
+    print(f"\nworld 2, TP 2: {len(result['got'])} keys, {result['exchanged']} bytes of chain state exchanged")
+
+
+@pytest.mark.uses_jobs("fsdp-world4-tp1-perturbed")
+def test_one_ranks_perturbed_shard_changes_exactly_the_keys_holding_its_rows(jobs):
+    result, log = jobs.result("fsdp-world4-tp1-perturbed")
+    differ = sorted(k for k in result["oracle"] if result["got"][k] != result["oracle"][k])
+    assert differ == ["dp0:pp0:pcp0:tp0:model.layers.0.mlp.down_proj.weight"], log[-3000:]
+    assert set(result["got"]) == set(result["oracle"])
+
+
+def test_shard_metadata_that_does_not_tile_or_agree_is_refused_naming_the_tensor_and_the_rank():
+    w = ([4, 2], "torch.bfloat16")
+    ok = [{"w": (*w, 0, 4)}, {"w": (*w, 4, 4)}]
+    assert [(h.rank, h.start, h.end) for h in _check_agreement(ok, check_shards)["w"]] == [(0, 0, 4), (1, 4, 8)]
+    with pytest.raises(ExpectedDigestsError, match=r"weight 'w': the shard of rank 1 at element 2 overlaps"):
+        _check_agreement([{"w": (*w, 0, 4)}, {"w": (*w, 2, 6)}], check_shards)
+    with pytest.raises(ExpectedDigestsError, match=r"weight 'w': the shards hold 4 of its 8 elements"):
+        _check_agreement([{"w": (*w, 0, 4)}, {"w": (*w, 0, 0)}], check_shards)
+    with pytest.raises(ExpectedDigestsError, match=r"weight 'w': rank 1 has shape \[4, 3\]"):
+        _check_agreement([{"w": (*w, 0, 4)}, {"w": ([4, 3], w[1], 4, 4)}], check_shards)
+    with pytest.raises(ExpectedDigestsError, match=r"weight 'v': rank 1 gives it, rank 0 does not"):
+        _check_agreement([{"w": (*w, 0, 8)}, {"w": (*w, 8, 0), "v": (*w, 0, 8)}], check_shards)
+
+
+def test_local_shards_are_whole_rows_of_their_tensor():
+    t = torch.arange(12.0).reshape(4, 3)
+    shape, dtype, first, flat = _local("w", LocalShard(t[2:], 2, (4, 3)), me=1)
+    assert (shape, dtype, first, flat.tolist()) == ((4, 3), torch.float32, 6, t[2:].reshape(-1).tolist())
+    with pytest.raises(ExpectedDigestsError, match=r"weight 'w' on rank 1: a shard of shape \[2, 3\] at row 3"):
+        _local("w", LocalShard(t[2:], 3, (4, 3)), me=1)
+    with pytest.raises(ExpectedDigestsError, match=r"weight 'w' on rank 0: list is not a tensor or a shard"):
+        _local("w", [1, 2], me=0)
+    # A whole tensor every rank passes (not sharded) is rank 0's to hash.
+    assert _local("w", t, me=1)[3] is None and _local("w", t, me=0)[2] == 0
+    assert is_sharded({"w": LocalShard(t, 0, (4, 3))}) and not is_sharded({"w": t})
+
+
+def test_legs_join_zero_padding_to_the_holder_beside_it():
+    segs = [Segment(None, None, 0, 4), Segment(1, "w", 0, 2), Segment(1, "w", 4, 2), Segment(None, None, 0, 2),
+            Segment(0, "v", 0, 3)]  # fmt: skip
+    legs = _legs(7, segs)
+    assert [(leg.key, leg.rank, len(leg.segments)) for leg in legs] == [(7, 1, 4), (7, 0, 1)]
+    assert [(leg.rank, len(leg.segments)) for leg in _legs(0, [Segment(None, None, 0, 8)])] == [(0, 1)]
