@@ -25,7 +25,6 @@ def main() -> None:
     import weight_checker
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from weight_checker.expected.collective import collective_digests
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -48,7 +47,9 @@ def main() -> None:
         local = weights["model.layers.0.mlp.down_proj.weight"].to_local()
         with torch.no_grad():
             local[0].fill_(0)  # this rank's first row of one layer's down_proj
-    got = collective_digests(ckpt, weights, cast_to=torch.bfloat16, tp=tp)
+    # The public call: sharded weights make it collective; fp32 masters are
+    # cast to the engine's bf16 where each piece lies.
+    got = weight_checker.expected_digests(ckpt, weights, tp=tp)
     if rank == 0:
         oracle = weight_checker.expected_digests(ckpt, whole, tp=tp)
         held = {n: t.to_local().shape[0] for n, t in weights.items()}

@@ -21,8 +21,6 @@ from weight_checker.expected.sharded import Shard, chained_digests, check_shards
 from weight_checker.expected.vllm.layout import Run, engine_layout
 from weight_checker.testing.launch import vllm_available
 
-from .models import write_model
-
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed")]
 
 
@@ -47,11 +45,11 @@ def sha(t: torch.Tensor) -> str:
     ("family", "tp", "world"),
     [("llama", 1, 3), ("llama", 2, 2), ("tied", 2, 3), ("qwen3", 2, 2), ("phi3", 2, 3), ("mixtral", 2, 2)],
 )
-def test_every_key_from_shards_equals_the_whole_tensor_path_and_hashlib(tmp_path_factory, family, tp, world):
+def test_every_key_from_shards_equals_the_whole_tensor_path_and_hashlib(models, family, tp, world):
     # llama: 3 ranks over dims not divisible by 3; tied: a padded vocabulary
     # (500 rows, zeros after them on the last TP rank) and q/k/v/o biases;
     # qwen3: q_norm and k_norm; phi3: q/k/v fused on disk; mixtral: experts.
-    path = write_model(tmp_path_factory.mktemp(family) / family, family)
+    path = models.path(family)  # the session's checkpoints: written one at a time
     weights = load_file(str(Path(path) / "model.safetensors"))
     layout = engine_layout(str(path), {n: t.to("meta") for n, t in weights.items()}, tp=tp)
     whole = weight_checker.expected_digests(str(path), weights, tp=tp)
@@ -67,8 +65,8 @@ def test_every_key_from_shards_equals_the_whole_tensor_path_and_hashlib(tmp_path
                for k in layout.values())  # fmt: skip
 
 
-def test_fp32_masters_are_cast_where_they_lie(tmp_path_factory):
-    path = write_model(tmp_path_factory.mktemp("llama") / "llama", "llama")
+def test_fp32_masters_are_cast_where_they_lie(models):
+    path = models.path("llama")
     masters = {n: t.float() + 1e-3 for n, t in load_file(str(Path(path) / "model.safetensors")).items()}
     # Shapes of fp32 masters the trainer sends as bf16: plain pieces.
     layout = engine_layout(str(path), {n: t.to("meta") for n, t in masters.items()}, cast_to=torch.bfloat16, tp=2)

@@ -116,14 +116,16 @@ def collective_digests(
     weights: Mapping[str, Any] | Iterable[tuple[str, Any]],
     *,
     group: Any = None,
-    cast_to: Any = None,
+    cast_to: Any = "engine",
     timeout: float = 300.0,
     **expected_args: Any,
 ) -> Any:
     """The ``ExpectedDigests`` of ``model`` loaded with the trainer's
     tensors, on every rank of ``group``, each rank passing its own shards
     (see the module's note). ``cast_to``: the dtype the trainer sends
-    (fp32 masters sent as bf16), cast where each piece lies."""
+    (fp32 masters sent as bf16), cast where each piece lies; ``"engine"``:
+    each floating-point weight in the engine's dtype where the loader's
+    copies would cast it (as vLLM's ``copy_`` rounds), ``None``: as held."""
     import torch
     import torch.distributed as dist
 
@@ -141,7 +143,15 @@ def collective_digests(
     dist.all_gather_object(every, described, group=group)
     held = _check_agreement(every, check_shards)
     meta = {n: torch.empty(mine[n][0], dtype=mine[n][1], device="meta") for n in mine}
-    layout, shell = layout_and_shell(model, meta, cast_to=cast_to, **expected_args)
+    layout, shell = layout_and_shell(model, meta, cast_to=None if cast_to == "engine" else cast_to, **expected_args)
+    engine_dtype = getattr(torch, str(shell.layout.get("dtype", "")), None)
+    if cast_to == "engine" and isinstance(engine_dtype, torch.dtype):
+        differ = {n: t for n, t in meta.items() if t.is_floating_point() and t.dtype != engine_dtype}
+        if differ and any(v.runs is None for v in layout.values()):
+            # fp32 masters into a bf16 engine: each copy casts; the same
+            # bytes as pieces cast where they lie.
+            meta.update({n: t.to(engine_dtype) for n, t in differ.items()})
+            layout, shell = layout_and_shell(model, meta, **expected_args)
     refused = [k for k, v in layout.items() if v.runs is None]
     if refused:
         more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
