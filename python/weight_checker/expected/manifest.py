@@ -48,6 +48,9 @@ class ExpectedDigests(dict[str, str]):
         #: Bytes hashed where the weights lie, never copied into a rank's
         #: parameters (see :mod:`weight_checker.expected.vllm.deferred`).
         self.bytes_in_place = 0
+        #: Bytes of SHA-256 chain state this rank sent to others, in a
+        #: sharded trainer's collective call (:mod:`weight_checker.expected.collective`).
+        self.bytes_exchanged = 0
         #: What :func:`weight_checker.expected.recompute.expected_tensors` needs
         #: to recompute the tensors (weak references to the weights); ``None``
         #: for digests read back from a manifest.
