@@ -55,10 +55,10 @@ def trainer(checkpoint: Path, world: int, tp: int, steps: int, perturb: int | No
 
 def background_jobs(env) -> dict[str, functools.partial]:
     """The trainers, in the background from the session's start (tests/jobs.py)."""
-    odd = functools.partial(env.models.path, "odd")
+    odd = env.models.path("odd")  # written here, in the main thread (transformers' lazy imports are not thread-safe)
     return {
-        "fsdp-world2-tp2": functools.partial(lambda: trainer(odd(), 2, 2, steps=1)),
-        "fsdp-world4-tp1-perturbed": functools.partial(lambda: trainer(odd(), 4, 1, steps=1, perturb=1)),
+        "fsdp-world2-tp2": functools.partial(trainer, odd, 2, 2, 1),
+        "fsdp-world4-tp1-perturbed": functools.partial(trainer, odd, 4, 1, 1, 1),
     }
 
 

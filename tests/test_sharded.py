@@ -21,6 +21,8 @@ from weight_checker.expected.sharded import Shard, chained_digests, check_shards
 from weight_checker.expected.vllm.layout import Run, engine_layout
 from weight_checker.testing.launch import vllm_available
 
+EXPECTED = weight_checker.expected_digests
+
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed")]
 
 
@@ -51,7 +53,7 @@ def test_every_key_from_shards_equals_the_whole_tensor_path_and_hashlib(models, 
     # qwen3: q_norm and k_norm; phi3: q/k/v fused on disk; mixtral: experts.
     path = models.path(family)  # the session's checkpoints: written one at a time
     weights = load_file(str(Path(path) / "model.safetensors"))
-    layout = engine_layout(str(path), {n: t.to("meta") for n, t in weights.items()}, tp=tp)
+    layout = engine_layout(str(path), {n: t.to("meta") for n, t in weights.items()}, expected=EXPECTED, tp=tp)
     whole = weight_checker.expected_digests(str(path), weights, tp=tp)
     assert set(layout) == set(whole)
     assert all(k.runs is not None for k in layout.values())
@@ -69,12 +71,14 @@ def test_fp32_masters_are_cast_where_they_lie(models):
     path = models.path("llama")
     masters = {n: t.float() + 1e-3 for n, t in load_file(str(Path(path) / "model.safetensors")).items()}
     # Shapes of fp32 masters the trainer sends as bf16: plain pieces.
-    layout = engine_layout(str(path), {n: t.to("meta") for n, t in masters.items()}, cast_to=torch.bfloat16, tp=2)
+    layout = engine_layout(
+        str(path), {n: t.to("meta") for n, t in masters.items()}, expected=EXPECTED, cast_to=torch.bfloat16, tp=2
+    )
     whole = weight_checker.expected_digests(str(path), {n: t.bfloat16() for n, t in masters.items()}, tp=2)
     assert chained_digests(layout, dim0_shards(masters, 2)) == dict(whole)
     # Sent as fp32 into a bf16 engine, every copy casts: no key is a plain
     # sequence of pieces, and each is refused by name, never hashed.
-    casting = engine_layout(str(path), {n: t.to("meta") for n, t in masters.items()}, tp=2)
+    casting = engine_layout(str(path), {n: t.to("meta") for n, t in masters.items()}, expected=EXPECTED, tp=2)
     assert all(k.runs is None for k in casting.values())
     first = sorted(casting)[0]
     with pytest.raises(ExpectedDigestsError, match=first.replace(".", r"\.") + ": not a sequence of pieces"):
@@ -107,3 +111,24 @@ def test_segments_cut_runs_at_holder_boundaries_and_merge_a_holders_neighbours()
     # A flat run across the boundary is cut there, and whole runs merge.
     got = segments([Run("w", 6, 4), Run("w", 10, 2)], held)
     assert [(s.rank, s.start, s.length) for s in got] == [(0, 6, 2), (1, 8, 4)]
+
+
+def test_shards_with_a_gap_are_refused_never_hashed_from_a_neighbour():
+    from weight_checker.expected.vllm.layout import KeyLayout
+
+    t = torch.arange(8, dtype=torch.bfloat16)
+    layout = {"k": KeyLayout(torch.bfloat16, (Run("w", 0, 8),))}
+    whole = chained_digests(layout, {"w": [Shard(0, 0, t[:3].clone()), Shard(1, 3, t[3:].clone())]})
+    assert whole == {"k": sha(t)}
+    with pytest.raises(
+        ExpectedDigestsError, match=r"weight 'w': the shard of rank 0 at element 4 leaves elements 0\.\.4"
+    ):
+        chained_digests(layout, {"w": [Shard(0, 4, t[4:].clone())]})
+    with pytest.raises(
+        ExpectedDigestsError, match=r"weight 'w': the shard of rank 1 at element 6 leaves elements 3\.\.6"
+    ):
+        chained_digests(layout, {"w": [Shard(0, 0, t[:3].clone()), Shard(1, 6, t[6:].clone())]})
+    # A one-element shard may carry any stride: its bytes are still the element's.
+    odd = torch.arange(8, dtype=torch.bfloat16)[7:8].as_strided((1,), (5,), 3)
+    got = chained_digests(layout, {"w": [Shard(0, 0, t[:7].clone()), Shard(1, 7, odd)]})
+    assert got == {"k": sha(torch.cat([t[:7], odd.reshape(1).clone()]))}

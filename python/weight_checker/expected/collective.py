@@ -41,6 +41,26 @@ class LocalShard:
     shape: tuple[int, ...]
 
 
+#: What a rank that could not describe its shards sends instead.
+_FAILED = "\x00failed"
+#: The process group's gloo twin, made once: chain states travel on it, so
+#: an NCCL trainer's group is never asked to send CPU tensors, and a timeout
+#: here never closes the trainer's own connections.
+_SIDE: dict[Any, Any] = {}
+
+
+def _side_group(group: Any) -> Any:
+    """A gloo group over ``group``'s ranks (the world's by default), made once.
+    Every rank of the world calls this, as every rank calls expected_digests."""
+    import torch.distributed as dist
+
+    key = id(group) if group is not None else None
+    if key not in _SIDE:
+        ranks = None if group is None else dist.get_process_group_ranks(group)
+        _SIDE[key] = dist.new_group(ranks=ranks, backend="gloo")
+    return _SIDE[key]
+
+
 class _Held(NamedTuple):
     """Rank ``rank`` holds elements ``[start, end)`` of a tensor's flattening."""
 
@@ -108,13 +128,44 @@ def _local(name: str, value: Any, me: int) -> tuple[tuple[int, ...], Any, int, A
             f"weight '{name}' on rank {me}: a shard of shape {list(local.shape)} at row {row} is not whole rows "
             f"of its tensor of shape {list(shape)}"
         )
-    return shape, local.dtype, row * per_row, local.detach().contiguous().reshape(-1)
+    from weight_checker.expected.sharded import flat_elements
+
+    return shape, local.dtype, row * per_row, flat_elements(local)
+
+
+def sharded_call(
+    expected: Any,
+    model: Any,
+    weights: Any,
+    family: str,
+    layout: dict[str, int],
+    args: dict[str, Any],
+    group: Any,
+    allow_unwritten: bool,
+    extra: dict[str, Any],
+) -> Any:
+    """``expected_digests`` (passed as ``expected``) with sharded weights:
+    what it covers checked, then :func:`collective_digests`."""
+    if family != "vllm" or extra["loras"] or extra["draft"] is not None or extra["buffers"] or args.get("enable_lora"):
+        raise ExpectedDigestsError(
+            "sharded weights (DTensor / LocalShard) are covered for a vLLM target only: no SGLang engine, "
+            "LoRA adapters, draft model or buffers"
+        )
+    args = {k: v for k, v in args.items() if k not in ("enable_lora", "num_speculative_tokens", "draft")}
+    out = collective_digests(
+        model, weights, expected=expected, group=group, allow_unwritten=allow_unwritten,
+        weight_version=extra["weight_version"], **layout, **args,
+    )  # fmt: skip
+    if extra["like"] is not None:
+        out.layout["server"] = extra["like"]
+    return out
 
 
 def collective_digests(
     model: Any,
     weights: Mapping[str, Any] | Iterable[tuple[str, Any]],
     *,
+    expected: Any,
     group: Any = None,
     cast_to: Any = "engine",
     timeout: float = 300.0,
@@ -122,7 +173,8 @@ def collective_digests(
 ) -> Any:
     """The ``ExpectedDigests`` of ``model`` loaded with the trainer's
     tensors, on every rank of ``group``, each rank passing its own shards
-    (see the module's note). ``cast_to``: the dtype the trainer sends
+    (see the module's note); ``expected``: ``expected_digests`` itself
+    (it runs the layout's load). ``cast_to``: the dtype the trainer sends
     (fp32 masters sent as bf16), cast where each piece lies; ``"engine"``:
     each floating-point weight in the engine's dtype where the loader's
     copies would cast it (as vLLM's ``copy_`` rounds), ``None``: as held."""
@@ -133,17 +185,27 @@ def collective_digests(
     from weight_checker.expected.vllm.layout import layout_and_shell
 
     started = time.perf_counter()
+    group = _side_group(group)
     me, world = dist.get_rank(group), dist.get_world_size(group)
     items = list(weights.items() if isinstance(weights, Mapping) else weights)
-    mine = {name: _local(name, value, me) for name, value in items}
-    described = {
-        n: (list(s), str(d), start, 0 if t is None else int(t.numel())) for n, (s, d, start, t) in mine.items()
-    }
+    described: dict[str, Any]
+    try:
+        mine = {name: _local(name, value, me) for name, value in items}
+        described = {
+            n: (list(s), str(d), start, 0 if t is None else int(t.numel())) for n, (s, d, start, t) in mine.items()
+        }
+    except ExpectedDigestsError as e:  # told to every rank at the first exchange: none waits on this one
+        mine, described = {}, {_FAILED: str(e)}
     every: list[Any] = [None] * world
     dist.all_gather_object(every, described, group=group)
+    for rank, theirs in enumerate(every):
+        if _FAILED in theirs:
+            raise ExpectedDigestsError(theirs[_FAILED] if rank == me else f"rank {rank} failed: {theirs[_FAILED]}")
     held = _check_agreement(every, check_shards)
     meta = {n: torch.empty(mine[n][0], dtype=mine[n][1], device="meta") for n in mine}
-    layout, shell = layout_and_shell(model, meta, cast_to=None if cast_to == "engine" else cast_to, **expected_args)
+    layout, shell = layout_and_shell(
+        expected, model, meta, cast_to=None if cast_to == "engine" else cast_to, **expected_args
+    )
     engine_dtype = getattr(torch, str(shell.layout.get("dtype", "")), None)
     if cast_to == "engine" and isinstance(engine_dtype, torch.dtype):
         differ = {n: t for n, t in meta.items() if t.is_floating_point() and t.dtype != engine_dtype}
@@ -151,7 +213,7 @@ def collective_digests(
             # fp32 masters into a bf16 engine: each copy casts; the same
             # bytes as pieces cast where they lie.
             meta.update({n: t.to(engine_dtype) for n, t in differ.items()})
-            layout, shell = layout_and_shell(model, meta, **expected_args)
+            layout, shell = layout_and_shell(expected, model, meta, **expected_args)
     refused = [k for k, v in layout.items() if v.runs is None]
     if refused:
         more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
@@ -312,5 +374,7 @@ def _bytes_of(leg: _Leg, key_layout: Any, mine: Mapping[str, Any]) -> list[Any]:
             continue
         _, _, first, local = mine[seg.source]
         part = local[seg.start - first : seg.start - first + seg.length]
-        out.append(part.to(dtype).view(torch.uint8) if part.dtype != dtype else part.view(torch.uint8))
+        # On the host (a GPU trainer's shard: a segment at a time), in the engine's dtype.
+        part = part.to(device="cpu", dtype=dtype)
+        out.append(part.view(torch.uint8))
     return out

@@ -134,12 +134,8 @@ def expected_digests(
     whose model classes and loader make the tensors (read from the server
     with ``like``; :mod:`.sglang.digests` says what SGLang's covers).
 
-    A sharded trainer (weights holding FSDP2 ``DTensor``s placed
-    ``Shard(0)`` or :class:`~weight_checker.expected.collective.LocalShard`)
-    makes this a collective call over ``group`` (default: the world), every
-    rank passing its own shards: no tensor is gathered, only SHA-256 chain
-    states pass between ranks, and every rank gets the same digests
-    (:mod:`.collective`; a vLLM target only, no LoRA, draft or buffers).
+    Sharded weights (FSDP2 ``DTensor``s, ``LocalShard``s) make it a
+    collective call over ``group``, with no gather (:mod:`.collective`).
 
     Raises :class:`ExpectedDigestsError` naming the tensor, the adapter or the
     reason, and, unless ``allow_unwritten``, when the weights leave a
@@ -170,26 +166,11 @@ def expected_digests(
     family = args.pop("engine", None) or "vllm"
     if family not in ("vllm", "sglang"):
         raise ExpectedDigestsError(f"engine must be 'vllm' or 'sglang', got {family!r}")
-    from weight_checker.expected.collective import is_sharded
+    from weight_checker.expected.collective import is_sharded, sharded_call
 
-    if is_sharded(weights):
-        if family != "vllm" or loras or draft is not None or buffers or args.get("enable_lora"):
-            raise ExpectedDigestsError(
-                "sharded weights (DTensor / LocalShard) are covered for a vLLM target only: no SGLang engine, "
-                "LoRA adapters, draft model or buffers"
-            )
-        from weight_checker.expected.collective import collective_digests
-
-        args.pop("enable_lora", None)
-        args.pop("num_speculative_tokens", None)
-        args.pop("draft", None)
-        sharded: ExpectedDigests = collective_digests(
-            model, weights, group=group, allow_unwritten=allow_unwritten, weight_version=weight_version, **layout,
-            **args,
-        )  # fmt: skip
-        if like is not None:
-            sharded.layout["server"] = like
-        return sharded
+    if is_sharded(weights):  # collective over the trainer's group (expected/collective.py)
+        extra = {"loras": loras, "draft": draft, "buffers": buffers, "like": like, "weight_version": weight_version}
+        return sharded_call(expected_digests, model, weights, family, layout, args, group, allow_unwritten, extra)  # type: ignore[no-any-return]
     if family == "sglang":
         from weight_checker.expected.sglang.digests import sglang_expected_digests
 

@@ -51,6 +51,15 @@ class Segment:
     length: int
 
 
+def flat_elements(t: Any) -> Any:
+    """``t``'s elements in C order as a 1-D view with unit stride (a copy
+    only where its layout has none: a one-element tensor may carry any stride)."""
+    import torch
+
+    flat = t.detach().contiguous().reshape(-1)
+    return flat if flat.numel() == 0 or flat.stride(0) == 1 else flat.clone(memory_format=torch.contiguous_format)
+
+
 def check_shards(name: str, shards: Sequence[Shard], numel: int) -> list[Shard]:
     """``shards`` in order, refused in one line unless they tile the
     tensor's ``numel`` elements exactly once."""
@@ -114,10 +123,21 @@ def chained_digests(layout: Mapping[str, Any], shards: Mapping[str, Sequence[Sha
         # vLLM's copy_ casts: once per shard and dtype.
         at = (id(shard.tensor), dtype)
         if at not in flat:
-            flat[at] = shard.tensor.detach().reshape(-1).to(dtype).contiguous().view(torch.uint8)
+            flat[at] = flat_elements(flat_elements(shard.tensor).to(device="cpu", dtype=dtype)).view(torch.uint8)
         return flat[at]
 
-    ordered = {name: sorted(held, key=lambda s: s.start) for name, held in shards.items()}
+    # Every weight's shards tile it exactly, or nothing is hashed (a gap
+    # would read another shard's bytes): the runs say how long each is.
+    extent: dict[str, int] = {}
+    for key_layout in layout.values():
+        for run in key_layout.runs or ():
+            if run.source is not None:
+                end = run.start + (run.count - 1) * run.step + run.length
+                extent[run.source] = max(extent.get(run.source, 0), end)
+    ordered = {
+        name: check_shards(name, held, max(extent.get(name, 0), sum(int(s.tensor.numel()) for s in held)))
+        for name, held in shards.items()
+    }
     out: dict[str, str] = {}
     for key, key_layout in layout.items():
         if key_layout.runs is None:

@@ -76,6 +76,7 @@ def engine_layout(
     model: Any,
     tensors: Mapping[str, Any] | Iterable[tuple[str, Any]],
     *,
+    expected: Any,
     cast_to: Any = None,
     **expected_args: Any,
 ) -> dict[str, KeyLayout]:
@@ -84,11 +85,14 @@ def engine_layout(
     arguments as there), loaded from weights of the names, shapes and
     dtypes of ``tensors`` (tensors of any kind: meta, ``DTensor``s, whose
     global shape counts); ``cast_to``: the dtype the trainer sends them in,
-    where not their own (fp32 masters sent as bf16)."""
-    return layout_and_shell(model, tensors, cast_to=cast_to, **expected_args)[0]
+    where not their own (fp32 masters sent as bf16). ``expected``:
+    ``weight_checker.expected_digests``, which runs the load (passed in:
+    it calls into this module for sharded weights)."""
+    return layout_and_shell(expected, model, tensors, cast_to=cast_to, **expected_args)[0]
 
 
 def layout_and_shell(
+    expected: Any,
     model: Any,
     tensors: Mapping[str, Any] | Iterable[tuple[str, Any]],
     *,
@@ -100,7 +104,6 @@ def layout_and_shell(
     recompute from): the result a sharded call fills in."""
     import torch
 
-    from weight_checker.expected.digests import expected_digests
     from weight_checker.expected.vllm.deferred import PLACEHOLDER, capturing_pieces
 
     items = list(tensors.items() if isinstance(tensors, Mapping) else tensors)
@@ -122,8 +125,10 @@ def layout_and_shell(
     base = min((t.data_ptr() - offsets[n] for n, t in pairs if t.numel()), default=0)
     try:
         with capturing_pieces() as captured:
-            digests = expected_digests(model, pairs, **expected_args)
-        owner = sorted((off, name) for name, off in offsets.items())
+            digests = expected(model, pairs, **expected_args)
+        # Where each weight's bytes start (an empty one has none: it would
+        # share its offset with the next and take its bytes' name).
+        owner = sorted((offsets[name], name) for name, t in pairs if t.numel())
         out: dict[str, KeyLayout] = {}
         for key, value in digests.items():
             runs: list[Run] | None = None
