@@ -50,14 +50,16 @@ _SIDE: dict[Any, Any] = {}
 
 
 def _side_group(group: Any) -> Any:
-    """A gloo group over ``group``'s ranks (the world's by default), made once.
-    Every rank of the world calls this, as every rank calls expected_digests."""
+    """A gloo group over ``group``'s ranks (the world's by default), made
+    once, by every rank of ``group`` (each calls expected_digests)."""
     import torch.distributed as dist
 
     key = id(group) if group is not None else None
     if key not in _SIDE:
         ranks = None if group is None else dist.get_process_group_ranks(group)
-        _SIDE[key] = dist.new_group(ranks=ranks, backend="gloo")
+        # A subgroup's twin is made by its members alone (the other ranks
+        # of the world never call expected_digests for it).
+        _SIDE[key] = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=ranks is not None)
     return _SIDE[key]
 
 
