@@ -18,7 +18,6 @@ its own.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import socket
@@ -27,11 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench_expected import make_checkpoint, warm
-from bench_quantized import SHAPE
-from ceiling import machine
-
-ROOT = Path(__file__).resolve().parent.parent
+from bench_quantized import setup
 
 RANK = """
 import json, os, sys, time
@@ -103,14 +98,7 @@ def run(ckpt: Path, world: int) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeat", type=int, default=3)
-    args = ap.parse_args()
-    ckpt = make_checkpoint(ROOT / ".bench" / "quantized-0.5b", SHAPE)
-    size = (ckpt / "model.safetensors").stat().st_size
-    print(machine())
-    print(f"checkpoint: {ckpt}, {size / 1e9:.2f} GB bf16; trainer world 2, engine TP=1")
-    warm(ckpt)
+    args, ckpt = setup(__doc__ or "", "; trainer world 2, engine TP=1")
     for _ in range(args.repeat):
         ranks = run(ckpt, 2)
         collective = max(r["collective"] for r in ranks)

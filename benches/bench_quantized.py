@@ -81,15 +81,22 @@ def run(script: str, *args: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def setup(doc: str, what: str) -> tuple[argparse.Namespace, Path]:
+    """A bench of this ~1 GB checkpoint: its ``--repeat``, the checkpoint
+    (written once, in the page cache), the CPU and the checkpoint printed."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
     ckpt = make_checkpoint(ROOT / ".bench" / "quantized-0.5b", SHAPE)
     size = (ckpt / "model.safetensors").stat().st_size
     print(machine())
-    print(f"checkpoint: {ckpt}, {size / 1e9:.2f} GB bf16 (Llama-shaped, {SHAPE['num_hidden_layers']} layers)")
+    print(f"checkpoint: {ckpt}, {size / 1e9:.2f} GB bf16 (Llama-shaped, {SHAPE['num_hidden_layers']} layers){what}")
     warm(ckpt)
+    return args, ckpt
+
+
+def main() -> None:
+    args, ckpt = setup(__doc__ or "", "")
     for _ in range(args.repeat):
         hashed = run(HASH, str(ckpt))
         line = [
