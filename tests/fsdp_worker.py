@@ -2,27 +2,46 @@
 tests/test_collective.py, one process a rank, torchrun's environment):
 loads the checkpoint, shards every layer with ``fully_shard``, optionally
 takes one real optimizer step, then asks for the engine's expected digests
-collectively from its shards (no gather). Rank 0 writes them, with the
-whole-tensor path's digests of the same weights (gathered here only to be
-the oracle), to the JSON file named on the command line. ``PERTURB_RANK``: that rank
-zeroes its first row of layer 0's ``down_proj`` after the oracle's gather.
+collectively from its shards (no gather).
 
-    python tests/fsdp_worker.py CHECKPOINT OUT.json TP STEPS [PERTURB_RANK]
+Without ``--server``, rank 0 writes them, with the whole-tensor path's
+digests of the same weights (gathered here only to be the oracle), to the
+JSON file named on the command line. ``PERTURB_RANK``: that rank zeroes its
+first row of layer 0's ``down_proj`` after the oracle's gather.
+
+With ``--server URL WORKERS`` (a real vLLM server of this checkpoint with the
+tests' gloo transfer engine, ``WORKERS`` ranks), the expected digests are the
+server's (``like=URL``), and the trainer updates it: every rank gathers each
+tensor for the send (as a trainer's send does), rank 0 broadcasts them to the
+engine's workers through vLLM's own sync client and ``verify`` checks the
+update against the shards' digests. Then ``PERTURB_RANK`` zeroes its first
+row of layer 0's ``down_proj`` and the same weights are sent and verified
+again. Rank 0 writes both verdicts, and the keys that a whole-tensor oracle
+(the gathered, perturbed weights) says differ.
+
+    python tests/fsdp_worker.py CHECKPOINT OUT.json TP STEPS [PERTURB_RANK] [--server URL WORKERS]
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from typing import Any
+
+DOWN = "model.layers.0.mlp.down_proj.weight"
 
 
 def main() -> None:
-    ckpt, out, tp, steps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-    perturb = int(sys.argv[5]) if len(sys.argv) > 5 else None
+    argv = sys.argv[1:]
+    server = None
+    if "--server" in argv:
+        at = argv.index("--server")
+        server, argv = (argv[at + 1], int(argv[at + 2])), argv[:at] + argv[at + 3 :]
+    ckpt, out, tp, steps = argv[0], argv[1], int(argv[2]), int(argv[3])
+    perturb = int(argv[4]) if len(argv) > 4 else None
     import torch
     import torch.distributed as dist
     import transformers
-    import weight_checker
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -41,22 +60,76 @@ def main() -> None:
         optimizer.step()
         optimizer.zero_grad()
     weights = model.state_dict()  # DTensors, Shard(0): fp32 masters
-    # The oracle's gather, before any perturbation: what the engine must hold.
-    whole = {n: t.full_tensor().bfloat16() for n, t in weights.items()}
-    if perturb is not None and rank == perturb:
-        local = weights["model.layers.0.mlp.down_proj.weight"].to_local()
-        with torch.no_grad():
-            local[0].fill_(0)  # this rank's first row of one layer's down_proj
-    # The public call: sharded weights make it collective; fp32 masters are
-    # cast to the engine's bf16 where each piece lies.
-    got = weight_checker.expected_digests(ckpt, weights, tp=tp)
+    result = (against_server if server else against_oracle)(ckpt, weights, tp, perturb, rank, server)
     if rank == 0:
-        oracle = weight_checker.expected_digests(ckpt, whole, tp=tp)
-        held = {n: t.to_local().shape[0] for n, t in weights.items()}
-        result = {"got": dict(got), "oracle": dict(oracle), "exchanged": got.bytes_exchanged, "rows": held}
         with open(out, "w") as f:
             json.dump(result, f)
     dist.destroy_process_group()
+
+
+def zero_first_row(weights: dict) -> None:
+    """This rank's first row of one layer's down_proj, zeroed in place."""
+    import torch
+
+    with torch.no_grad():
+        weights[DOWN].to_local()[0].fill_(0)
+
+
+def against_oracle(ckpt: str, weights: dict, tp: int, perturb: int | None, rank: int, _server: None) -> dict:
+    import weight_checker
+
+    # The oracle's gather, before any perturbation: what the engine must hold.
+    whole = {n: t.full_tensor().bfloat16() for n, t in weights.items()}
+    if perturb is not None and rank == perturb:
+        zero_first_row(weights)
+    # The public call: sharded weights make it collective; fp32 masters are
+    # cast to the engine's bf16 where each piece lies.
+    got = weight_checker.expected_digests(ckpt, weights, tp=tp)
+    if rank != 0:
+        return {}
+    oracle = weight_checker.expected_digests(ckpt, whole, tp=tp)
+    held = {n: t.to_local().shape[0] for n, t in weights.items()}
+    return {"got": dict(got), "oracle": dict(oracle), "exchanged": got.bytes_exchanged, "rows": held}
+
+
+def against_server(ckpt: str, weights: dict, _tp: int, perturb: int | None, rank: int, server: tuple) -> dict:
+    import torch.distributed as dist
+    import weight_checker
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from weight_checker.testing.gloo_engine import GlooTrainer, GlooTrainerInitInfo
+    from weight_checker.testing.launch import free_port
+
+    url, workers = server
+    # The engine's layout and dtype are the server's; nothing is gathered.
+    expected = weight_checker.expected_digests(None, weights, like=url)
+    trainer = None
+    if rank == 0:
+        info = GlooTrainerInitInfo(master_address="127.0.0.1", master_port=free_port(), world_size=1 + workers, rank=0)
+        trainer = GlooTrainer.trainer_init(info, client=HTTPVLLMWeightSyncClient(url))
+
+    def send_and_verify(version: str) -> tuple[dict, Any]:
+        sent = {n: t.full_tensor().bfloat16() for n, t in weights.items()}  # the send's own gather, every rank
+        if trainer is None:
+            return sent, None
+        verdict = weight_checker.verify(url, lambda: trainer.send_weights(sent.items(), weight_version=version),
+                                        expected=expected)  # fmt: skip
+        return sent, verdict
+
+    _, good = send_and_verify("fsdp-step")
+    if perturb is not None and rank == perturb:
+        zero_first_row(weights)
+    dist.barrier()
+    sent, bad = send_and_verify("fsdp-step-perturbed")
+    if trainer is None:
+        return {}
+    trainer.shutdown()
+    oracle = weight_checker.expected_digests(None, sent, like=url)
+    return {
+        "expected": dict(expected),
+        "good": {"match": good.match, "keys": good.key_count, "mismatches": good.mismatches},
+        "bad": {"match": bad.match, "keys": bad.key_count, "mismatches": bad.mismatches},
+        "oracle_differs": sorted(k for k in expected if expected[k] != oracle[k]),
+    }
 
 
 if __name__ == "__main__":

@@ -27,13 +27,18 @@ pytestmark = [pytest.mark.vllm, pytest.mark.skipif(not vllm_available(), reason=
 WORKER = Path(__file__).with_name("fsdp_worker.py")
 
 
-def trainer(checkpoint: Path, world: int, tp: int, steps: int, perturb: int | None = None) -> tuple[dict, str]:
-    """Runs the ``world`` ranks of tests/fsdp_worker.py (torchrun's environment); rank 0's result and the logs."""
+def trainer(
+    checkpoint: Path, world: int, tp: int, steps: int, perturb: int | None = None, server: tuple | None = None
+) -> tuple[dict, str]:
+    """Runs the ``world`` ranks of tests/fsdp_worker.py (torchrun's
+    environment); rank 0's result and the logs. ``server``: ``(url, workers)``
+    of a real vLLM server the trainer updates and verifies."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = Path(tempfile.mkdtemp(prefix="fsdp-")) / "result.json"
     args = [str(checkpoint), str(out), str(tp), str(steps)] + ([str(perturb)] if perturb is not None else [])
+    args += ["--server", server[0], str(server[1])] if server else []
     procs = []
     for rank in range(world):
         env = vllm_env(env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
@@ -80,6 +85,29 @@ def test_one_ranks_perturbed_shard_changes_exactly_the_keys_holding_its_rows(job
     differ = sorted(k for k in result["oracle"] if result["got"][k] != result["oracle"][k])
     assert differ == ["dp0:pp0:pcp0:tp0:model.layers.0.mlp.down_proj.weight"], log[-3000:]
     assert set(result["got"]) == set(result["oracle"])
+
+
+def test_an_fsdp2_trainer_updates_a_real_vllm_server_and_verify_checks_the_update_against_its_shards(
+    vllm_qwen2_tp2,
+):
+    """A real trainer loop: a 2-process FSDP2 step, the engine's digests
+    from the shards (no gather, the server's layout: TP=2), then an update of
+    a real vLLM server through vLLM's own sync client: MATCH. Rank 1 zeroes
+    its first row of layer 0's down_proj and sends again: MISMATCH of exactly
+    the keys a whole-tensor oracle says hold that row (down_proj is
+    row-parallel: both TP ranks hold a part of every row)."""
+    from .test_weight_transfer import Lifecycle
+
+    server = vllm_qwen2_tp2
+    life = Lifecycle(server, 2)  # puts the server back as it was, after
+    try:
+        result, log = trainer(Path(server.model), 2, 2, 1, perturb=1, server=(server.url, 2))
+    finally:
+        life.close()
+    good, bad = result["good"], result["bad"]
+    assert good["match"] and good["keys"] == len(result["expected"]) > 0, (good, log[-3000:])
+    down = [f"dp0:pp0:pcp0:tp{t}:model.layers.0.mlp.down_proj.weight" for t in (0, 1)]
+    assert not bad["match"] and sorted(bad["mismatches"]) == result["oracle_differs"] == down, (bad, log[-3000:])
 
 
 def test_shard_metadata_that_does_not_tile_or_agree_is_refused_naming_the_tensor_and_the_rank():
