@@ -55,7 +55,7 @@ def _e4m3fn_range_is_torchs() -> bool:
     from vllm.model_executor.layers.quantization.utils.quant_utils import get_fp8_min_max
     from vllm.platforms import current_platform
 
-    return current_platform.fp8_dtype() == torch.float8_e4m3fn and get_fp8_min_max() == (-448.0, 448.0)
+    return bool(current_platform.fp8_dtype() == torch.float8_e4m3fn and get_fp8_min_max() == (-448.0, 448.0))
 
 
 def _plain_bf16(t: Any) -> bool:
