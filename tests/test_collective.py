@@ -143,3 +143,19 @@ def test_legs_join_zero_padding_to_the_holder_beside_it():
     legs = _legs(7, segs)
     assert [(leg.key, leg.rank, len(leg.segments)) for leg in legs] == [(7, 1, 4), (7, 0, 1)]
     assert [(leg.rank, len(leg.segments)) for leg in _legs(0, [Segment(None, None, 0, 8)])] == [(0, 1)]
+
+
+def test_shards_given_as_items_or_a_generator_are_seen_and_whole_tensors_stay_a_stream():
+    from weight_checker.expected.collective import sharded_weights
+
+    t = torch.arange(12.0).reshape(4, 3)
+    shards = {"w": LocalShard(t[:2], 0, (4, 3)), "v": LocalShard(t[2:], 2, (4, 3))}
+    for given in (shards.items(), (p for p in shards.items()), iter(list(shards.items()))):
+        got, sharded = sharded_weights(given)
+        assert sharded and got == list(shards.items())
+    whole = [("w", t), ("v", t + 1)]
+    stream, sharded = sharded_weights(p for p in whole)
+    assert not sharded and not isinstance(stream, list | tuple)  # still read one pair at a time
+    assert [(n, x.tolist()) for n, x in stream] == [(n, x.tolist()) for n, x in whole]
+    assert sharded_weights(iter(()))[1] is False and list(sharded_weights(iter(()))[0]) == []
+    assert sharded_weights(dict(whole).items()) == (whole, False)

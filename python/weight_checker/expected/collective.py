@@ -20,8 +20,9 @@ named, never waited on for ever.
 from __future__ import annotations
 
 import datetime
+import itertools
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import ItemsView, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -77,12 +78,36 @@ class _Leg(NamedTuple):
     segments: list[Any]
 
 
+def _is_shard(value: Any) -> bool:
+    return isinstance(value, LocalShard) or type(value).__name__ == "DTensor"
+
+
 def is_sharded(weights: Any) -> bool:
     """Whether ``weights`` (a mapping or pairs) holds a ``DTensor`` or a :class:`LocalShard`."""
+    if isinstance(weights, ItemsView):
+        weights = list(weights)
     if not isinstance(weights, Mapping | list | tuple):
         return False
     values = weights.values() if isinstance(weights, Mapping) else [p[1] for p in weights if isinstance(p, tuple)]
-    return any(isinstance(v, LocalShard) or type(v).__name__ == "DTensor" for v in values)
+    return any(_is_shard(v) for v in values)
+
+
+def sharded_weights(weights: Any) -> tuple[Any, bool]:
+    """``(weights, whether they are sharded)``. Pairs given as ``.items()``
+    or an iterator are looked at by their first pair (put back): sharded
+    ones are listed (references only), for every rank to see them all;
+    whole tensors stay a stream, read one at a time as before."""
+    if isinstance(weights, ItemsView):
+        weights = list(weights)
+    elif isinstance(weights, Iterator):
+        first = next(weights, None)
+        if first is None:
+            return iter(()), False
+        rest = itertools.chain([first], weights)
+        if isinstance(first, tuple) and len(first) == 2 and _is_shard(first[1]):
+            return list(rest), True
+        return rest, False
+    return weights, is_sharded(weights)
 
 
 def _local(name: str, value: Any, me: int) -> tuple[tuple[int, ...], Any, int, Any]:

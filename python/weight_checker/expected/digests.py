@@ -166,9 +166,10 @@ def expected_digests(
     family = args.pop("engine", None) or "vllm"
     if family not in ("vllm", "sglang"):
         raise ExpectedDigestsError(f"engine must be 'vllm' or 'sglang', got {family!r}")
-    from weight_checker.expected.collective import is_sharded, sharded_call
+    from weight_checker.expected.collective import sharded_call, sharded_weights
 
-    if is_sharded(weights):  # collective over the trainer's group (expected/collective.py)
+    weights, sharded = sharded_weights(weights)
+    if sharded:  # collective over the trainer's group (expected/collective.py)
         extra = {"loras": loras, "draft": draft, "buffers": buffers, "like": like, "weight_version": weight_version}
         return sharded_call(expected_digests, model, weights, family, layout, args, group, allow_unwritten, extra)  # type: ignore[no-any-return]
     if family == "sglang":
