@@ -44,7 +44,7 @@ wheel: env
 	.venv/bin/maturin sdist -o dist
 
 test-rust:
-	cargo test --release
+	cargo test --profile test-release
 
 # The whole suite in one run, the 15 slowest tests and the vLLM servers it
 # started listed at the end. Every kernel (the calibrated choice, the portable
