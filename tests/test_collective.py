@@ -104,8 +104,12 @@ def test_an_fsdp2_trainer_updates_a_real_vllm_server_and_verify_checks_the_updat
         result, log = trainer(Path(server.model), 2, 2, 1, perturb=1, server=(server.url, 2))
     finally:
         life.close()
-    good, bad = result["good"], result["bad"]
-    assert good["match"] and good["keys"] == len(result["expected"]) > 0, (good, log[-3000:])
+    good, bad, expected = result["good"], result["bad"], result["expected"]
+    assert good["match"] and good["keys"] == len(expected) > 0, (good, log[-3000:])
+    # The step moved the weights the server started with (so MATCH says the update landed),
+    # and only chain states travelled between the trainer's ranks.
+    assert sum(expected[k] != result["before"][k] for k in expected) > len(expected) // 2
+    assert 0 < result["exchanged"] <= 109 * 4 * len(expected)
     down = [f"dp0:pp0:pcp0:tp{t}:model.layers.0.mlp.down_proj.weight" for t in (0, 1)]
     assert not bad["match"] and sorted(bad["mismatches"]) == result["oracle_differs"] == down, (bad, log[-3000:])
 
@@ -146,6 +150,8 @@ def test_legs_join_zero_padding_to_the_holder_beside_it():
 
 
 def test_shards_given_as_items_or_a_generator_are_seen_and_whole_tensors_stay_a_stream():
+    from collections.abc import Mapping
+
     from weight_checker.expected.collective import sharded_weights
 
     t = torch.arange(12.0).reshape(4, 3)
@@ -159,3 +165,34 @@ def test_shards_given_as_items_or_a_generator_are_seen_and_whole_tensors_stay_a_
     assert [(n, x.tolist()) for n, x in stream] == [(n, x.tolist()) for n, x in whole]
     assert sharded_weights(iter(()))[1] is False and list(sharded_weights(iter(()))[0]) == []
     assert sharded_weights(dict(whole).items()) == (whole, False)
+
+    class Staged(Mapping):
+        """A mapping that refills one buffer for each value asked for."""
+
+        def __init__(self):
+            self.buffer, self.reads = torch.zeros(3), 0
+
+        def __getitem__(self, name):
+            self.reads += 1
+            return self.buffer.fill_(float(name))
+
+        def __iter__(self):
+            return iter(["0", "1", "2"])
+
+        def __len__(self):
+            return 3
+
+    staged = Staged()
+    items = staged.items()
+    assert sharded_weights(items) == (items, False)  # handed on as it came: the loader reads each value afresh
+    assert staged.reads == 1
+    # A first item that is not a pair is put back for the loader to refuse, never dropped.
+    rest, sharded = sharded_weights(p for p in [None, ("w", t)])
+    assert not sharded and [p if p is None else p[0] for p in rest] == [None, "w"]
+
+    def failing():
+        raise OSError("disk gone")
+        yield
+
+    with pytest.raises(ExpectedDigestsError, match=r"the weights: reading the first pair failed: OSError: disk gone"):
+        sharded_weights(failing())

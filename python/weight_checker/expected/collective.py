@@ -22,6 +22,7 @@ from __future__ import annotations
 import datetime
 import itertools
 import time
+from collections import OrderedDict
 from collections.abc import ItemsView, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -84,30 +85,41 @@ def _is_shard(value: Any) -> bool:
 
 def is_sharded(weights: Any) -> bool:
     """Whether ``weights`` (a mapping or pairs) holds a ``DTensor`` or a :class:`LocalShard`."""
-    if isinstance(weights, ItemsView):
-        weights = list(weights)
     if not isinstance(weights, Mapping | list | tuple):
         return False
     values = weights.values() if isinstance(weights, Mapping) else [p[1] for p in weights if isinstance(p, tuple)]
     return any(_is_shard(v) for v in values)
 
 
+#: ``.items()`` of a dict: pairs held by reference, read again at no cost.
+_HELD_ITEMS: tuple[type, ...] = (type({}.items()), type(OrderedDict().items()))
+_NOTHING = object()
+
+
 def sharded_weights(weights: Any) -> tuple[Any, bool]:
-    """``(weights, whether they are sharded)``. Pairs given as ``.items()``
-    or an iterator are looked at by their first pair (put back): sharded
-    ones are listed (references only), for every rank to see them all;
-    whole tensors stay a stream, read one at a time as before."""
+    """``(weights, whether they are sharded)``. A dict's ``.items()`` is
+    looked at whole. Pairs from an iterator, or from the items of any other
+    mapping (one that may make each value as it is asked for), are judged by
+    their first pair: sharded ones are listed (references only) for every
+    rank to see them all; anything else is handed on as it came (an
+    iterator with its first pair put back), read one pair at a time as before."""
+    if type(weights) in _HELD_ITEMS:
+        listed = list(weights)
+        return listed, is_sharded(listed)
+    if not isinstance(weights, Iterator | ItemsView):
+        return weights, is_sharded(weights)
+    pairs = iter(weights)
+    try:
+        first = next(pairs, _NOTHING)
+    except Exception as e:
+        raise ExpectedDigestsError(f"the weights: reading the first pair failed: {type(e).__name__}: {e}") from e
+    if first is _NOTHING:
+        return iter(()), False
+    if isinstance(first, tuple) and len(first) == 2 and _is_shard(first[1]):
+        return list(itertools.chain([first], pairs)), True
     if isinstance(weights, ItemsView):
-        weights = list(weights)
-    elif isinstance(weights, Iterator):
-        first = next(weights, None)
-        if first is None:
-            return iter(()), False
-        rest = itertools.chain([first], weights)
-        if isinstance(first, tuple) and len(first) == 2 and _is_shard(first[1]):
-            return list(rest), True
-        return rest, False
-    return weights, is_sharded(weights)
+        return weights, False  # read afresh by the loader
+    return itertools.chain([first], pairs), False
 
 
 def _local(name: str, value: Any, me: int) -> tuple[tuple[int, ...], Any, int, Any]:
