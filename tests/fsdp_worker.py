@@ -124,8 +124,11 @@ def against_server(ckpt: str, weights: dict, _tp: int, perturb: int | None, rank
         return {}
     trainer.shutdown()
     oracle = weight_checker.expected_digests(None, sent, like=url)
+    before = weight_checker.expected_digests(None, ckpt, like=url)  # the checkpoint the server started from
     return {
         "expected": dict(expected),
+        "before": dict(before),
+        "exchanged": expected.bytes_exchanged,
         "good": {"match": good.match, "keys": good.key_count, "mismatches": good.mismatches},
         "bad": {"match": bad.match, "keys": bad.key_count, "mismatches": bad.mismatches},
         "oracle_differs": sorted(k for k in expected if expected[k] != oracle[k]),
