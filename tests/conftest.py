@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 import warnings
 from types import SimpleNamespace
 
@@ -171,26 +172,34 @@ def _job_env(config) -> SimpleNamespace:
     return SimpleNamespace(models=_models(config), servers=_pool(config))
 
 
+#: Background jobs and the main thread may set the session's checkpoints and
+#: pool up at once (the first ``mktemp`` creates pytest's base directory: two
+#: at once collide).
+_SETUP = threading.RLock()
+
+
 def _models(config) -> Models:
     """The session's checkpoints (written once, on first use)."""
-    models = config.stash.get(_MODELS, None)
-    if models is None:
-        models = config.stash[_MODELS] = Models(config._tmp_path_factory.mktemp("models"))
-    return models
+    with _SETUP:
+        models = config.stash.get(_MODELS, None)
+        if models is None:
+            models = config.stash[_MODELS] = Models(config._tmp_path_factory.mktemp("models"))
+        return models
 
 
 def _pool(config) -> ServerPool | None:
     """The session's pool, set up (its folders, the vLLM 0.31 interpreter) once."""
-    from weight_checker.testing.launch import vllm_available
+    with _SETUP:
+        from weight_checker.testing.launch import vllm_available
 
-    pool = config.stash.get(_POOL, None)
-    if pool is None:  # collected without our hook (a plugin reordered): no plan, stopped at the end
-        pool = config.stash[_POOL] = ServerPool()
-    if pool.root is None:
-        if not vllm_available():
-            return None
-        pool.configure(config._tmp_path_factory.mktemp("servers"), _models(config), vllm031_interpreter())
-    return pool
+        pool = config.stash.get(_POOL, None)
+        if pool is None:  # collected without our hook (a plugin reordered): no plan, stopped at the end
+            pool = config.stash[_POOL] = ServerPool()
+        if pool.root is None:
+            if not vllm_available():
+                return None
+            pool.configure(config._tmp_path_factory.mktemp("servers"), _models(config), vllm031_interpreter())
+        return pool
 
 
 @pytest.hookimpl(hookwrapper=True)

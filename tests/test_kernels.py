@@ -5,11 +5,13 @@ again with the portable fallback forced, with the SHA-NI lanes fixed (no
 16-lane AVX-512 at all), and with the 16-lane AVX-512 kernel asked for.
 
 The core reads these settings once per process, so each runs in a process of
-its own; the three run at once (each mostly hashes on one core), as part of
-the main run (they were three more ``pytest`` runs after it)."""
+its own, as a background job from the session's start (tests/jobs.py): it
+mostly hashes on one core, while the foreground waits for servers (it was a
+fixture that blocked the foreground for 38-99 s under CI's load)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -30,14 +32,9 @@ SETTINGS = {
 def main_runs_it(name: str, session: pytest.Session) -> bool:
     """Whether this run's own digest suites ran under the setting: every one
     of them is collected here and this process's calibrated choice is the
-    setting's (SHA-NI lanes, 4 a thread, for large and small tensors alike)."""
+    setting's (:func:`calibrated_as`)."""
     collected = {str(item.path.relative_to(ROOT)) for item in session.items}
-    return (
-        name == "sha-ni-lanes"
-        and set(DIGEST_SUITES) <= collected
-        and _core.kernel() == "sha-ni"
-        and _core.lanes() == _core.small_lanes() == 4
-    )
+    return set(DIGEST_SUITES) <= collected and calibrated_as(name)
 
 
 def not_here(name: str) -> bool:
@@ -46,37 +43,41 @@ def not_here(name: str) -> bool:
     return name == "wide" and not _core.wide_kernel_available()
 
 
-@pytest.fixture(scope="module")
-def runs(request: pytest.FixtureRequest) -> dict[str, subprocess.CompletedProcess]:
-    """The digest suites under each setting not already this run's, run at once."""
-    procs = {}
-    for name, setting in SETTINGS.items():
-        if main_runs_it(name, request.session) or not_here(name):
-            continue
-        env = {k: v for k, v in os.environ.items() if not k.startswith("WEIGHT_CHECKER_")} | setting
-        env.pop("PYTEST_ADDOPTS", None)
-        procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *DIGEST_SUITES],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-    out = {}
-    for name, proc in procs.items():
-        stdout, _ = proc.communicate(timeout=1200)
-        out[name] = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, "")
-    return out
+def calibrated_as(name: str) -> bool:
+    """Whether this process's calibrated choice is the setting's (SHA-NI
+    lanes, 4 a thread, for large and small tensors alike)."""
+    return name == "sha-ni-lanes" and _core.kernel() == "sha-ni" and _core.lanes() == _core.small_lanes() == 4
 
 
-@pytest.mark.parametrize("setting", list(SETTINGS))
-def test_the_digest_suites_pass_with_the_kernel_forced(runs, setting, request):
+def run_suites(name: str, always: bool = False) -> subprocess.CompletedProcess | None:
+    """The digest suites under one setting, in a process of its own (the
+    core reads its settings once per process); ``None`` where the setting
+    needs no run of its own (:func:`calibrated_as`, :func:`not_here`),
+    unless ``always``."""
+    if not always and (calibrated_as(name) or not_here(name)):
+        return None
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WEIGHT_CHECKER_")} | SETTINGS[name]
+    env.pop("PYTEST_ADDOPTS", None)
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *DIGEST_SUITES],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1200,
+    )  # fmt: skip
+
+
+def background_jobs(env) -> dict[str, functools.partial]:
+    """Each setting's run, in the background from the session's start (tests/jobs.py)."""
+    return {f"kernel-{name}": functools.partial(run_suites, name) for name in SETTINGS}
+
+
+@pytest.mark.parametrize("setting", [pytest.param(n, marks=pytest.mark.uses_jobs(f"kernel-{n}")) for n in SETTINGS])
+def test_the_digest_suites_pass_with_the_kernel_forced(jobs, setting, request):
     if main_runs_it(setting, request.session):
         pytest.skip("the calibration chose SHA-NI lanes, 4 a thread: the main run's digest suites ran under it")
     if not_here(setting):
         pytest.skip("no AVX-512 on this CPU: the wide kernel is not tested (it would run the narrow one)")
-    r = runs[setting]
+    # None: calibrated as the setting, but this run did not collect the digest suites: run here.
+    r = jobs.result(f"kernel-{setting}") or run_suites(setting, always=True)
+    assert r is not None
     assert r.returncode == 0, r.stdout[-5000:]
     summary = r.stdout.strip().splitlines()[-1]
     assert " passed" in summary and "failed" not in summary and "error" not in summary, summary
