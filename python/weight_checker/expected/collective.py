@@ -22,12 +22,12 @@ from __future__ import annotations
 import datetime
 import itertools
 import time
-from collections import OrderedDict
 from collections.abc import ItemsView, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from weight_checker.errors import ExpectedDigestsError
+from weight_checker.expected.weights import HELD
 
 #: Bytes of a chain state on the wire: its length, then its bytes (at most 109).
 _WIRE = 128
@@ -91,8 +91,6 @@ def is_sharded(weights: Any) -> bool:
     return any(_is_shard(v) for v in values)
 
 
-#: ``.items()`` of a dict: pairs held by reference, read again at no cost.
-_HELD_ITEMS: tuple[type, ...] = (type({}.items()), type(OrderedDict().items()))
 _NOTHING = object()
 
 
@@ -103,7 +101,7 @@ def sharded_weights(weights: Any) -> tuple[Any, bool]:
     their first pair: sharded ones are listed (references only) for every
     rank to see them all; anything else is handed on as it came (an
     iterator with its first pair put back), read one pair at a time as before."""
-    if type(weights) in _HELD_ITEMS:
+    if isinstance(weights, ItemsView) and type(weights) in HELD:  # a dict's: pairs held by reference
         listed = list(weights)
         return listed, is_sharded(listed)
     if not isinstance(weights, Iterator | ItemsView):
