@@ -87,6 +87,7 @@ def _quant_per_channel(original: Any) -> Any:
         import torch
 
         from weight_checker import _core
+        from weight_checker.expected.vllm import warm_memory
 
         rows = weight.shape[0] if weight.dim() == 2 else -1
         if (
@@ -98,7 +99,7 @@ def _quant_per_channel(original: Any) -> Any:
         ):
             cols = weight.shape[1]
             # [K, N] storage: the [N, K] result vLLM transposes is then contiguous.
-            out = torch.empty((cols, rows), dtype=torch.float8_e4m3fn)
+            out = warm_memory.empty((cols, rows), torch.float8_e4m3fn)  # written in full below
             if getattr(_LOCAL, "amax_only", False):
                 return out.t()  # a pass that keeps only the amaxes: the bytes are never read
             w = weight.detach().contiguous()

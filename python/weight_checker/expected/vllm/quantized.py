@@ -243,6 +243,7 @@ def quantized_ranks(
     import time
 
     from weight_checker.expected.rank import Rank
+    from weight_checker.expected.vllm import warm_memory
 
     reduce = AmaxReduce(tp)
     out._quantized = (config, tp, pp, dp, reduce)  # what the explanation's rebuild needs (no weights)
@@ -265,6 +266,7 @@ def quantized_ranks(
                 refuse_unseen(model, rank.name)
                 first[rank.name] = rank_digests(model, rank.prefix)
                 out.seconds["hash"] += time.perf_counter() - hashed_at
+            drop_tensors(model)
             del model
         reduce.reduce()
         if not reduce.needed and len(first) == len(ranks):
@@ -282,8 +284,20 @@ def quantized_ranks(
         refuse_unseen(model, rank.name)
         rank.put(rank_digests(model, rank.prefix))
         out.seconds["hash"] += time.perf_counter() - hashed_at
+        drop_tensors(model)
         del model
+    warm_memory.POOL.trim()  # what this call did not use is not kept for the next
     return ranks
+
+
+def drop_tensors(model: Any) -> None:
+    """Lets go of a hashed rank's parameters and buffers now. A model's
+    modules hold one another in cycles (a layer's weight loaders close over
+    the layer), so ``del`` frees nothing until a full garbage collection:
+    their memory could not go back to the pool for the next rank or call."""
+    for module in model.modules():
+        module._parameters.clear()
+        module._buffers.clear()
 
 
 def load_and_process(
@@ -304,15 +318,21 @@ def load_and_process(
     import torch
 
     from weight_checker.expected.rank import on_rank
-    from weight_checker.expected.vllm import fp8_kernels
-    from weight_checker.expected.vllm.rank_model import build_model, in_a_clean_thread, one_line, unwritten_of
+    from weight_checker.expected.vllm import fp8_kernels, warm_memory
+    from weight_checker.expected.vllm.rank_model import in_a_clean_thread, one_line, unwritten_of
 
     model_config = config.model_config
     # Online FP8 quantizes as the load completes each layer (and in process()):
     # its arithmetic by the core, the same bytes (fp8_kernels); ``amax_only``:
     # a pass whose model is dropped once its amaxes are recorded.
-    with on_rank(config, config, model_config, rank, tp, pp, dp, None), fp8_kernels.fast(amax_only):
-        model = in_a_clean_thread(build_model, config, model_config, {}, quantized=True)
+    # Its large allocations (parameters, materialized weights, FP8 outputs)
+    # come from memory the previous call touched (warm_memory).
+    with (
+        on_rank(config, config, model_config, rank, tp, pp, dp, None),
+        fp8_kernels.fast(amax_only),
+        warm_memory.serving(),
+    ):
+        model = in_a_clean_thread(_build_warm, config, model_config)
         if zero:
             _mark_zero_rows(model, rank, zero)
         weights = source.read()
@@ -344,6 +364,16 @@ def load_and_process(
                 f"the weights never wrote {len(unwritten)} target parameter(s) of {rank.name}: {shown}"
             )
     return model
+
+
+def _build_warm(config: Any, model_config: Any) -> Any:
+    """vLLM's build of a quantized rank, its parameters from warm memory
+    (in the clean thread that builds it: function modes are per thread)."""
+    from weight_checker.expected.vllm import warm_memory
+    from weight_checker.expected.vllm.rank_model import build_model
+
+    with warm_memory.serving():
+        return build_model(config, model_config, {}, quantized=True)
 
 
 def _mark_zero_rows(model: Any, rank: Any, zero: list[tuple[str, list[int], int]]) -> None:

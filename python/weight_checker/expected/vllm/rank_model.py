@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import sys
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -127,6 +128,9 @@ def release_buffers() -> None:
     TARGET_ARENA.buffer = None
     DRAFT_ARENA.buffer = None
     MAPPINGS.clear()
+    warm = sys.modules.get("weight_checker.expected.vllm.warm_memory")  # imported with torch, when a rank was built
+    if warm is not None:
+        warm.POOL.clear()
     CACHE.key, CACHE.config, CACHE.models = None, None, {}
 
 

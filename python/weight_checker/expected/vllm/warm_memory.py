@@ -1,0 +1,235 @@
+"""Memory a quantized rank's build reuses from one call to the next.
+
+A quantized rank's expected digests build the rank's model, materialize
+each online-quantized layer's bf16 weight, copy the checkpoint into it and
+cast it to FP8 into new tensors: about the rank's bytes in fresh
+allocations, every call. Fresh memory pays a page fault and the kernel's
+zeroing for every 4 KiB at first touch: a copy into it runs at about 2 GB/s
+on the machines here, into memory already touched at 10-15 GB/s. That was
+most of the load's time (issue 55).
+
+:func:`serving` puts a torch function mode on the calling thread that serves
+the large CPU allocations of vLLM's code (``torch.empty``,
+``empty_strided``, ``empty_like``: its parameters, the weights it
+materializes) from :data:`POOL`, buffers kept between calls; the FP8 cast
+takes its outputs from there too (:func:`empty`). A buffer goes back to the
+pool only when torch has freed every tensor over it (a finalizer on the
+array torch's storage holds), so a buffer in use is never handed out twice.
+
+What a reused buffer held is never seen: it is zeroed before it is handed
+out, as fresh memory reads (torch gives no guarantee either way, and a
+padding byte the loader never writes must read as it would have). Only a
+caller that writes every byte itself (the FP8 cast) skips that.
+
+Anything the mode does not recognise as a plain contiguous CPU allocation
+with its dtype given (a device left to the default, a layout, pinned
+memory, ``out=``, strides that are not C order) goes to torch unchanged.
+At the end of a call, buffers that call did not use are freed
+(:meth:`WarmPool.trim`); :func:`weight_checker.expected.release_buffers`
+frees all of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import mmap
+import threading
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from torch.overrides import TorchFunctionMode
+
+#: Allocations smaller than this are left to torch (their faults cost little).
+MIN_BYTES = 1 << 20
+#: Buffers are whole 2 MiB units (a huge page, where the kernel gives one).
+UNIT = 2 << 20
+#: The start of every tensor served is aligned to this (as torch's allocator).
+ALIGN = 64
+
+
+class _Buffer:
+    __slots__ = ("array", "mapping", "size", "used")
+
+    def __init__(self, size: int):
+        # An anonymous mapping of its own: zeros, as fresh memory reads.
+        self.mapping = mmap.mmap(-1, size)
+        self.array = np.frombuffer(self.mapping, dtype=np.uint8)
+        self.size = size
+        self.used = False
+
+
+class WarmPool:
+    """Buffers served to one call at a time (the callers hold
+    ``rank_model.LOCK``); finalizers return them from any thread."""
+
+    def __init__(self) -> None:
+        self._free: list[_Buffer] = []
+        self._lock = threading.Lock()
+        #: Bytes handed out from reused buffers / from new ones (the benchmarks print them).
+        self.reused_bytes = 0
+        self.fresh_bytes = 0
+
+    def take(self, nbytes: int, zeroed: bool) -> np.ndarray:
+        """``nbytes`` of a buffer, 64-byte aligned, as a uint8 array; zeros if
+        ``zeroed``. The buffer returns to the pool when the array is freed."""
+        need = nbytes + ALIGN
+        with self._lock:
+            fits = [b for b in self._free if need <= b.size <= max(2 * need, need + 4 * UNIT)]
+            buffer = min(fits, key=lambda b: b.size) if fits else None
+            if buffer is not None:
+                self._free.remove(buffer)
+        reused = buffer is not None
+        if buffer is None:
+            buffer = _Buffer(-(-need // UNIT) * UNIT)
+        buffer.used = True
+        start = (-buffer.array.ctypes.data) % ALIGN
+        view = buffer.array[start : start + nbytes]
+        if reused:
+            self.reused_bytes += nbytes
+            if zeroed:
+                torch.from_numpy(view).zero_()
+        else:
+            self.fresh_bytes += nbytes
+        weakref.finalize(view, self._give_back, buffer)
+        return view
+
+    def _give_back(self, buffer: _Buffer) -> None:
+        with self._lock:
+            self._free.append(buffer)
+
+    def trim(self) -> None:
+        """Frees the buffers the call now ending did not use; the rest wait for the next."""
+        with self._lock:
+            self._free = [b for b in self._free if b.used]
+            for b in self._free:
+                b.used = False
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free = []
+
+    @property
+    def kept_bytes(self) -> int:
+        with self._lock:
+            return sum(b.size for b in self._free)
+
+
+#: The process's pool (one call at a time: ``rank_model.LOCK``).
+POOL = WarmPool()
+_LOCAL = threading.local()
+
+
+def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A contiguous CPU tensor the caller writes in full: from the pool
+    (not zeroed) while :func:`serving` is active on this thread, else torch's."""
+    pool = getattr(_LOCAL, "pool", None)
+    nbytes = math.prod(shape) * dtype.itemsize
+    if pool is None or nbytes < MIN_BYTES:
+        return torch.empty(shape, dtype=dtype)
+    return _tensor(pool.take(nbytes, zeroed=False), shape, dtype)
+
+
+def _tensor(view: np.ndarray, shape: Any, dtype: torch.dtype) -> torch.Tensor:
+    return torch.from_numpy(view).view(dtype).view(tuple(shape))
+
+
+@contextlib.contextmanager
+def serving(pool: WarmPool | None = None) -> Iterator[None]:
+    """On this thread, inside: large plain CPU allocations come from ``pool`` (:data:`POOL`)."""
+    pool = POOL if pool is None else pool
+    previous = getattr(_LOCAL, "pool", None)
+    _LOCAL.pool = pool
+    try:
+        with _Allocations(pool):
+            yield
+    finally:
+        _LOCAL.pool = previous
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def _size(args: tuple[Any, ...]) -> tuple[int, ...] | None:
+    """``torch.empty``'s size, given as ints or one sequence of them."""
+    if len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)):
+        args = tuple(args[0])
+    if all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in args):
+        return tuple(args)
+    return None
+
+
+def _plain(kwargs: dict[str, Any], allowed: frozenset[str]) -> bool:
+    """Only arguments that leave a plain, CPU, strided, unpinned tensor with no grad."""
+    if set(kwargs) - allowed:
+        return False
+    device = kwargs.get("device")
+    return (
+        device is not None
+        and torch.device(device).type == "cpu"
+        and kwargs.get("layout", torch.strided) in (None, torch.strided)
+        and not kwargs.get("requires_grad", False)
+        and not kwargs.get("pin_memory", False)
+        and kwargs.get("memory_format", torch.contiguous_format) in (None, torch.contiguous_format)
+    )
+
+
+_EMPTY = frozenset({"dtype", "device", "layout", "requires_grad", "pin_memory", "memory_format"})
+_STRIDED = frozenset({"dtype", "device", "layout", "requires_grad", "pin_memory"})
+
+
+class _Allocations(TorchFunctionMode):
+    def __init__(self, pool: WarmPool):
+        super().__init__()
+        self._pool = pool
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        wanted = _recognised(func, tuple(args), kwargs)
+        if wanted is not None:
+            shape, dtype = wanted
+            nbytes = math.prod(shape) * dtype.itemsize
+            if nbytes >= MIN_BYTES:
+                return _tensor(self._pool.take(nbytes, zeroed=True), shape, dtype)
+        return func(*args, **kwargs)
+
+
+def _recognised(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[int, ...], Any] | None:
+    """The shape and dtype of a plain contiguous CPU allocation with its dtype given, else ``None``."""
+    if func is torch.empty:
+        shape, given = _size(args), kwargs
+        ok = _plain(given, _EMPTY)
+    elif func is torch.empty_strided:
+        size = kwargs.get("size", args[0] if args else None)
+        stride = kwargs.get("stride", args[1] if len(args) > 1 else None)
+        given = {k: v for k, v in kwargs.items() if k not in ("size", "stride")}
+        shape = _size((size,)) if size is not None and len(args) <= 2 else None
+        ok = shape is not None and stride is not None and tuple(stride) == _contiguous_strides(shape)
+        ok = ok and _plain(given, _STRIDED)
+    elif func is torch.empty_like:
+        source = kwargs.get("input", args[0] if args else None)
+        if not isinstance(source, torch.Tensor) or len(args) > 1 or not source.is_contiguous():
+            return None
+        given = {k: v for k, v in kwargs.items() if k not in ("input", "memory_format")}
+        given.setdefault("dtype", source.dtype)
+        given.setdefault("device", source.device)
+        shape = tuple(source.shape)
+        layout_kept = kwargs.get("memory_format", torch.preserve_format) in (
+            torch.preserve_format,
+            torch.contiguous_format,
+        )
+        ok = layout_kept and source.layout == torch.strided and _plain(given, _STRIDED)
+    else:
+        return None
+    dtype = given.get("dtype")
+    if not ok or shape is None or not isinstance(dtype, torch.dtype):
+        return None
+    return shape, dtype

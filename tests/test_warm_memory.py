@@ -1,0 +1,177 @@
+"""The memory a quantized rank's build reuses between calls
+(expected/vllm/warm_memory.py): a buffer is handed out again only once torch
+freed every tensor over it, reads as zeros when reused, and anything not a
+plain contiguous CPU allocation goes to torch; the FP8 expected digests made
+from reused memory are the ones a pure-torch quantization gives (hashlib),
+call after call, at TP=1 and TP=2."""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+from pathlib import Path
+
+import pytest
+import torch
+from weight_checker.expected.vllm import warm_memory
+from weight_checker.testing.launch import vllm_available
+
+MB = 1 << 20
+
+
+@pytest.fixture
+def pool():
+    return warm_memory.WarmPool()
+
+
+def address(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def test_an_allocation_is_served_zeroed_and_reused_only_once_every_view_is_freed(pool):
+    with warm_memory.serving(pool):
+        a = torch.empty((512, 1024), dtype=torch.bfloat16, device="cpu")
+        assert a.shape == (512, 1024) and a.dtype == torch.bfloat16 and a.is_contiguous()
+        assert a.data_ptr() % warm_memory.ALIGN == 0 and pool.fresh_bytes == MB
+        first = address(a)
+        a.fill_(3)
+        view = a.t()[5:]  # a view alone keeps the buffer
+        del a
+        b = torch.empty((512, 1024), dtype=torch.bfloat16, device="cpu")
+        assert address(b) != first and pool.reused_bytes == 0
+        del view, b
+        c = torch.empty(MB, dtype=torch.uint8, device="cpu")
+        assert address(c) == first and pool.reused_bytes == MB
+        assert int(c.count_nonzero()) == 0  # what it held is not seen
+
+
+def test_the_fp8_output_is_not_zeroed_and_is_torch_s_outside_serving(pool):
+    with warm_memory.serving(pool):
+        a = warm_memory.empty((1024, 1024), torch.float8_e4m3fn)
+        a.view(torch.uint8).fill_(7)
+        del a
+        b = warm_memory.empty((1024, 1024), torch.float8_e4m3fn)
+        assert pool.reused_bytes == MB and b.dtype == torch.float8_e4m3fn
+        assert int((b.view(torch.uint8) == 7).sum()) == MB  # written in full by its caller: left as it was
+    outside = warm_memory.empty((1024, 1024), torch.float8_e4m3fn)
+    assert pool.reused_bytes == MB and pool.fresh_bytes == MB and outside.dtype == torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.empty(MB),  # no dtype given: the thread's default is not guessed
+        lambda: torch.empty(MB, dtype=torch.float32),  # no device given
+        lambda: torch.empty(MB, dtype=torch.float32, device="meta"),
+        lambda: torch.empty(MB, dtype=torch.float32, device="cpu", pin_memory=False, requires_grad=True),
+        lambda: torch.empty_strided((1024, 1024), (1, 1024), dtype=torch.float32, device="cpu"),
+        lambda: torch.empty_like(torch.zeros(1024, 1024).t(), dtype=torch.float32),
+        lambda: torch.empty(16, dtype=torch.float32, device="cpu"),  # small: torch's
+        lambda: torch.zeros(MB, dtype=torch.float32, device="cpu"),
+    ],
+)
+def test_what_is_not_a_plain_contiguous_cpu_allocation_is_torch_s(pool, make):
+    with warm_memory.serving(pool):
+        t = make()
+    assert pool.fresh_bytes == pool.reused_bytes == 0
+    assert isinstance(t, torch.Tensor)
+
+
+def test_empty_strided_and_empty_like_are_served_when_contiguous(pool):
+    with warm_memory.serving(pool):
+        a = torch.empty_strided(size=(1024, 512), stride=(512, 1), dtype=torch.float32, device="cpu")
+        b = torch.empty_like(a)
+        c = torch.empty_like(a, dtype=torch.bfloat16)
+    assert (a.shape, b.shape, c.shape) == ((1024, 512),) * 3 and c.dtype == torch.bfloat16
+    assert pool.fresh_bytes == 2 * MB + 2 * MB + MB
+
+
+def test_trim_frees_what_the_call_did_not_use(pool):
+    with warm_memory.serving(pool):
+        a = torch.empty(MB, dtype=torch.uint8, device="cpu")
+        b = torch.empty(4 * MB, dtype=torch.uint8, device="cpu")
+    del a, b
+    pool.trim()  # both used by this "call": kept
+    both = pool.kept_bytes
+    assert both >= 5 * MB
+    with warm_memory.serving(pool):
+        c = torch.empty(4 * MB, dtype=torch.uint8, device="cpu")
+    del c
+    pool.trim()  # the 1 MiB buffer was not used by the second call
+    assert 4 * MB < pool.kept_bytes <= both - MB
+    pool.clear()
+    assert pool.kept_bytes == 0
+
+
+# --- the FP8 expected digests made from reused memory ------------------------------------------------------
+
+
+def sha(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+FUSED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "self_attn.o_proj": ("self_attn.o_proj",),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.down_proj": ("mlp.down_proj",),
+}
+ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
+
+
+def pure_torch(state: dict, tp: int) -> dict[str, str]:
+    """Each rank's FP8 weight (stored [K, N]) and scale of every fused layer,
+    quantized in pure torch (weight_checker.testing.quantized), hashed by
+    hashlib: column-parallel layers split by output rows (q, k and v each, as
+    vLLM fuses them), row-parallel ones by input columns with the whole
+    weight's scales (vLLM all-reduces their amax)."""
+    from weight_checker.testing.quantized import fp8_channel_quantize
+
+    out = {}
+    layers = sorted({int(k.split(".")[2]) for k in state if k.startswith("model.layers.")})
+    for layer in layers:
+        for name, parts in FUSED.items():
+            whole = [state[f"model.layers.{layer}.{p}.weight"] for p in parts]
+            for t in range(tp):
+                key = f"dp0:pp0:pcp0:tp{t}:model.layers.{layer}.{name}"
+                if name in ROW_PARALLEL:
+                    q, scale = fp8_channel_quantize(whole[0])
+                    q = q.chunk(tp, dim=1)[t]
+                else:
+                    q, scale = fp8_channel_quantize(torch.cat([w.chunk(tp, dim=0)[t] for w in whole]))
+                out[key + ".weight"], out[key + ".weight_scale"] = sha(q.t()), sha(scale)
+    return out
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed")
+@pytest.mark.parametrize("tp", [1, 2])
+def test_fp8_expected_digests_from_reused_memory_equal_a_pure_torch_quantization_call_after_call(
+    models, tmp_path, monkeypatch, tp
+):
+    """Every allocation served from the pool (the tiny model's are all under
+    the size it serves at otherwise); steps 1, 2, then 1 again, each call
+    reusing what the last one freed (the second rank reusing the first's at
+    TP=2): every quantized key equals hashlib's digest of the pure-torch
+    quantization of that step's weights, and the repeat equals the first."""
+    import weight_checker
+    from safetensors.torch import load_file
+
+    from .test_expected_verify import push, train_step
+
+    monkeypatch.setattr(warm_memory, "MIN_BYTES", 0)
+    monkeypatch.setattr(warm_memory, "POOL", warm_memory.WarmPool())
+    source = Path(models.path("tiny-llama"))
+    state = load_file(str(source / "model.safetensors"))
+    steps = {1: train_step(state, 1), 2: train_step(state, 2)}
+    paths = {s: push(w, source, tmp_path / f"step{s}") for s, w in steps.items()}
+    results = []
+    for step in (1, 2, 1):
+        reused_before = warm_memory.POOL.reused_bytes
+        expected = weight_checker.expected_digests(paths[step], tp=tp, quantization="fp8_per_channel")
+        oracle = pure_torch(steps[step], tp)
+        assert {k: expected[k] for k in oracle} == oracle, step
+        results.append((dict(expected), warm_memory.POOL.reused_bytes - reused_before))
+        gc.collect()
+    assert results[0][0] == results[2][0] and results[0][0] != results[1][0]
+    assert results[1][1] > 0 and results[2][1] > 0  # the later calls did reuse memory
