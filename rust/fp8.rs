@@ -170,6 +170,67 @@ fn quantize_slice(width: Width, row: &[u16], scale: f32, out: &mut [u8]) -> bool
     }
 }
 
+/// Rows of bf16 bits read where they lie: row `n` is
+/// `src[offset + n * stride..][..cols]` (a contiguous matrix, or a piece of
+/// a larger one: the rows of a checkpoint tensor a TP shard narrows to).
+#[derive(Clone, Copy, Debug)]
+pub struct Rows<'a> {
+    src: &'a [u16],
+    offset: usize,
+    stride: usize,
+    rows: usize,
+    cols: usize,
+}
+
+impl<'a> Rows<'a> {
+    /// `rows` rows of `cols` at `offset`, `stride` apart; `None` if one
+    /// would end past `src` (or the arithmetic overflows).
+    pub fn new(src: &'a [u16], offset: usize, stride: usize, rows: usize, cols: usize) -> Option<Rows<'a>> {
+        if rows > 0 {
+            let end = (rows - 1).checked_mul(stride)?.checked_add(offset)?.checked_add(cols)?;
+            if end > src.len() {
+                return None;
+            }
+        }
+        Some(Rows {
+            src,
+            offset,
+            stride,
+            rows,
+            cols,
+        })
+    }
+
+    /// A contiguous `[src.len() / cols, cols]` matrix.
+    ///
+    /// # Panics
+    /// If `cols` is 0 or does not divide `src.len()`.
+    pub fn contiguous(src: &'a [u16], cols: usize) -> Rows<'a> {
+        assert!(
+            cols > 0 && src.len().is_multiple_of(cols),
+            "{} items are not rows of {cols}",
+            src.len()
+        );
+        Rows {
+            src,
+            offset: 0,
+            stride: cols,
+            rows: src.len() / cols,
+            cols,
+        }
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    #[inline]
+    fn row(&self, n: usize) -> &'a [u16] {
+        let start = self.offset + n * self.stride;
+        &self.src[start..start + self.cols]
+    }
+}
+
 /// `max(|x|)` of each of the rows of `src` (bf16 bits, `cols` a row), as
 /// bf16 bits, into `out` (one per row); `true` if any element is NaN (then
 /// `out` is not torch's and the caller must not use it).
@@ -182,13 +243,28 @@ pub fn row_abs_max(src: &[u16], cols: usize, out: &mut [u16]) -> bool {
         out.fill(0);
         return false;
     }
+    rows_abs_max(Rows::contiguous(src, cols), out)
+}
+
+/// [`row_abs_max`] of rows read where they lie.
+///
+/// # Panics
+/// If `out` does not hold one item per row.
+pub fn rows_abs_max(rows: Rows<'_>, out: &mut [u16]) -> bool {
+    assert_eq!(
+        out.len(),
+        rows.rows,
+        "rows_abs_max: {} rows into {}",
+        rows.rows,
+        out.len()
+    );
     out.par_iter_mut()
-        .zip(src.par_chunks(cols))
+        .enumerate()
         .with_min_len(16)
-        .map(|(m, row)| {
+        .map(|(n, m)| {
             // For every non-NaN bf16, the magnitude's order is the order of
             // its bits with the sign cleared (infinity included).
-            let top = row.iter().fold(0u16, |acc, &x| acc.max(x & 0x7fff));
+            let top = rows.row(n).iter().fold(0u16, |acc, &x| acc.max(x & 0x7fff));
             *m = top;
             top > 0x7f80
         })
@@ -230,18 +306,55 @@ pub fn quantize_rows_with(
     if rows == 0 || cols == 0 {
         return false;
     }
+    if transposed {
+        return quantize_rows_into(width, Rows::contiguous(src, cols), scale, out, 0, rows);
+    }
     let nan_scale = scale.iter().any(|s| s.is_nan());
-    let nan = if transposed {
-        quantize_transposed(width, src, rows, cols, scale, out)
-    } else {
-        out.par_chunks_mut(cols)
-            .zip(src.par_chunks(cols))
-            .zip(scale.par_iter())
-            .with_min_len(16)
-            .map(|((o, row), &s)| quantize_slice(width, row, s, o))
-            .reduce(|| false, |a, b| a | b)
-    };
+    let nan = out
+        .par_chunks_mut(cols)
+        .zip(src.par_chunks(cols))
+        .zip(scale.par_iter())
+        .with_min_len(16)
+        .map(|((o, row), &s)| quantize_slice(width, row, s, o))
+        .reduce(|| false, |a, b| a | b);
     nan || nan_scale
+}
+
+/// Quantizes `rows` (one `scale` each) into rows `first..first + rows` of
+/// a transposed `[cols, total]` output (`out[k * total + first + n]`): one
+/// piece of a weight whose other rows come from elsewhere. Returns `true` if
+/// a weight or a scale is NaN (then `out` is not torch's).
+///
+/// # Panics
+/// If `scale` is not one per row, the rows do not fit in `total`, or `out`
+/// is not `cols * total` bytes; and if `width` is wider than this CPU supports.
+pub fn quantize_rows_into(
+    width: Width,
+    rows: Rows<'_>,
+    scale: &[f32],
+    out: &mut [u8],
+    first: usize,
+    total: usize,
+) -> bool {
+    assert_eq!(
+        scale.len(),
+        rows.rows,
+        "quantize_rows_into: {} scales for {} rows",
+        scale.len(),
+        rows.rows
+    );
+    assert!(first + rows.rows <= total, "rows {first}+{} of {total}", rows.rows);
+    assert_eq!(
+        out.len(),
+        rows.cols * total,
+        "quantize_rows_into: the output holds {} bytes",
+        out.len()
+    );
+    if rows.rows == 0 || rows.cols == 0 {
+        return false;
+    }
+    let nan_scale = scale.iter().any(|s| s.is_nan());
+    quantize_transposed(width, rows, scale, out, first, total) || nan_scale
 }
 
 /// The transposed layout: each task owns `BAND` whole output rows (`BAND`
@@ -251,22 +364,29 @@ pub fn quantize_rows_with(
 /// `TILE`-byte runs. A band is wide (`BAND` columns, a kilobyte of each input
 /// row) because every input row of the band lies on a page of its own: a
 /// narrow band would pay a TLB miss for every few bytes read.
-fn quantize_transposed(width: Width, src: &[u16], rows: usize, cols: usize, scale: &[f32], out: &mut [u8]) -> bool {
-    out.par_chunks_mut(BAND * rows)
+fn quantize_transposed(
+    width: Width,
+    rows: Rows<'_>,
+    scale: &[f32],
+    out: &mut [u8],
+    first: usize,
+    total: usize,
+) -> bool {
+    out.par_chunks_mut(BAND * total)
         .enumerate()
         .map(|(band, piece)| {
             let k0 = band * BAND;
-            let band_cols = piece.len() / rows; // output rows in this band (the last may be short)
+            let band_cols = piece.len() / total; // output rows in this band (the last may be short)
             let mut tile = vec![0u8; TILE * BAND];
             let mut nan = false;
-            for n0 in (0..rows).step_by(TILE) {
-                let height = TILE.min(rows - n0);
+            for n0 in (0..rows.rows).step_by(TILE) {
+                let height = TILE.min(rows.rows - n0);
                 for (i, quantized) in tile.chunks_exact_mut(BAND).take(height).enumerate() {
                     let n = n0 + i;
-                    let row = &src[n * cols + k0..n * cols + k0 + band_cols];
+                    let row = &rows.row(n)[k0..k0 + band_cols];
                     nan |= quantize_slice(width, row, scale[n], &mut quantized[..band_cols]);
                 }
-                write_columns(&tile, height, band_cols, &mut piece[n0..], rows);
+                write_columns(&tile, height, band_cols, &mut piece[first + n0..], total);
             }
             nan
         })
@@ -381,6 +501,43 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn pieces_read_where_they_lie_equal_the_whole_contiguous_weight() {
+        // A [rows, cols] weight whose rows come from two pieces of a wider
+        // [rows, 3 * cols] source (columns cols..2*cols, as a row-parallel
+        // shard narrows), split at an awkward row.
+        for (rows, cols, split) in [(130, 70, 37), (64, 1030, 64), (3, 5, 1), (77, 17, 0)] {
+            let wide = 3 * cols;
+            let source: Vec<u16> = (0..rows * wide)
+                .map(|i| (i as u16).wrapping_mul(40503) & 0xbfff)
+                .collect();
+            let whole: Vec<u16> = (0..rows)
+                .flat_map(|n| source[n * wide + cols..n * wide + 2 * cols].to_vec())
+                .collect();
+            let mut amax = vec![0u16; rows];
+            assert!(!row_abs_max(&whole, cols, &mut amax));
+            let scale: Vec<f32> = amax.iter().map(|&a| (bf16_to_f32(a) / E4M3_MAX).max(1e-6)).collect();
+            let mut want = vec![0u8; rows * cols];
+            assert!(!quantize_rows(&whole, cols, &scale, &mut want, true));
+
+            let mut got_amax = vec![0u16; rows];
+            let mut got = vec![0u8; rows * cols];
+            for (first, count) in [(0, split), (split, rows - split)] {
+                let piece = Rows::new(&source, first * wide + cols, wide, count, cols).unwrap();
+                assert!(!rows_abs_max(piece, &mut got_amax[first..first + count]));
+                let sc = &scale[first..first + count];
+                assert!(!quantize_rows_into(widest(), piece, sc, &mut got, first, rows));
+            }
+            assert_eq!(got_amax, amax, "{rows}x{cols} at {split}");
+            assert_eq!(got, want, "{rows}x{cols} at {split}");
+        }
+        // A piece that would end past its source is refused.
+        let src = [0u16; 10];
+        assert!(Rows::new(&src, 0, 4, 3, 3).is_none());
+        assert!(Rows::new(&src, 1, 4, 3, 1).is_some());
+        assert!(Rows::new(&src, usize::MAX, 4, 2, 2).is_none());
     }
 
     #[test]

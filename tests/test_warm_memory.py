@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from weight_checker.expected.vllm import warm_memory
+from weight_checker.expected.vllm import deferred_rows, warm_memory
 from weight_checker.testing.launch import vllm_available
 
 MB = 1 << 20
@@ -103,6 +103,71 @@ def test_trim_frees_what_the_call_did_not_use(pool):
     assert pool.kept_bytes == 0
 
 
+# --- copies deferred into served memory (deferred_rows) ----------------------------------------------------
+
+
+@pytest.fixture
+def deferring(pool):
+    """Served memory and a deferring mode over it, a stable source noted."""
+    source = torch.arange(512 * 1024, dtype=torch.float32).to(torch.bfloat16).view(512, 1024)
+    with warm_memory.serving(pool), deferred_rows.DeferredCopies(pool) as mode:
+        mode.note_source("w", source)
+        yield mode, source
+
+
+def served(shape=(512, 1024)) -> torch.Tensor:
+    return torch.empty(shape, dtype=torch.bfloat16, device="cpu")
+
+
+def test_a_deferred_copy_is_written_before_anything_reads_it(deferring):
+    mode, source = deferring
+    w = served()
+    w[:256].copy_(source[:256])
+    w[256:].copy_(source[256:])
+    assert mode.pending and mode.replayed_bytes == 0
+    assert torch.equal(w.float().sum(0), source.float().sum(0))  # read: written first
+    assert mode.replayed_bytes == w.nbytes and not mode.pending
+
+
+def test_a_source_written_in_place_after_the_copy_leaves_the_copy_as_it_was(deferring):
+    _, source = deferring
+    before = source.clone()
+    w = served()
+    w.copy_(source)
+    source.add_(1)  # the copy was made first: every pending piece is written before this write
+    assert torch.equal(w, before)
+
+
+def test_rows_the_pieces_do_not_cover_read_as_zeros_and_a_freed_allocation_is_never_written(pool, deferring):
+    _, source = deferring
+    w = served()
+    w.copy_(source)  # fresh memory: nothing to zero
+    del w
+    w = served()  # the same buffer again: zeros under the pieces, written only where they are not
+    assert pool.reused_bytes == w.nbytes
+    w[:100].copy_(source[:100])
+    assert deferred_rows.pieces_of(w) is None  # rows 100.. are no piece's
+    assert int(w[100:].float().abs().sum()) == 0 and torch.equal(w[:100], source[:100])
+    x = served()
+    x.copy_(source)
+    del x  # freed with its copy pending: dropped, never written into the next allocation there
+    y = served()
+    assert int(y.float().abs().sum()) == 0
+
+
+def test_pieces_of_gives_rows_where_they_lie_and_the_mode_writes_what_is_left_on_exit(pool):
+    source = torch.randn(512, 2048).to(torch.bfloat16)
+    with warm_memory.serving(pool):
+        with deferred_rows.DeferredCopies(pool) as mode:
+            mode.note_source("w", source)
+            w = served()
+            w.copy_(source[:, 1024:])  # a row-parallel shard: rows 2048 items apart
+            pieces = deferred_rows.pieces_of(w)
+            assert pieces is not None and [(p.first, p.rows, p.stride) for p in pieces] == [(0, 512, 2048)]
+            assert pieces[0].source.ctypes.data == source[:, 1024:].data_ptr()  # no copy
+        assert torch.equal(w, source[:, 1024:])  # written when the mode ended
+
+
 # --- the FP8 expected digests made from reused memory ------------------------------------------------------
 
 
@@ -168,10 +233,17 @@ def test_fp8_expected_digests_from_reused_memory_equal_a_pure_torch_quantization
     results = []
     for step in (1, 2, 1):
         reused_before = warm_memory.POOL.reused_bytes
+        in_place_before = deferred_rows.TOTALS["in_place"]
         expected = weight_checker.expected_digests(paths[step], tp=tp, quantization="fp8_per_channel")
         oracle = pure_torch(steps[step], tp)
         assert {k: expected[k] for k in oracle} == oracle, step
-        results.append((dict(expected), warm_memory.POOL.reused_bytes - reused_before))
+        in_place = deferred_rows.TOTALS["in_place"] - in_place_before
+        results.append((dict(expected), warm_memory.POOL.reused_bytes - reused_before, in_place))
         gc.collect()
     assert results[0][0] == results[2][0] and results[0][0] != results[1][0]
     assert results[1][1] > 0 and results[2][1] > 0  # the later calls did reuse memory
+    # Every quantized weight was read where the checkpoint holds it: each
+    # rank's amax and cast (and at TP=2 the amax pass's too) read its bytes.
+    linear = sum(steps[1][f"model.layers.{i}.{p}.weight"].nbytes for i in (0, 1) for ps in FUSED.values() for p in ps)
+    passes = 2 if tp > 1 else 1
+    assert all(r[2] == 2 * linear + (passes - 1) * linear for r in results), (linear, [r[2] for r in results])

@@ -31,8 +31,10 @@ __all__ = [
     "describe_assignment",
     "digest_many",
     "dominant_chains",
+    "fp8_quantize_piece",
     "fp8_quantize_rows",
     "fp8_row_abs_max",
+    "fp8_row_abs_max_piece",
     "hash_floor",
     "kernel",
     "lanes",
@@ -196,6 +198,19 @@ def fp8_quantize_rows(weight: Any, cols: int, scale: Any, out: Any, transposed: 
     one fp32 ``scale`` a row of ``weight`` (bf16 bits, rows of ``cols``), into
     ``out`` (one byte an element; transposed: ``out[k * rows + n]``); ``True``
     if a quotient was NaN (then ``out`` is not torch's)."""
+
+def fp8_row_abs_max_piece(source: Any, offset: int, stride: int, rows: int, cols: int, out: Any) -> bool:
+    """``fp8_row_abs_max`` of a piece of a weight read where it lies: row
+    ``n`` is ``source[offset + n * stride:][:cols]`` (``source``: bf16 bits,
+    C order), one result a row into ``out``; ``True`` if an element is NaN."""
+
+def fp8_quantize_piece(
+    source: Any, offset: int, stride: int, rows: int, cols: int, scale: Any, out: Any, first: int, total: int
+) -> bool:
+    """``fp8_quantize_rows`` of a piece of a weight read where it lies (rows as
+    in ``fp8_row_abs_max_piece``, one fp32 ``scale`` each) into rows
+    ``first..first + rows`` of the transposed ``[cols, total]`` output
+    (``out[k * total + first + n]``); ``True`` if a quotient was NaN."""
 
 def checksum_safetensors(
     paths: Sequence[str],

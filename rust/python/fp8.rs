@@ -157,3 +157,92 @@ pub(super) fn fp8_quantize_rows(
     drop((src, sc, dst));
     Ok(nan)
 }
+
+/// The rows of a piece of a weight read where they lie: row `n` is
+/// `source[offset + n * stride..][..cols]` (bf16 bits), or the error.
+fn piece<'a>(source: &'a [u16], offset: usize, stride: usize, rows: usize, cols: usize) -> PyResult<fp8::Rows<'a>> {
+    fp8::Rows::new(source, offset, stride, rows, cols).ok_or_else(|| {
+        PyValueError::new_err(format!(
+            "source: {rows} rows of {cols} at {offset}, {stride} apart, end past its {} items",
+            source.len()
+        ))
+    })
+}
+
+/// [`fp8_row_abs_max`] of a piece of a weight read where it lies (one row of
+/// `cols` every `stride` items of `source` from `offset`) into `out` (one
+/// per row).
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn fp8_row_abs_max_piece(
+    py: Python<'_>,
+    source: &Bound<'_, PyAny>,
+    offset: usize,
+    stride: usize,
+    rows: usize,
+    cols: usize,
+    out: &Bound<'_, PyAny>,
+) -> PyResult<bool> {
+    let src = Typed::new::<u16>(source, false, "source")?;
+    let dst = Typed::new::<u16>(out, true, "out")?;
+    check(dst.len, rows, "out")?;
+    apart(&dst, dst.len * 2, &src, src.len * 2, "source")?;
+    let (s, d) = (src.ptr() as usize, dst.ptr() as usize);
+    let (n_src, n_dst) = (src.len, dst.len);
+    // SAFETY: as in `fp8_row_abs_max`: two live, C-contiguous, aligned
+    // exports of the lengths read from them, `out` sharing no byte with the
+    // source (checked); `piece` checks that every row lies inside the source
+    // before anything is read.
+    let nan = py.detach(|| unsafe {
+        let src = shared::<u16>(s, n_src);
+        let dst = exclusive::<u16>(d, n_dst);
+        piece(src, offset, stride, rows, cols).map(|p| fp8::rows_abs_max(p, dst))
+    })?;
+    drop((src, dst));
+    Ok(nan)
+}
+
+/// Quantizes a piece of a weight read where it lies (as in
+/// [`fp8_row_abs_max_piece`]), one `scale` a row, into rows
+/// `first..first + rows` of the transposed `[cols, total]` output `out`
+/// (`out[k * total + first + n]`); `True` if a quotient was NaN.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn fp8_quantize_piece(
+    py: Python<'_>,
+    source: &Bound<'_, PyAny>,
+    offset: usize,
+    stride: usize,
+    rows: usize,
+    cols: usize,
+    scale: &Bound<'_, PyAny>,
+    out: &Bound<'_, PyAny>,
+    first: usize,
+    total: usize,
+) -> PyResult<bool> {
+    let src = Typed::new::<u16>(source, false, "source")?;
+    let sc = Typed::new::<f32>(scale, false, "scale")?;
+    let dst = Typed::new::<u8>(out, true, "out")?;
+    check(sc.len, rows, "scale")?;
+    check(dst.len, items(total, cols, "out")?, "out")?;
+    if first.checked_add(rows).is_none_or(|end| end > total) {
+        return Err(PyValueError::new_err(format!("rows {first}+{rows} of {total}")));
+    }
+    apart(&dst, dst.len, &src, src.len * 2, "source")?;
+    apart(&dst, dst.len, &sc, sc.len * 4, "scale")?;
+    let (s, c, d) = (src.ptr() as usize, sc.ptr() as usize, dst.ptr() as usize);
+    let (n_src, n_sc, n_dst) = (src.len, sc.len, dst.len);
+    // SAFETY: as in `fp8_quantize_rows`: three live, C-contiguous, aligned
+    // exports of the lengths read from them, `out` sharing no byte with the
+    // inputs (checked); `piece` checks that every row lies inside the source,
+    // and the lengths and row range (checked above) are what
+    // `quantize_rows_into` asserts.
+    let nan = py.detach(|| unsafe {
+        let src = shared::<u16>(s, n_src);
+        let sc = shared::<f32>(c, n_sc);
+        let dst = exclusive::<u8>(d, n_dst);
+        piece(src, offset, stride, rows, cols).map(|p| fp8::quantize_rows_into(fp8::widest(), p, sc, dst, first, total))
+    })?;
+    drop((src, sc, dst));
+    Ok(nan)
+}

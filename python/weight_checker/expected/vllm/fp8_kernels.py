@@ -71,8 +71,18 @@ def _row_abs_max(original: Any) -> Any:
         import torch
 
         from weight_checker import _core
+        from weight_checker.expected.vllm import deferred_rows
 
         if _plain_bf16(weight) and dim in (-1, 1) and keepdim:
+            pieces = deferred_rows.pieces_of(weight)  # its rows where the weights lie (no copy was made)
+            if pieces is not None:
+                out = torch.empty(weight.shape[0], dtype=torch.int16)
+                into, cols = out.numpy(), weight.shape[1]
+                if not any(
+                    _core.fp8_row_abs_max_piece(p.source, 0, p.stride, p.rows, cols, into[p.first : p.first + p.rows])
+                    for p in pieces
+                ):
+                    return out.view(torch.bfloat16).reshape(-1, 1)
             w = weight.detach().contiguous()
             out = torch.empty(w.shape[0], dtype=torch.int16)
             if not _core.fp8_row_abs_max(w.view(torch.int16).numpy(), w.shape[1], out.numpy()):
@@ -87,7 +97,7 @@ def _quant_per_channel(original: Any) -> Any:
         import torch
 
         from weight_checker import _core
-        from weight_checker.expected.vllm import warm_memory
+        from weight_checker.expected.vllm import deferred_rows, warm_memory
 
         rows = weight.shape[0] if weight.dim() == 2 else -1
         if (
@@ -102,8 +112,18 @@ def _quant_per_channel(original: Any) -> Any:
             out = warm_memory.empty((cols, rows), torch.float8_e4m3fn)  # written in full below
             if getattr(_LOCAL, "amax_only", False):
                 return out.t()  # a pass that keeps only the amaxes: the bytes are never read
-            w = weight.detach().contiguous()
             sc = scale.detach().contiguous().reshape(-1)
+            pieces = deferred_rows.pieces_of(weight)  # its rows where the weights lie (no copy was made)
+            if pieces is not None:
+                scales, into = sc.numpy(), out.view(torch.uint8).numpy()
+                if not any(
+                    _core.fp8_quantize_piece(
+                        p.source, 0, p.stride, p.rows, cols, scales[p.first : p.first + p.rows], into, p.first, rows
+                    )
+                    for p in pieces
+                ):
+                    return out.t()
+            w = weight.detach().contiguous()
             bits, into = w.view(torch.int16).numpy(), out.view(torch.uint8).numpy()
             if not _core.fp8_quantize_rows(bits, cols, sc.numpy(), into, True):
                 return out.t()

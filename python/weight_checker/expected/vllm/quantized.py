@@ -315,11 +315,10 @@ def load_and_process(
     the weights by its own ``load_weights``, then processed by vLLM.
     ``zero``: ``[(layer, rows, tp rank of the key)]``, those rows of each
     layer's weight zeroed before it is quantized (:func:`_zeroed_again`)."""
-    import torch
 
     from weight_checker.expected.rank import on_rank
-    from weight_checker.expected.vllm import fp8_kernels, warm_memory
-    from weight_checker.expected.vllm.rank_model import in_a_clean_thread, one_line, unwritten_of
+    from weight_checker.expected.vllm import deferred_rows, fp8_kernels, warm_memory
+    from weight_checker.expected.vllm.rank_model import in_a_clean_thread
 
     model_config = config.model_config
     # Online FP8 quantizes as the load completes each layer (and in process()):
@@ -336,34 +335,51 @@ def load_and_process(
         if zero:
             _mark_zero_rows(model, rank, zero)
         weights = source.read()
-        try:
-            with torch.no_grad():
-                loaded = model.load_weights(iter(weights.pairs))
-        except ExpectedDigestsError:
-            raise
-        except Exception as e:
-            raise ExpectedDigestsError(f"the weights: vLLM's loader failed: {one_line(e)}") from e
-        # A quantized layer's scales and zero points may be its method's to
-        # write after the load (online FP8 creates weight_scale for the
-        # processing to fill); its weights never are: a weight the load left
-        # out is unwritten, as any other layer's parameter.
-        from weight_checker.hashing.unseen import holds_weights
-
-        owned = {
-            f"{name}.{p}" if name else p
-            for name, module in model.named_modules()
-            if _quantized_layer(module)
-            for p in getattr(module, "_parameters", {})
-            if not holds_weights(p)
-        }
-        unwritten = [n for n in unwritten_of(model, loaded if isinstance(loaded, set) else None) if n not in owned]
-        process(model, model_config)
-        if unwritten and not allow_unwritten:
-            shown = ", ".join(unwritten[:5]) + (" ..." if len(unwritten) > 5 else "")
-            raise ExpectedDigestsError(
-                f"the weights never wrote {len(unwritten)} target parameter(s) of {rank.name}: {shown}"
-            )
+        # Online FP8 reads the weights' rows where they lie, never copied
+        # into the bf16 weight vLLM materializes (deferred_rows).
+        online = getattr(model_config, "quantization", None) in ONLINE
+        deferred = deferred_rows.DeferredCopies() if online else None
+        with deferred if deferred is not None else contextlib.nullcontext():
+            _load_and_process(model, model_config, weights, deferred, rank, allow_unwritten)
     return model
+
+
+def _load_and_process(
+    model: Any, model_config: Any, weights: Any, deferred: Any, rank: Any, allow_unwritten: bool
+) -> None:
+    import torch
+
+    from weight_checker.expected.vllm.rank_model import one_line, unwritten_of
+    from weight_checker.expected.weights import Tracked
+
+    note = deferred.note_source if deferred is not None and weights.stable else None
+    try:
+        with torch.no_grad():
+            loaded = model.load_weights(iter(Tracked(weights.pairs, note)))
+    except ExpectedDigestsError:
+        raise
+    except Exception as e:
+        raise ExpectedDigestsError(f"the weights: vLLM's loader failed: {one_line(e)}") from e
+    # A quantized layer's scales and zero points may be its method's to
+    # write after the load (online FP8 creates weight_scale for the
+    # processing to fill); its weights never are: a weight the load left
+    # out is unwritten, as any other layer's parameter.
+    from weight_checker.hashing.unseen import holds_weights
+
+    owned = {
+        f"{name}.{p}" if name else p
+        for name, module in model.named_modules()
+        if _quantized_layer(module)
+        for p in getattr(module, "_parameters", {})
+        if not holds_weights(p)
+    }
+    unwritten = [n for n in unwritten_of(model, loaded if isinstance(loaded, set) else None) if n not in owned]
+    process(model, model_config)
+    if unwritten and not allow_unwritten:
+        shown = ", ".join(unwritten[:5]) + (" ..." if len(unwritten) > 5 else "")
+        raise ExpectedDigestsError(
+            f"the weights never wrote {len(unwritten)} target parameter(s) of {rank.name}: {shown}"
+        )
 
 
 def _build_warm(config: Any, model_config: Any) -> Any:

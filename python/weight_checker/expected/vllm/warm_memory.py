@@ -69,6 +69,9 @@ class WarmPool:
     def __init__(self) -> None:
         self._free: list[_Buffer] = []
         self._lock = threading.Lock()
+        #: address of each served array alive -> the serial number it was served under, and the array.
+        self._live: dict[int, tuple[int, weakref.ref[np.ndarray]]] = {}
+        self._serial = 0
         #: Bytes handed out from reused buffers / from new ones (the benchmarks print them).
         self.reused_bytes = 0
         self.fresh_bytes = 0
@@ -88,17 +91,41 @@ class WarmPool:
         buffer.used = True
         start = (-buffer.array.ctypes.data) % ALIGN
         view = buffer.array[start : start + nbytes]
+        address = view.ctypes.data
+        with self._lock:
+            self._serial += 1
+            serial = self._serial
+            self._live[address] = (serial, weakref.ref(view))
+        weakref.finalize(view, self._give_back, buffer, address)
         if reused:
             self.reused_bytes += nbytes
-            if zeroed:
+            lazily = getattr(_LOCAL, "zero_later", None)
+            if zeroed and lazily is not None:
+                lazily(address, serial, nbytes)  # zeroed by whoever took that on, before it is read
+            elif zeroed:
                 torch.from_numpy(view).zero_()
         else:
             self.fresh_bytes += nbytes
-        weakref.finalize(view, self._give_back, buffer)
         return view
 
-    def _give_back(self, buffer: _Buffer) -> None:
+    def serial(self, address: int) -> int | None:
+        """The serial number of the served array alive at ``address``
+        (``None``: none is): what tells one allocation there from a later one."""
         with self._lock:
+            entry = self._live.get(address)
+        return None if entry is None else entry[0]
+
+    def array(self, address: int, serial: int) -> np.ndarray | None:
+        """The array served at ``address`` under ``serial``, held (so alive)
+        by the caller, or ``None`` if it was freed since."""
+        with self._lock:
+            entry = self._live.get(address)
+        array = entry[1]() if entry is not None and entry[0] == serial else None
+        return array
+
+    def _give_back(self, buffer: _Buffer, address: int) -> None:
+        with self._lock:
+            self._live.pop(address, None)
             self._free.append(buffer)
 
     def trim(self) -> None:
@@ -121,6 +148,21 @@ class WarmPool:
 #: The process's pool (one call at a time: ``rank_model.LOCK``).
 POOL = WarmPool()
 _LOCAL = threading.local()
+
+
+@contextlib.contextmanager
+def zeroing_by(take_on: Any) -> Iterator[None]:
+    """On this thread, inside: a reused buffer that must read as zeros is
+    not zeroed when served; ``take_on(address, serial, nbytes)`` is called
+    instead, and must see that it is before anything reads it
+    (:class:`.deferred_rows.DeferredCopies` writes zeros only where its
+    pieces do not, if at all)."""
+    previous = getattr(_LOCAL, "zero_later", None)
+    _LOCAL.zero_later = take_on
+    try:
+        yield
+    finally:
+        _LOCAL.zero_later = previous
 
 
 def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -1,0 +1,268 @@
+"""Online FP8 from the weights' bytes where they lie: no bf16 copy.
+
+An online ``fp8_per_channel`` rank's load copies every linear layer's
+checkpoint tensors into a bf16 weight vLLM materializes for it, then its
+processing reads that weight twice (the amax of each row, then the cast)
+and drops it. The copy is a third of the rank's work, and nothing but the
+two reads ever sees it.
+
+:class:`DeferredCopies` runs vLLM's loaders and processing unchanged under a
+torch function mode that records such a copy instead of doing it: a plain
+``copy_`` of a stable weight (:meth:`note_source`) of the same dtype and
+shape into a contiguous part of memory :mod:`.warm_memory` served (so its
+lifetime is known). :func:`pieces_of` then gives the FP8 arithmetic
+(:mod:`.fp8_kernels`) a weight's rows as the pieces of the weights they
+are, when the recorded pieces tile it exactly by whole rows; the core reads
+them where they lie (``_core.fp8_row_abs_max_piece``,
+``fp8_quantize_piece``).
+
+Exactness comes first, as in :mod:`.deferred`: any other operation that
+touches a memory with pending pieces (a read, a write, a copy that casts, a
+raw pointer handed out) has those pieces written for real first; an
+operation that could write a weight the pieces came from has every pending
+piece written first, and deferring stops; when the mode ends, every piece
+still pending is written. A weight written in place or freed after it was
+recorded is an error naming it (``_Piece.check``), never a wrong digest.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
+
+from weight_checker.expected.vllm import warm_memory
+from weight_checker.expected.vllm.deferred import _ESCAPES, _describes_only, _Piece, _storage
+from weight_checker.expected.vllm.warm_memory import WarmPool
+
+_LOCAL = threading.local()
+#: Bytes of weights read where they lie, and written for real after all, by
+#: every :class:`DeferredCopies` of the process (the tests and benchmarks read them).
+TOTALS = {"in_place": 0, "replayed": 0}
+
+
+@dataclass(frozen=True)
+class RowPiece:
+    """Rows ``first..first + rows`` of a weight, read from ``source`` (a flat
+    numpy view of 2-byte items): row ``n`` is ``source[n * stride:][:cols]``."""
+
+    first: int
+    rows: int
+    source: Any
+    stride: int
+
+
+class DeferredCopies(TorchFunctionMode):
+    """The recording mode (see the module docstring); one rank's load and
+    processing, on the thread that enters it."""
+
+    def __init__(self, pool: WarmPool | None = None):
+        super().__init__()
+        self._pool = warm_memory.POOL if pool is None else pool
+        #: storage address -> (the pool's serial of that allocation, pieces in the order written).
+        self.pending: dict[int, tuple[int, list[_Piece]]] = {}
+        self._real: set[tuple[int, int]] = set()
+        self._sources: dict[int, str] = {}
+        self._stopped = False
+        self._quiet = False
+        #: Bytes written for real after all, and bytes read where they lie.
+        self.replayed_bytes = 0
+        self.in_place_bytes = 0
+
+    def __enter__(self) -> DeferredCopies:
+        super().__enter__()
+        self._previous = getattr(_LOCAL, "mode", None)
+        _LOCAL.mode = self
+        self._zeroing = warm_memory.zeroing_by(self._zero_later)
+        self._zeroing.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self._zeroing.__exit__(*exc)
+            if exc[0] is None:
+                self.flush()
+        finally:
+            _LOCAL.mode = self._previous
+            self.pending.clear()
+            self._sources.clear()
+            super().__exit__(*exc)
+
+    def _zero_later(self, address: int, serial: int, nbytes: int) -> None:
+        """A reused allocation that must read as zeros: a zero piece under
+        everything written later, written only if something reads it before
+        the pieces over it are (:func:`pieces_of` skips it where they cover
+        the weight)."""
+        self.pending[address] = (serial, [_Piece(0, nbytes, (nbytes,), torch.uint8, None)])
+
+    def note_source(self, name: str, tensor: Any) -> None:
+        """``tensor``, the weight ``name``, is stable: a copy of it may be deferred."""
+        if isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu" and not tensor.is_inference():
+            storage = _storage(tensor)
+            if storage is not None:
+                self._sources[storage] = name
+
+    # --- what is pending ----------------------------------------------------------------------------
+
+    def _alive(self, address: int) -> list[_Piece] | None:
+        """The pieces pending at ``address``, while the allocation they were
+        recorded for is alive (a freed one's are dropped)."""
+        entry = self.pending.get(address)
+        if entry is None:
+            return None
+        if self._pool.serial(address) != entry[0]:
+            del self.pending[address]
+            return None
+        return entry[1]
+
+    def replay(self, address: int) -> None:
+        """Writes the pieces pending at ``address`` for real."""
+        entry = self.pending.pop(address, None)
+        if entry is None:
+            return
+        serial, pieces = entry
+        memory = self._pool.array(address, serial)  # held while written: it cannot be freed meanwhile
+        if memory is None:
+            return  # freed: nothing reads it any more
+        quiet, self._quiet = self._quiet, True
+        try:
+            whole = torch.from_numpy(memory)
+            for piece in pieces:
+                piece.check()
+                region = whole[piece.offset : piece.offset + piece.nbytes].view(piece.dtype).view(piece.shape)
+                with torch.no_grad():
+                    region.zero_() if piece.source is None else region.copy_(piece.source)
+                self.replayed_bytes += piece.nbytes
+                TOTALS["replayed"] += piece.nbytes
+        finally:
+            self._quiet = quiet
+
+    def flush(self) -> None:
+        """Every pending piece written; nothing more is deferred."""
+        for address in list(self.pending):
+            self.replay(address)
+        self._stopped = True
+
+    # --- the mode ------------------------------------------------------------------------------------
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if not self._quiet:
+            name = getattr(func, "__name__", "")
+            if name == "copy_" and not self._stopped and self._defer(args, kwargs):
+                return args[0]
+            if not _describes_only(name, args):
+                self._touch(name, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _touch(self, name: str, args: Any, kwargs: Any) -> None:
+        """Pending pieces of any memory the operation reads or writes are
+        written first; an operation that may write a weight they came from
+        (in place, through ``out=``, or by handing its memory out) writes
+        them all, and deferring stops."""
+        if not (self.pending or self._sources):
+            return
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.device.type == "cpu"]
+        if not tensors:
+            return
+        storages = [_storage(t) for t in tensors]
+        if None in storages:
+            self.flush()
+            return
+        in_place = name.endswith("_") or name.startswith("__i") or name == "__setitem__" or name in _ESCAPES
+        written = list(tree_leaves(args[0])) if (in_place or kwargs.get("inplace")) and args else []
+        written += tree_leaves(kwargs.get("out"))
+        if any(isinstance(t, torch.Tensor) and _storage(t) in self._sources for t in written):
+            self.flush()
+            return
+        for s in storages:
+            if s in self.pending:
+                self.replay(s)  # type: ignore[arg-type]
+
+    def _defer(self, args: Any, kwargs: Any) -> bool:
+        """Records ``dst.copy_(src)`` when it is a plain copy of a stable
+        weight into served memory; else ``False`` (the copy runs for real,
+        after whatever it touches is written)."""
+        if not args or not isinstance(args[0], torch.Tensor) or set(kwargs) - {"non_blocking"}:
+            return False
+        dst = args[0]
+        src = args[1] if len(args) > 1 else None
+        if len(args) != 2 or not isinstance(src, torch.Tensor) or dst.device.type != "cpu" or dst.numel() == 0:
+            return False
+        address = _storage(dst)
+        if address is None or not dst.is_contiguous():
+            return False
+        serial = self._pool.serial(address)
+        if serial is None or (address, serial) in self._real:
+            return False
+        source_storage = _storage(src)
+        if (
+            src.device.type != "cpu"
+            or src.dtype != dst.dtype
+            or src.shape != dst.shape
+            or source_storage not in self._sources
+            or source_storage in self.pending
+        ):
+            if self._alive(address) is not None:
+                self.replay(address)
+                self._real.add((address, serial))  # written for real from here on
+            return False
+        pieces = self._alive(address)
+        if pieces is None:
+            pieces = []
+            self.pending[address] = (serial, pieces)
+        offset = dst.data_ptr() - address
+        pieces.append(_Piece(offset, dst.nbytes, dst.shape, dst.dtype, src, self._sources[source_storage]))
+        return True
+
+
+def pieces_of(weight: torch.Tensor) -> list[RowPiece] | None:
+    """``weight`` (2-D, contiguous) as the pieces of the weights its rows
+    were recorded from, when they tile it exactly by whole rows, each a
+    matrix of rows read in place; else ``None`` (its bytes are then written
+    for real by the first operation that reads it). Outside a
+    :class:`DeferredCopies`, ``None``."""
+    mode = getattr(_LOCAL, "mode", None)
+    if mode is None or weight.dim() != 2 or weight.shape[1] == 0:
+        return None
+    quiet, mode._quiet = mode._quiet, True
+    try:
+        if not weight.is_contiguous():
+            return None
+        address = _storage(weight)
+        pieces = mode._alive(address) if address is not None else None
+        if not pieces:
+            return None
+        rows, cols = weight.shape
+        row_bytes = cols * weight.element_size()
+        start = weight.data_ptr() - address  # type: ignore[operator]
+        at = start
+        out = []
+        if pieces[0].source is None and pieces[0].offset == 0:
+            pieces = pieces[1:]  # the zeros under the whole allocation, written first: covered if the rest tile it
+        for piece in sorted(pieces, key=lambda p: p.offset):
+            if piece.offset != at or piece.nbytes % row_bytes or piece.dtype != weight.dtype:
+                return None
+            piece.check()
+            source, count = piece.source, piece.nbytes // row_bytes
+            if source.dim() == 2 and source.shape[1] == cols and source.stride(1) == 1:
+                stride = source.stride(0)
+            elif source.is_contiguous():
+                stride = cols
+            else:
+                return None
+            span = (count - 1) * stride + cols
+            flat = source.as_strided((span,), (1,), source.storage_offset()).view(torch.int16).numpy()
+            out.append(RowPiece((at - start) // row_bytes, count, flat, stride))
+            at += piece.nbytes
+        if at != start + rows * row_bytes:
+            return None
+        mode.in_place_bytes += rows * row_bytes
+        TOTALS["in_place"] += rows * row_bytes
+        return out
+    finally:
+        mode._quiet = quiet
