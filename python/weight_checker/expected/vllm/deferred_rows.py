@@ -60,8 +60,11 @@ class DeferredCopies(TorchFunctionMode):
     """The recording mode (see the module docstring); one rank's load and
     processing, on the thread that enters it."""
 
-    def __init__(self, pool: WarmPool | None = None):
+    def __init__(self, pool: WarmPool | None = None, discard: bool = False):
+        """``discard``: the model is dropped unread when the mode ends (a TP
+        reduction's amax pass), so what is still pending then is not written."""
         super().__init__()
+        self._discard = discard
         self._pool = warm_memory.POOL if pool is None else pool
         #: storage address -> (the pool's serial of that allocation, pieces in the order written).
         self.pending: dict[int, tuple[int, list[_Piece]]] = {}
@@ -84,7 +87,7 @@ class DeferredCopies(TorchFunctionMode):
     def __exit__(self, *exc: Any) -> None:
         try:
             self._zeroing.__exit__(*exc)
-            if exc[0] is None:
+            if exc[0] is None and not self._discard:
                 self.flush()
         finally:
             _LOCAL.mode = self._previous

@@ -338,7 +338,7 @@ def load_and_process(
         # Online FP8 reads the weights' rows where they lie, never copied
         # into the bf16 weight vLLM materializes (deferred_rows).
         online = getattr(model_config, "quantization", None) in ONLINE
-        deferred = deferred_rows.DeferredCopies() if online else None
+        deferred = deferred_rows.DeferredCopies(discard=amax_only) if online else None
         with deferred if deferred is not None else contextlib.nullcontext():
             _load_and_process(model, model_config, weights, deferred, rank, allow_unwritten)
     return model
