@@ -28,12 +28,12 @@ recorded is an error naming it (``_Piece.check``), never a wrong digest.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_leaves
 
 from weight_checker.expected.vllm import warm_memory
 from weight_checker.expected.vllm.deferred import _ESCAPES, _describes_only, _Piece, _storage
@@ -169,7 +169,7 @@ class DeferredCopies(TorchFunctionMode):
         them all, and deferring stops."""
         if not (self.pending or self._sources):
             return
-        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.device.type == "cpu"]
+        tensors = [t for t in _tensors((args, kwargs)) if t.device.type == "cpu"]
         if not tensors:
             return
         storages = [_storage(t) for t in tensors]
@@ -177,9 +177,9 @@ class DeferredCopies(TorchFunctionMode):
             self.flush()
             return
         in_place = name.endswith("_") or name.startswith("__i") or name == "__setitem__" or name in _ESCAPES
-        written = list(tree_leaves(args[0])) if (in_place or kwargs.get("inplace")) and args else []
-        written += tree_leaves(kwargs.get("out"))
-        if any(isinstance(t, torch.Tensor) and _storage(t) in self._sources for t in written):
+        written = list(_tensors(args[0])) if (in_place or kwargs.get("inplace")) and args else []
+        written += _tensors(kwargs.get("out"))
+        if any(_storage(t) in self._sources for t in written):
             self.flush()
             return
         for s in storages:
@@ -221,6 +221,20 @@ class DeferredCopies(TorchFunctionMode):
         offset = dst.data_ptr() - address
         pieces.append(_Piece(offset, dst.nbytes, dst.shape, dst.dtype, src, self._sources[source_storage]))
         return True
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors in an operation's arguments: in tuples, lists and dicts,
+    at any depth (what torch's pytree finds there, at a fraction of its cost
+    per operation)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
 
 
 def pieces_of(weight: torch.Tensor) -> list[RowPiece] | None:
