@@ -11,6 +11,7 @@ import gc
 import hashlib
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from weight_checker.expected.vllm import deferred_rows, warm_memory
@@ -166,6 +167,91 @@ def test_pieces_of_gives_rows_where_they_lie_and_the_mode_writes_what_is_left_on
             assert pieces is not None and [(p.first, p.rows, p.stride) for p in pieces] == [(0, 512, 2048)]
             assert pieces[0].source.ctypes.data == source[:, 1024:].data_ptr()  # no copy
         assert torch.equal(w, source[:, 1024:])  # written when the mode ended
+
+
+def test_reused_memory_reads_as_zeros_under_deferral_and_a_freed_copy_never_lands_in_the_next(pool):
+    """Buffers that held bytes, served again: where no piece covers them they
+    read as zeros (the zero piece under the copies); an unzeroed one whose
+    copy was pending when it was freed holds only what its next owner copies."""
+    source = torch.randn(512, 1024).to(torch.bfloat16)
+    other = torch.randn(512, 1024).to(torch.bfloat16)
+    with warm_memory.serving(pool), deferred_rows.DeferredCopies(pool) as mode:
+        mode.note_source("w", source)
+        mode.note_source("o", other)
+        a = served()
+        a.fill_(7)
+        del a
+        w = served()
+        w[:100].copy_(source[:100])
+        assert pool.reused_bytes == w.nbytes and int(w[100:].count_nonzero()) == 0
+        assert torch.equal(w[:100], source[:100])
+        x = warm_memory.empty((512, 1024), torch.bfloat16)  # not zeroed: written in full by its owner
+        x.copy_(other)
+        address = x.data_ptr()
+        del x  # freed with its copy pending
+        y = warm_memory.empty((512, 1024), torch.bfloat16)
+        assert y.data_ptr() == address  # the same buffer
+        y[:256].copy_(source[:256])
+        y[256:].copy_(source[256:])
+        assert torch.equal(y, source)
+
+
+def test_memory_handed_out_is_written_for_real_from_then_on(deferring):
+    """A numpy view or a raw pointer of served memory sees every later copy."""
+    mode, source = deferring
+    w = served()
+    seen = w.view(torch.int16).numpy()
+    w.copy_(source)
+    assert not mode.pending and np.array_equal(seen, source.view(torch.int16).numpy())
+    x = served()
+    x.data_ptr()
+    x.copy_(source)
+    assert not mode.pending
+
+
+def test_a_write_to_a_source_through_an_operator_overload_writes_the_copies_first(deferring):
+    mode, source = deferring
+    before = source.clone()
+    w = served()
+    w.copy_(source)
+    torch.ops.aten.fill_.Scalar(source, 0.0)  # named "fill_.Scalar"
+    assert not mode.pending and torch.equal(w, before)
+
+
+def test_a_copy_into_a_source_is_never_deferred(pool):
+    with warm_memory.serving(pool), deferred_rows.DeferredCopies(pool) as mode:
+        source = served()  # a source in served memory (a callable's weights read inside the call)
+        source.fill_(1)
+        other = torch.full((512, 1024), 2.0, dtype=torch.bfloat16)
+        mode.note_source("w", source)
+        mode.note_source("o", other)
+        w = served()
+        w.copy_(source)
+        source.copy_(other)  # written after the copy was recorded: the copy keeps the old bytes
+        assert torch.equal(w, torch.ones_like(w)) and torch.equal(source, other)
+
+
+def test_a_finalizer_run_by_a_collection_inside_the_pool_does_not_deadlock(pool):
+    """A served tensor in a reference cycle, freed by a garbage collection
+    that an allocation inside the pool's lock sets off."""
+
+    class Node:
+        pass
+
+    thresholds = gc.get_threshold()
+    with warm_memory.serving(pool):
+        for threshold in range(1, 60):
+            gc.collect()
+            n = Node()
+            n.me, n.t = n, served((1024, 1024))
+            del n
+            gc.set_threshold(threshold)
+            try:
+                x = served((1024, 1024))
+            finally:
+                gc.set_threshold(*thresholds)
+            del x
+    assert pool.kept_bytes > 0
 
 
 # --- the FP8 expected digests made from reused memory ------------------------------------------------------

@@ -95,12 +95,15 @@ class DeferredCopies(TorchFunctionMode):
             self._sources.clear()
             super().__exit__(*exc)
 
-    def _zero_later(self, address: int, serial: int, nbytes: int) -> None:
-        """A reused allocation that must read as zeros: a zero piece under
-        everything written later, written only if something reads it before
-        the pieces over it are (:func:`pieces_of` skips it where they cover
-        the weight)."""
+    def _zero_later(self, pool: WarmPool, address: int, serial: int, nbytes: int) -> bool:
+        """A reused allocation of this mode's pool that must read as zeros: a
+        zero piece under everything written later, written only if something
+        reads it before the pieces over it are (:func:`pieces_of` skips it
+        where they cover the weight). Another pool's is zeroed when served."""
+        if pool is not self._pool:
+            return False
         self.pending[address] = (serial, [_Piece(0, nbytes, (nbytes,), torch.uint8, None)])
+        return True
 
     def note_source(self, name: str, tensor: Any) -> None:
         """``tensor``, the weight ``name``, is stable: a copy of it may be deferred."""
@@ -123,26 +126,40 @@ class DeferredCopies(TorchFunctionMode):
         return entry[1]
 
     def replay(self, address: int) -> None:
-        """Writes the pieces pending at ``address`` for real."""
-        entry = self.pending.pop(address, None)
+        """Writes the pieces pending at ``address`` for real. A piece whose
+        weight changed since (``_Piece.check``) raises, and the pieces not
+        yet written stay pending: every later touch raises again."""
+        entry = self.pending.get(address)
         if entry is None:
             return
         serial, pieces = entry
         memory = self._pool.array(address, serial)  # held while written: it cannot be freed meanwhile
         if memory is None:
+            del self.pending[address]
             return  # freed: nothing reads it any more
         quiet, self._quiet = self._quiet, True
         try:
             whole = torch.from_numpy(memory)
-            for piece in pieces:
+            while pieces:
+                piece = pieces[0]
                 piece.check()
                 region = whole[piece.offset : piece.offset + piece.nbytes].view(piece.dtype).view(piece.shape)
                 with torch.no_grad():
                     region.zero_() if piece.source is None else region.copy_(piece.source)
+                pieces.pop(0)
                 self.replayed_bytes += piece.nbytes
                 TOTALS["replayed"] += piece.nbytes
+            del self.pending[address]
         finally:
             self._quiet = quiet
+
+    def _make_real(self, address: int) -> None:
+        """The allocation at ``address`` written for real, now and from now on
+        (its memory was handed out where later writes would not be seen)."""
+        serial = self._pool.serial(address)
+        if serial is not None:
+            self.replay(address)
+            self._real.add((address, serial))
 
     def flush(self) -> None:
         """Every pending piece written; nothing more is deferred."""
@@ -155,12 +172,24 @@ class DeferredCopies(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if not self._quiet:
-            name = getattr(func, "__name__", "")
+            # An operator overload is named "fill_.Scalar": its base name says what it does.
+            name = getattr(func, "__name__", "").split(".")[0]
             if name == "copy_" and not self._stopped and self._defer(args, kwargs):
                 return args[0]
+            if name == "data_ptr" or name in _ESCAPES:
+                self._escape(args)
             if not _describes_only(name, args):
                 self._touch(name, args, kwargs)
         return func(*args, **kwargs)
+
+    def _escape(self, args: Any) -> None:
+        """A raw pointer, a numpy array or a storage of served memory handed
+        out: what is written through it is not seen, so its allocation is
+        written for real from here on."""
+        for t in _tensors(args[:1]):
+            address = _storage(t) if t.device.type == "cpu" else None
+            if address is not None:
+                self._make_real(address)
 
     def _touch(self, name: str, args: Any, kwargs: Any) -> None:
         """Pending pieces of any memory the operation reads or writes are
@@ -203,10 +232,15 @@ class DeferredCopies(TorchFunctionMode):
         if serial is None or (address, serial) in self._real:
             return False
         source_storage = _storage(src)
+        if address in self._sources:  # a weight the pieces may come from is written: all written first
+            self.flush()
+            return False
         if (
             src.device.type != "cpu"
             or src.dtype != dst.dtype
             or src.shape != dst.shape
+            or src.is_neg()
+            or src.is_conj()
             or source_storage not in self._sources
             or source_storage in self.pending
         ):

@@ -31,6 +31,7 @@ frees all of them.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 import mmap
@@ -69,6 +70,10 @@ class WarmPool:
     def __init__(self) -> None:
         self._free: list[_Buffer] = []
         self._lock = threading.Lock()
+        # Buffers freed since the last locked call. A finalizer never takes
+        # the lock: a garbage collection that runs while it is held (an
+        # allocation inside a locked section) runs finalizers on this thread.
+        self._returned: collections.deque[_Buffer] = collections.deque()
         #: address of each served array alive -> the serial number it was served under, and the array.
         self._live: dict[int, tuple[int, weakref.ref[np.ndarray]]] = {}
         self._serial = 0
@@ -81,6 +86,7 @@ class WarmPool:
         ``zeroed``. The buffer returns to the pool when the array is freed."""
         need = nbytes + ALIGN
         with self._lock:
+            self._drain()
             fits = [b for b in self._free if need <= b.size <= max(2 * need, need + 4 * UNIT)]
             buffer = min(fits, key=lambda b: b.size) if fits else None
             if buffer is not None:
@@ -100,9 +106,8 @@ class WarmPool:
         if reused:
             self.reused_bytes += nbytes
             lazily = getattr(_LOCAL, "zero_later", None)
-            if zeroed and lazily is not None:
-                lazily(address, serial, nbytes)  # zeroed by whoever took that on, before it is read
-            elif zeroed:
+            # Zeroed now, unless whoever took that on for this pool does it before it is read.
+            if zeroed and (lazily is None or not lazily(self, address, serial, nbytes)):
                 torch.from_numpy(view).zero_()
         else:
             self.fresh_bytes += nbytes
@@ -124,24 +129,33 @@ class WarmPool:
         return array
 
     def _give_back(self, buffer: _Buffer, address: int) -> None:
-        with self._lock:
-            self._live.pop(address, None)
-            self._free.append(buffer)
+        # No lock (see __init__). The address is no longer live before the
+        # buffer can be served again: it is served only once drained.
+        self._live.pop(address, None)
+        self._returned.append(buffer)
+
+    def _drain(self) -> None:
+        """The buffers freed since, onto the free list (the lock held)."""
+        while self._returned:
+            self._free.append(self._returned.popleft())
 
     def trim(self) -> None:
         """Frees the buffers the call now ending did not use; the rest wait for the next."""
         with self._lock:
+            self._drain()
             self._free = [b for b in self._free if b.used]
             for b in self._free:
                 b.used = False
 
     def clear(self) -> None:
         with self._lock:
+            self._drain()
             self._free = []
 
     @property
     def kept_bytes(self) -> int:
         with self._lock:
+            self._drain()
             return sum(b.size for b in self._free)
 
 
@@ -153,8 +167,8 @@ _LOCAL = threading.local()
 @contextlib.contextmanager
 def zeroing_by(take_on: Any) -> Iterator[None]:
     """On this thread, inside: a reused buffer that must read as zeros is
-    not zeroed when served; ``take_on(address, serial, nbytes)`` is called
-    instead, and must see that it is before anything reads it
+    not zeroed when served if ``take_on(pool, address, serial, nbytes)``
+    returns true: it must then see that it is before anything reads it
     (:class:`.deferred_rows.DeferredCopies` writes zeros only where its
     pieces do not, if at all)."""
     previous = getattr(_LOCAL, "zero_later", None)
