@@ -60,11 +60,14 @@ class DeferredCopies(TorchFunctionMode):
     """The recording mode (see the module docstring); one rank's load and
     processing, on the thread that enters it."""
 
-    def __init__(self, pool: WarmPool | None = None, discard: bool = False):
+    def __init__(self, pool: WarmPool | None = None, discard: bool = False, serves: bool = False):
         """``discard``: the model is dropped unread when the mode ends (a TP
-        reduction's amax pass), so what is still pending then is not written."""
+        reduction's amax pass), so what is still pending then is not written.
+        ``serves``: it also serves allocations, as ``warm_memory.serving``'s
+        mode would (entered with ``mode=False``): one mode on the thread, not two."""
         super().__init__()
         self._discard = discard
+        self._serves = serves
         self._pool = warm_memory.POOL if pool is None else pool
         #: storage address -> (the pool's serial of that allocation, pieces in the order written).
         self.pending: dict[int, tuple[int, list[_Piece]]] = {}
@@ -137,6 +140,8 @@ class DeferredCopies(TorchFunctionMode):
         if memory is None:
             del self.pending[address]
             return  # freed: nothing reads it any more
+        if pieces and pieces[0].source is None and _tiles(pieces[1:], 0, memory.nbytes):
+            del pieces[0]  # the zeros under the whole allocation: every byte is written over them
         quiet, self._quiet = self._quiet, True
         try:
             whole = torch.from_numpy(memory)
@@ -171,6 +176,10 @@ class DeferredCopies(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if self._serves:
+            tensor = warm_memory.served(func, args, kwargs)
+            if tensor is not None:
+                return tensor
         if not self._quiet:
             # An operator overload is named "fill_.Scalar": its base name says what it does.
             name = getattr(func, "__name__", "").split(".")[0]
@@ -255,6 +264,16 @@ class DeferredCopies(TorchFunctionMode):
         offset = dst.data_ptr() - address
         pieces.append(_Piece(offset, dst.nbytes, dst.shape, dst.dtype, src, self._sources[source_storage]))
         return True
+
+
+def _tiles(pieces: list[_Piece], start: int, nbytes: int) -> bool:
+    """Whether ``pieces`` cover ``[start, start + nbytes)`` exactly once."""
+    at = start
+    for piece in sorted(pieces, key=lambda p: p.offset):
+        if piece.offset != at:
+            return False
+        at += piece.nbytes
+    return at == start + nbytes
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:

@@ -326,19 +326,20 @@ def load_and_process(
     # a pass whose model is dropped once its amaxes are recorded.
     # Its large allocations (parameters, materialized weights, FP8 outputs)
     # come from memory the previous call touched (warm_memory).
+    # Online FP8 reads the weights' rows where they lie, never copied into
+    # the bf16 weight vLLM materializes (deferred_rows, whose mode serves the
+    # allocations too).
+    online = getattr(model_config, "quantization", None) in ONLINE
     with (
         on_rank(config, config, model_config, rank, tp, pp, dp, None),
         fp8_kernels.fast(amax_only),
-        warm_memory.serving(),
+        warm_memory.serving(mode=not online),
     ):
         model = in_a_clean_thread(_build_warm, config, model_config)
         if zero:
             _mark_zero_rows(model, rank, zero)
         weights = source.read()
-        # Online FP8 reads the weights' rows where they lie, never copied
-        # into the bf16 weight vLLM materializes (deferred_rows).
-        online = getattr(model_config, "quantization", None) in ONLINE
-        deferred = deferred_rows.DeferredCopies(discard=amax_only) if online else None
+        deferred = deferred_rows.DeferredCopies(discard=amax_only, serves=True) if online else None
         with deferred if deferred is not None else contextlib.nullcontext():
             _load_and_process(model, model_config, weights, deferred, rank, allow_unwritten)
     return model

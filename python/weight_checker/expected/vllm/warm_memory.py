@@ -194,16 +194,33 @@ def _tensor(view: np.ndarray, shape: Any, dtype: torch.dtype) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def serving(pool: WarmPool | None = None) -> Iterator[None]:
-    """On this thread, inside: large plain CPU allocations come from ``pool`` (:data:`POOL`)."""
+def serving(pool: WarmPool | None = None, mode: bool = True) -> Iterator[None]:
+    """On this thread, inside: large plain CPU allocations come from ``pool``
+    (:data:`POOL`). ``mode=False``: only :func:`empty` does; the caller's own
+    function mode serves the rest (:func:`served`: one Python call per torch
+    operation instead of two)."""
     pool = POOL if pool is None else pool
     previous = getattr(_LOCAL, "pool", None)
     _LOCAL.pool = pool
     try:
-        with _Allocations(pool):
+        with _Allocations(pool) if mode else contextlib.nullcontext():
             yield
     finally:
         _LOCAL.pool = previous
+
+
+def served(func: Any, args: Any, kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """``func(*args, **kwargs)`` served from the pool of :func:`serving`, if
+    it is a large plain contiguous CPU allocation (else ``None``: torch's)."""
+    pool: WarmPool | None = getattr(_LOCAL, "pool", None)
+    wanted = _recognised(func, tuple(args), kwargs) if pool is not None else None
+    if pool is None or wanted is None:
+        return None
+    shape, dtype = wanted
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes < MIN_BYTES:
+        return None
+    return _tensor(pool.take(nbytes, zeroed=True), shape, dtype)
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -243,19 +260,16 @@ _STRIDED = frozenset({"dtype", "device", "layout", "requires_grad", "pin_memory"
 
 
 class _Allocations(TorchFunctionMode):
+    """Serves this thread's large plain allocations from the pool of :func:`serving`."""
+
     def __init__(self, pool: WarmPool):
         super().__init__()
         self._pool = pool
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        wanted = _recognised(func, tuple(args), kwargs)
-        if wanted is not None:
-            shape, dtype = wanted
-            nbytes = math.prod(shape) * dtype.itemsize
-            if nbytes >= MIN_BYTES:
-                return _tensor(self._pool.take(nbytes, zeroed=True), shape, dtype)
-        return func(*args, **kwargs)
+        tensor = served(func, args, kwargs)
+        return func(*args, **kwargs) if tensor is None else tensor
 
 
 def _recognised(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[int, ...], Any] | None:
