@@ -50,7 +50,7 @@ from weight_checker.errors import ExpectedDigestsError
 # Operations that hand out a tensor's memory to what torch does not see
 # (numpy, a raw storage, a DLPack capsule): whatever they lead to may write
 # it, unseen by the version counter.
-_ESCAPES = frozenset({"numpy", "untyped_storage", "storage", "_typed_storage", "__array__", "__dlpack__"})
+ESCAPES = frozenset({"numpy", "untyped_storage", "storage", "_typed_storage", "__array__", "__dlpack__"})
 
 # Operations that only describe a tensor or make a view of it: neither read
 # nor write its elements. Properties (``.data``, ``.shape``, ...) come as ``__get__``.
@@ -64,7 +64,7 @@ _METADATA = frozenset(
 )  # fmt: skip
 
 
-def _describes_only(name: str, args: Any) -> bool:
+def describes_only(name: str, args: Any) -> bool:
     """Whether an operation only describes or views its tensor: basic
     indexing does, advanced indexing (a tensor, list or array index) reads."""
     if name != "__getitem__":
@@ -74,7 +74,7 @@ def _describes_only(name: str, args: Any) -> bool:
     return all(p is None or p is Ellipsis or isinstance(p, int | slice) for p in parts)
 
 
-class _Piece:
+class Piece:
     """One deferred write: ``nbytes`` at ``offset`` of the arena become the
     C-order bytes of ``source`` (``None``: zeros), the weight ``name`` gave."""
 
@@ -117,7 +117,7 @@ def _extent(t: Any) -> tuple[int, int] | None:
         return None
 
 
-def _storage(t: Any) -> int | None:
+def storage_address(t: Any) -> int | None:
     """The address of ``t``'s storage; ``None`` where it has none to give
     (a sparse or wrapper tensor): then it is treated as touching the arena."""
     try:
@@ -147,7 +147,7 @@ class DeferredWrites(TorchFunctionMode):
         self._starts: list[int] = [s for s, _ in spans]
         self._ends: list[int] = [s + n for s, n in spans]
         #: parameter start offset -> pieces in the order written.
-        self.pending: dict[int, list[_Piece]] = {}
+        self.pending: dict[int, list[Piece]] = {}
         self._real: set[int] = set()  # parameters written for real: no more deferring
         #: storage address of a stable weight -> its name.
         self._sources: dict[int, str] = {}
@@ -162,12 +162,12 @@ class DeferredWrites(TorchFunctionMode):
         deferred. Not an inference tensor: torch keeps no version counter
         for those, so a write to one could not be told."""
         if hasattr(tensor, "untyped_storage") and tensor.device.type == "cpu" and not tensor.is_inference():
-            storage = _storage(tensor)
+            storage = storage_address(tensor)
             if storage is not None:
                 self._sources[storage] = name
 
     def _in_arena(self, t: Any) -> bool:
-        return bool(t.device.type == "cpu" and _storage(t) == self._base)
+        return bool(t.device.type == "cpu" and storage_address(t) == self._base)
 
     def _param_of(self, offset: int, nbytes: int) -> int | None:
         """The start of the parameter holding ``[offset, offset + nbytes)``."""
@@ -208,7 +208,7 @@ class DeferredWrites(TorchFunctionMode):
             if name in ("copy_", "fill_", "zero_") and args and self._in_arena(args[0]):
                 if self._defer(name, args, kwargs):
                     return args[0]
-            elif not _describes_only(name, args) and self._touches(name, args, kwargs):
+            elif not describes_only(name, args) and self._touches(name, args, kwargs):
                 self.flush()
         return func(*args, **kwargs)
 
@@ -220,7 +220,7 @@ class DeferredWrites(TorchFunctionMode):
         import torch
 
         tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
-        storages = [_storage(t) if t.device.type == "cpu" else -1 for t in tensors]
+        storages = [storage_address(t) if t.device.type == "cpu" else -1 for t in tensors]
         if any(s is None or s == self._base for s in storages):
             return True
         writes = (
@@ -229,7 +229,7 @@ class DeferredWrites(TorchFunctionMode):
             or name == "__setitem__"
             or "out" in kwargs
             or bool(kwargs.get("inplace"))
-            or name in _ESCAPES
+            or name in ESCAPES
         )
         return writes and any(s in self._sources for s in storages)
 
@@ -247,7 +247,7 @@ class DeferredWrites(TorchFunctionMode):
             self.flush()  # a write across parameters: no longer ours to track
             return False
         others = [a for a in tree_leaves((args[1:], kwargs)) if isinstance(a, torch.Tensor)]
-        if any(a.device.type == "cpu" and _storage(a) in (None, self._base) for a in others):
+        if any(a.device.type == "cpu" and storage_address(a) in (None, self._base) for a in others):
             self.flush()  # reads the arena (a copy from another parameter): every byte in place first
             return False
         if start not in self._real and dst.is_contiguous():
@@ -258,22 +258,22 @@ class DeferredWrites(TorchFunctionMode):
                     and src.device.type == "cpu"
                     and src.dtype == dst.dtype
                     and src.shape == dst.shape
-                    and _storage(src) in self._sources
+                    and storage_address(src) in self._sources
                 ):
-                    name = self._sources[_storage(src)]  # type: ignore[index]
-                    piece = _Piece(offset, dst.nbytes, dst.shape, dst.dtype, src, name)
+                    name = self._sources[storage_address(src)]  # type: ignore[index]
+                    piece = Piece(offset, dst.nbytes, dst.shape, dst.dtype, src, name)
                     self.pending.setdefault(start, []).append(piece)
                     return True
             else:
                 value = args[1] if name == "fill_" and len(args) > 1 else kwargs.get("value", 0)
                 if name == "zero_" or _zero(value):
-                    self.pending.setdefault(start, []).append(_Piece(offset, dst.nbytes, dst.shape, dst.dtype, None))
+                    self.pending.setdefault(start, []).append(Piece(offset, dst.nbytes, dst.shape, dst.dtype, None))
                     return True
         self.replay(start)
         self._real.add(start)
         return False
 
-    def tiled(self, start: int, nbytes: int) -> list[_Piece] | None:
+    def tiled(self, start: int, nbytes: int) -> list[Piece] | None:
         """The pending pieces of the parameter at ``start``, in byte order,
         when they cover its ``nbytes`` exactly once; else ``None``."""
         pieces = sorted(self.pending.get(start, ()), key=lambda p: p.offset)
@@ -303,7 +303,7 @@ class DeferredWrites(TorchFunctionMode):
                 whole[i] = offset
             elif t.nbytes:
                 self.flush()  # a part of a parameter is hashed: every byte must be in the arena
-        deferred: dict[int, list[_Piece]] = {}
+        deferred: dict[int, list[Piece]] = {}
         for start in {s for s in whole if s is not None and s in self.pending}:
             pieces = self.tiled(start, span[start] - start)
             if pieces is not None and all(p.source is None or rows_contiguous(p.source) for p in pieces):
@@ -351,12 +351,12 @@ class PendingDigests:
 
     def __init__(self) -> None:
         self._keys: list[str] = []
-        self._pieces: list[list[_Piece]] = []
+        self._pieces: list[list[Piece]] = []
         self._done: dict[str, str] = {}
         #: Seconds spent hashing.
         self.seconds = 0.0
 
-    def add(self, key: str, pieces: list[_Piece]) -> None:
+    def add(self, key: str, pieces: list[Piece]) -> None:
         self._keys.append(key)
         self._pieces.append(pieces)
 
@@ -404,12 +404,12 @@ PLACEHOLDER = "pieces:"
 
 
 @contextlib.contextmanager
-def capturing_pieces() -> Iterator[list[list[_Piece]]]:
+def capturing_pieces() -> Iterator[list[list[Piece]]]:
     """On this thread, inside: :class:`PendingDigests` hashes nothing; each
     key it was given reads ``pieces:<i>``, ``i`` its pieces' index in the
     list yielded (the layout of a load: :mod:`weight_checker.expected.vllm.layout`)."""
     previous = getattr(_CAPTURE, "pieces", None)
-    captured: list[list[_Piece]] = []
+    captured: list[list[Piece]] = []
     _CAPTURE.pieces = captured
     try:
         yield captured

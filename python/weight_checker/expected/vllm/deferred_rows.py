@@ -22,7 +22,7 @@ raw pointer handed out) has those pieces written for real first; an
 operation that could write a weight the pieces came from has every pending
 piece written first, and deferring stops; when the mode ends, every piece
 still pending is written. A weight written in place or freed after it was
-recorded is an error naming it (``_Piece.check``), never a wrong digest.
+recorded is an error naming it (``Piece.check``), never a wrong digest.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from weight_checker.expected.vllm import warm_memory
-from weight_checker.expected.vllm.deferred import _ESCAPES, _describes_only, _Piece, _storage
+from weight_checker.expected.vllm.deferred import ESCAPES, Piece, describes_only, storage_address
 from weight_checker.expected.vllm.warm_memory import WarmPool
 
 _LOCAL = threading.local()
@@ -70,7 +70,7 @@ class DeferredCopies(TorchFunctionMode):
         self._serves = serves
         self._pool = warm_memory.POOL if pool is None else pool
         #: storage address -> (the pool's serial of that allocation, pieces in the order written).
-        self.pending: dict[int, tuple[int, list[_Piece]]] = {}
+        self.pending: dict[int, tuple[int, list[Piece]]] = {}
         self._real: set[tuple[int, int]] = set()
         self._sources: dict[int, str] = {}
         self._stopped = False
@@ -105,19 +105,19 @@ class DeferredCopies(TorchFunctionMode):
         where they cover the weight). Another pool's is zeroed when served."""
         if pool is not self._pool:
             return False
-        self.pending[address] = (serial, [_Piece(0, nbytes, (nbytes,), torch.uint8, None)])
+        self.pending[address] = (serial, [Piece(0, nbytes, (nbytes,), torch.uint8, None)])
         return True
 
     def note_source(self, name: str, tensor: Any) -> None:
         """``tensor``, the weight ``name``, is stable: a copy of it may be deferred."""
         if isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu" and not tensor.is_inference():
-            storage = _storage(tensor)
+            storage = storage_address(tensor)
             if storage is not None:
                 self._sources[storage] = name
 
     # --- what is pending ----------------------------------------------------------------------------
 
-    def _alive(self, address: int) -> list[_Piece] | None:
+    def _alive(self, address: int) -> list[Piece] | None:
         """The pieces pending at ``address``, while the allocation they were
         recorded for is alive (a freed one's are dropped)."""
         entry = self.pending.get(address)
@@ -130,7 +130,7 @@ class DeferredCopies(TorchFunctionMode):
 
     def replay(self, address: int) -> None:
         """Writes the pieces pending at ``address`` for real. A piece whose
-        weight changed since (``_Piece.check``) raises, and the pieces not
+        weight changed since (``Piece.check``) raises, and the pieces not
         yet written stay pending: every later touch raises again."""
         entry = self.pending.get(address)
         if entry is None:
@@ -185,9 +185,9 @@ class DeferredCopies(TorchFunctionMode):
             name = getattr(func, "__name__", "").split(".")[0]
             if name == "copy_" and not self._stopped and self._defer(args, kwargs):
                 return args[0]
-            if name == "data_ptr" or name in _ESCAPES:
+            if name == "data_ptr" or name in ESCAPES:
                 self._escape(args)
-            if not _describes_only(name, args):
+            if not describes_only(name, args):
                 self._touch(name, args, kwargs)
         return func(*args, **kwargs)
 
@@ -196,7 +196,7 @@ class DeferredCopies(TorchFunctionMode):
         out: what is written through it is not seen, so its allocation is
         written for real from here on."""
         for t in _tensors(args[:1]):
-            address = _storage(t) if t.device.type == "cpu" else None
+            address = storage_address(t) if t.device.type == "cpu" else None
             if address is not None:
                 self._make_real(address)
 
@@ -210,14 +210,14 @@ class DeferredCopies(TorchFunctionMode):
         tensors = [t for t in _tensors((args, kwargs)) if t.device.type == "cpu"]
         if not tensors:
             return
-        storages = [_storage(t) for t in tensors]
+        storages = [storage_address(t) for t in tensors]
         if None in storages:
             self.flush()
             return
-        in_place = name.endswith("_") or name.startswith("__i") or name == "__setitem__" or name in _ESCAPES
+        in_place = name.endswith("_") or name.startswith("__i") or name == "__setitem__" or name in ESCAPES
         written = list(_tensors(args[0])) if (in_place or kwargs.get("inplace")) and args else []
         written += _tensors(kwargs.get("out"))
-        if any(_storage(t) in self._sources for t in written):
+        if any(storage_address(t) in self._sources for t in written):
             self.flush()
             return
         for s in storages:
@@ -234,13 +234,13 @@ class DeferredCopies(TorchFunctionMode):
         src = args[1] if len(args) > 1 else None
         if len(args) != 2 or not isinstance(src, torch.Tensor) or dst.device.type != "cpu" or dst.numel() == 0:
             return False
-        address = _storage(dst)
+        address = storage_address(dst)
         if address is None or not dst.is_contiguous():
             return False
         serial = self._pool.serial(address)
         if serial is None or (address, serial) in self._real:
             return False
-        source_storage = _storage(src)
+        source_storage = storage_address(src)
         if address in self._sources:  # a weight the pieces may come from is written: all written first
             self.flush()
             return False
@@ -262,11 +262,11 @@ class DeferredCopies(TorchFunctionMode):
             pieces = []
             self.pending[address] = (serial, pieces)
         offset = dst.data_ptr() - address
-        pieces.append(_Piece(offset, dst.nbytes, dst.shape, dst.dtype, src, self._sources[source_storage]))
+        pieces.append(Piece(offset, dst.nbytes, dst.shape, dst.dtype, src, self._sources[source_storage]))
         return True
 
 
-def _tiles(pieces: list[_Piece], start: int, nbytes: int) -> bool:
+def _tiles(pieces: list[Piece], start: int, nbytes: int) -> bool:
     """Whether ``pieces`` cover ``[start, start + nbytes)`` exactly once."""
     at = start
     for piece in sorted(pieces, key=lambda p: p.offset):
@@ -303,7 +303,7 @@ def pieces_of(weight: torch.Tensor) -> list[RowPiece] | None:
     try:
         if not weight.is_contiguous():
             return None
-        address = _storage(weight)
+        address = storage_address(weight)
         pieces = mode._alive(address) if address is not None else None
         if not pieces:
             return None
