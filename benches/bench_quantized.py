@@ -17,7 +17,8 @@ in one process (as a trainer makes one per step):
   ``[N, K]`` storage): what the engine's own checksum of them costs;
 - ``expected``: ``expected_digests(..., quantization="fp8_per_channel")`` at
   TP=1 and TP=2 (both ranks), with its split: building, loading and vLLM's
-  processing of each rank (``load``, both passes at TP=2) and hashing.
+  processing of each rank (``load``, both passes at TP=2) and hashing, and
+  the memory its pool keeps for the next call (``warm_memory``).
 """
 
 from __future__ import annotations
@@ -44,7 +45,9 @@ weight_checker.expected_digests(ckpt, tp=tp, quantization="fp8_per_channel")  # 
 t = time.perf_counter()
 e = weight_checker.expected_digests(ckpt, tp=tp, quantization="fp8_per_channel")
 total = time.perf_counter() - t
-print(json.dumps({"seconds": total, "keys": len(e), "split": dict(e.seconds)}))
+from weight_checker.expected.vllm import warm_memory
+kept = warm_memory.POOL.kept_bytes  # what the pool keeps for the next call
+print(json.dumps({"seconds": total, "keys": len(e), "split": dict(e.seconds), "kept": kept}))
 """
 
 HASH = """
@@ -108,7 +111,8 @@ def main() -> None:
             split = ", ".join(f"{k} {v:.2f}" for k, v in sorted(got["split"].items()))
             line.append(
                 f"TP={tp} {got['seconds']:.2f} s = {got['seconds'] / hashed['seconds']:.1f}x hash, "
-                f"{got['seconds'] / hashed['held']:.1f}x as held ({split})"
+                f"{got['seconds'] / hashed['held']:.1f}x as held ({split}; "
+                f"{got['kept'] / 1e9:.2f} GB kept for the next call)"
             )
         print("  " + "; ".join(line))
 

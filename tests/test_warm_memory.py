@@ -107,11 +107,20 @@ def test_trim_frees_what_the_call_did_not_use(pool):
 # --- copies deferred into served memory (deferred_rows) ----------------------------------------------------
 
 
-@pytest.fixture
-def deferring(pool):
+def deferring_modes(pool, one_mode: bool):
+    """The deferring mode over served memory: as quantized.py enters it (one
+    mode that serves the allocations too), or over warm_memory's own mode."""
+    if one_mode:
+        return warm_memory.serving(pool, mode=False), deferred_rows.DeferredCopies(pool, serves=True)
+    return warm_memory.serving(pool), deferred_rows.DeferredCopies(pool)
+
+
+@pytest.fixture(params=["one mode", "two modes"])
+def deferring(request, pool):
     """Served memory and a deferring mode over it, a stable source noted."""
     source = torch.arange(512 * 1024, dtype=torch.float32).to(torch.bfloat16).view(512, 1024)
-    with warm_memory.serving(pool), deferred_rows.DeferredCopies(pool) as mode:
+    serving, deferred = deferring_modes(pool, request.param == "one mode")
+    with serving, deferred as mode:
         mode.note_source("w", source)
         yield mode, source
 
@@ -169,13 +178,16 @@ def test_pieces_of_gives_rows_where_they_lie_and_the_mode_writes_what_is_left_on
         assert torch.equal(w, source[:, 1024:])  # written when the mode ended
 
 
-def test_reused_memory_reads_as_zeros_under_deferral_and_a_freed_copy_never_lands_in_the_next(pool):
+@pytest.mark.parametrize("one_mode", [True, False], ids=["one mode", "two modes"])
+def test_reused_memory_reads_as_zeros_under_deferral_and_a_freed_copy_never_lands_in_the_next(pool, one_mode):
     """Buffers that held bytes, served again: where no piece covers them they
-    read as zeros (the zero piece under the copies); an unzeroed one whose
-    copy was pending when it was freed holds only what its next owner copies."""
+    read as zeros (the zero piece under the copies), also through a numpy
+    view; an unzeroed one whose copy was pending when it was freed holds only
+    what its next owner copies."""
     source = torch.randn(512, 1024).to(torch.bfloat16)
     other = torch.randn(512, 1024).to(torch.bfloat16)
-    with warm_memory.serving(pool), deferred_rows.DeferredCopies(pool) as mode:
+    serving, deferred = deferring_modes(pool, one_mode)
+    with serving, deferred as mode:
         mode.note_source("w", source)
         mode.note_source("o", other)
         a = served()
@@ -185,6 +197,10 @@ def test_reused_memory_reads_as_zeros_under_deferral_and_a_freed_copy_never_land
         w[:100].copy_(source[:100])
         assert pool.reused_bytes == w.nbytes and int(w[100:].count_nonzero()) == 0
         assert torch.equal(w[:100], source[:100])
+        del w
+        v = served()  # reused again, handed out to numpy before anything wrote it
+        assert pool.reused_bytes == 2 * v.nbytes
+        assert not np.any(v.view(torch.int16).numpy())
         x = warm_memory.empty((512, 1024), torch.bfloat16)  # not zeroed: written in full by its owner
         x.copy_(other)
         address = x.data_ptr()
@@ -328,8 +344,37 @@ def test_fp8_expected_digests_from_reused_memory_equal_a_pure_torch_quantization
         gc.collect()
     assert results[0][0] == results[2][0] and results[0][0] != results[1][0]
     assert results[1][1] > 0 and results[2][1] > 0  # the later calls did reuse memory
+    # Every key (embeddings, norms, scales included) as a run with nothing
+    # served computes it: real copies into torch's own memory.
+    monkeypatch.setattr(warm_memory, "MIN_BYTES", 1 << 62)
+    plain = weight_checker.expected_digests(paths[1], tp=tp, quantization="fp8_per_channel")
+    assert dict(plain) == results[2][0]
     # Every quantized weight was read where the checkpoint holds it: each
     # rank's amax and cast (and at TP=2 the amax pass's too) read its bytes.
     linear = sum(steps[1][f"model.layers.{i}.{p}.weight"].nbytes for i in (0, 1) for ps in FUSED.values() for p in ps)
     passes = 2 if tp > 1 else 1
     assert all(r[2] == 2 * linear + (passes - 1) * linear for r in results), (linear, [r[2] for r in results])
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed")
+@pytest.mark.parametrize("writer", ["write_gptq_int4", "write_fp8_channel"])
+def test_a_quantized_checkpoints_digests_from_reused_memory_equal_a_run_with_nothing_served(
+    models, tmp_path, monkeypatch, writer
+):
+    """A checkpoint format (its processing repacks or transposes what it
+    loads, no copy deferred) with every allocation served, twice in a row,
+    against a run with nothing served; at TP=2."""
+    import weight_checker
+    from weight_checker.testing import quantized
+
+    checkpoint = getattr(quantized, writer)(Path(models.path("tiny-llama")), tmp_path / writer)
+    monkeypatch.setattr(warm_memory, "POOL", warm_memory.WarmPool())
+    monkeypatch.setattr(warm_memory, "MIN_BYTES", 0)
+    first = dict(weight_checker.expected_digests(checkpoint, tp=2))
+    gc.collect()
+    second = dict(weight_checker.expected_digests(checkpoint, tp=2))
+    assert warm_memory.POOL.reused_bytes > 0
+    monkeypatch.setattr(warm_memory, "MIN_BYTES", 1 << 62)
+    plain = dict(weight_checker.expected_digests(checkpoint, tp=2))
+    assert first == second == plain and len(plain) > 10

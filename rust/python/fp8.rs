@@ -192,7 +192,8 @@ pub(super) fn fp8_row_abs_max_piece(
     // SAFETY: as in `fp8_row_abs_max`: two live, C-contiguous, aligned
     // exports of the lengths read from them, `out` sharing no byte with the
     // source (checked); `piece` checks that every row lies inside the source
-    // before anything is read.
+    // before anything is read; the caller's contract keeps the source
+    // unwritten while the GIL is released.
     let nan = py.detach(|| unsafe {
         let src = shared::<u16>(s, n_src);
         let dst = exclusive::<u16>(d, n_dst);
@@ -236,7 +237,8 @@ pub(super) fn fp8_quantize_piece(
     // exports of the lengths read from them, `out` sharing no byte with the
     // inputs (checked); `piece` checks that every row lies inside the source,
     // and the lengths and row range (checked above) are what
-    // `quantize_rows_into` asserts.
+    // `quantize_rows_into` asserts; the caller's contract keeps the source
+    // and the scales unwritten while the GIL is released.
     let nan = py.detach(|| unsafe {
         let src = shared::<u16>(s, n_src);
         let sc = shared::<f32>(c, n_sc);

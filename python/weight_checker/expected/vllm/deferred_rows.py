@@ -17,12 +17,16 @@ them where they lie (``_core.fp8_row_abs_max_piece``,
 ``fp8_quantize_piece``).
 
 Exactness comes first, as in :mod:`.deferred`: any other operation that
-touches a memory with pending pieces (a read, a write, a copy that casts, a
-raw pointer handed out) has those pieces written for real first; an
+touches a memory with pending pieces (a read, a write, a copy that casts)
+has those pieces written for real first, and memory handed out (a numpy
+view, a raw pointer, a storage) is written for real from then on; an
 operation that could write a weight the pieces came from has every pending
 piece written first, and deferring stops; when the mode ends, every piece
-still pending is written. A weight written in place or freed after it was
-recorded is an error naming it (``Piece.check``), never a wrong digest.
+still pending is written. A weight written in place through torch, or
+freed, after it was recorded (checked again after the core has read it) is
+an error naming it (``Piece.check``), never a wrong digest. A write torch
+cannot see (a raw pointer, another thread's numpy view) is the caller's to
+avoid, as for every digest of memory in use (:class:`.deferred.PendingDigests`).
 """
 
 from __future__ import annotations
@@ -41,19 +45,35 @@ from weight_checker.expected.vllm.warm_memory import WarmPool
 
 _LOCAL = threading.local()
 #: Bytes of weights read where they lie, and written for real after all, by
-#: every :class:`DeferredCopies` of the process (the tests and benchmarks read them).
+#: every :class:`DeferredCopies` of the process (tests/test_warm_memory.py reads them).
 TOTALS = {"in_place": 0, "replayed": 0}
 
 
 @dataclass(frozen=True)
 class RowPiece:
     """Rows ``first..first + rows`` of a weight, read from ``source`` (a flat
-    numpy view of 2-byte items): row ``n`` is ``source[n * stride:][:cols]``."""
+    numpy view of 2-byte items): row ``n`` is ``source[n * stride:][:cols]``.
+    ``recorded``: the copy it stands for (:meth:`check` after reading: the
+    weight was not written meanwhile, as far as torch can tell)."""
 
     first: int
     rows: int
     source: Any
     stride: int
+    recorded: Piece
+
+    def check(self) -> None:
+        # Quietly: the check asks for the weight's storage, which the mode
+        # would otherwise take for its memory handed out (and stop deferring).
+        mode = getattr(_LOCAL, "mode", None)
+        quiet = mode is not None and mode._quiet
+        if mode is not None:
+            mode._quiet = True
+        try:
+            self.recorded.check()
+        finally:
+            if mode is not None:
+                mode._quiet = quiet
 
 
 class DeferredCopies(TorchFunctionMode):
@@ -327,7 +347,7 @@ def pieces_of(weight: torch.Tensor) -> list[RowPiece] | None:
                 return None
             span = (count - 1) * stride + cols
             flat = source.as_strided((span,), (1,), source.storage_offset()).view(torch.int16).numpy()
-            out.append(RowPiece((at - start) // row_bytes, count, flat, stride))
+            out.append(RowPiece((at - start) // row_bytes, count, flat, stride, piece))
             at += piece.nbytes
         if at != start + rows * row_bytes:
             return None

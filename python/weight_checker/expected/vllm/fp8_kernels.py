@@ -78,10 +78,13 @@ def _row_abs_max(original: Any) -> Any:
             if pieces is not None:
                 out = torch.empty(weight.shape[0], dtype=torch.int16)
                 into, cols = out.numpy(), weight.shape[1]
-                if not any(
+                nan = any(
                     _core.fp8_row_abs_max_piece(p.source, 0, p.stride, p.rows, cols, into[p.first : p.first + p.rows])
                     for p in pieces
-                ):
+                )
+                for p in pieces:
+                    p.check()  # read with the GIL released: the weights were not written meanwhile
+                if not nan:
                     return out.view(torch.bfloat16).reshape(-1, 1)
             w = weight.detach().contiguous()
             out = torch.empty(w.shape[0], dtype=torch.int16)
@@ -116,12 +119,15 @@ def _quant_per_channel(original: Any) -> Any:
             pieces = deferred_rows.pieces_of(weight)  # its rows where the weights lie (no copy was made)
             if pieces is not None:
                 scales, into = sc.numpy(), out.view(torch.uint8).numpy()
-                if not any(
+                nan = any(
                     _core.fp8_quantize_piece(
                         p.source, 0, p.stride, p.rows, cols, scales[p.first : p.first + p.rows], into, p.first, rows
                     )
                     for p in pieces
-                ):
+                )
+                for p in pieces:
+                    p.check()  # read with the GIL released: the weights were not written meanwhile
+                if not nan:
                     return out.t()
             w = weight.detach().contiguous()
             bits, into = w.view(torch.int16).numpy(), out.view(torch.uint8).numpy()

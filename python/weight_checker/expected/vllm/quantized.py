@@ -239,11 +239,30 @@ def quantized_ranks(
 ) -> list[Any]:
     """Every rank of a quantized engine built, loaded, processed by vLLM and
     hashed (the reduction's two passes where TP > 1): the ranks with their
-    digests, for the caller to lay out under their DP replicas."""
+    digests, for the caller to lay out under their DP replicas. The memory
+    pool keeps, for the next call, only what this one used."""
+    from weight_checker.expected.vllm import warm_memory
+
+    try:
+        return _ranks_hashed(config, source, tp, pp, dp, allow_unwritten, out, progress)
+    finally:
+        warm_memory.POOL.trim()
+
+
+def _ranks_hashed(
+    config: Any,
+    source: Any,
+    tp: int,
+    pp: int,
+    dp: int,
+    allow_unwritten: bool,
+    out: Any,
+    progress: Any = None,
+) -> list[Any]:
+    """:func:`quantized_ranks`, the pool left as it is."""
     import time
 
     from weight_checker.expected.rank import Rank
-    from weight_checker.expected.vllm import warm_memory
 
     reduce = AmaxReduce(tp)
     out._quantized = (config, tp, pp, dp, reduce)  # what the explanation's rebuild needs (no weights)
@@ -286,7 +305,6 @@ def quantized_ranks(
         out.seconds["hash"] += time.perf_counter() - hashed_at
         drop_tensors(model)
         del model
-    warm_memory.POOL.trim()  # what this call did not use is not kept for the next
     return ranks
 
 

@@ -13,6 +13,7 @@ from weight_checker.errors import ExpectedDigestsError
 from weight_checker.expected.vllm.quantized import (
     ONLINE,
     AmaxReduce,
+    drop_tensors,
     install_zeroing,
     load_and_process,
     rank_digests,
@@ -103,9 +104,11 @@ def _tensors_again(expected: Any, keys: list[str]) -> dict[str, dict[str | None,
                             f"{key}: the expected tensors changed since the digests were computed"
                         )
                     out[key] = {None: t}
-                del model, held  # one rank's model alive at a time
+                drop_tensors(model)  # its memory back to the pool for the next rank (see drop_tensors)
+                del model, held
     finally:
         weights.close()
+        _trim_pool()
     return out
 
 
@@ -155,7 +158,8 @@ def _zeroed_again(expected: Any, zeros: dict[str, list[int]]) -> dict[str, str]:
                 if tp > 1:
                     for t in range(tp):
                         with reduce.recording(pp_rank, t):
-                            build(Rank(pp_rank, t), amax_only=True)  # what it contributes to the reduction; dropped
+                            # What it contributes to the reduction; the model is dropped.
+                            drop_tensors(build(Rank(pp_rank, t), amax_only=True))
                     reduce.reduce()
                 for (stage, tp_rank), prefixes in sorted(asked.items()):
                     if stage != pp_rank:
@@ -164,9 +168,18 @@ def _zeroed_again(expected: Any, zeros: dict[str, list[int]]) -> dict[str, str]:
                     with reduce.for_rank(pp_rank, tp_rank):
                         model = build(rank)
                     digests = rank_digests(model, rank.prefix)
+                    drop_tensors(model)
                     del model
                     for prefix in prefixes:  # under each asking key's own prefix (a DP replica's too)
                         out |= {prefix + ":" + k.removeprefix(rank.prefix): v for k, v in digests.items()}
     finally:
         weights.close()
+        _trim_pool()
     return out
+
+
+def _trim_pool() -> None:
+    """The pool keeps only what this rebuild used (torch: imported when a rank was built)."""
+    from weight_checker.expected.vllm import warm_memory
+
+    warm_memory.POOL.trim()

@@ -121,7 +121,8 @@ LOCK = threading.Lock()
 
 
 def release_buffers() -> None:
-    """Frees the parameter memory and the models
+    """Frees the parameter memory, the models, the checkpoint mappings and
+    the quantized ranks' memory pool (``warm_memory.POOL``) that
     :func:`weight_checker.expected_digests` keeps between calls."""
     from weight_checker.expected.weights import MAPPINGS
 

@@ -16,10 +16,14 @@ takes its outputs from there too (:func:`empty`). A buffer goes back to the
 pool only when torch has freed every tensor over it (a finalizer on the
 array torch's storage holds), so a buffer in use is never handed out twice.
 
-What a reused buffer held is never seen: it is zeroed before it is handed
-out, as fresh memory reads (torch gives no guarantee either way, and a
-padding byte the loader never writes must read as it would have). Only a
-caller that writes every byte itself (the FP8 cast) skips that.
+What a reused buffer held is never seen: it reads as zeros, as fresh
+memory does (torch gives no guarantee either way, and a padding byte the
+loader never writes must read as it would have). It is zeroed before it is
+handed out, or, under :func:`zeroing_by`, by whoever took that on before
+anything reads it (:mod:`.deferred_rows`: only where no copy covers it).
+:func:`empty` skips that for a caller that writes every byte itself (the
+FP8 cast; the amax-only pass of a TP reduction leaves it unwritten, as
+``torch.empty`` would, in a model dropped unread).
 
 Anything the mode does not recognise as a plain contiguous CPU allocation
 with its dtype given (a device left to the default, a layout, pinned
@@ -46,7 +50,7 @@ from torch.overrides import TorchFunctionMode
 
 #: Allocations smaller than this are left to torch (their faults cost little).
 MIN_BYTES = 1 << 20
-#: Buffers are whole 2 MiB units (a huge page, where the kernel gives one).
+#: Buffers are whole 2 MiB units (so that sizes close to one another share buffers).
 UNIT = 2 << 20
 #: The start of every tensor served is aligned to this (as torch's allocator).
 ALIGN = 64
@@ -56,8 +60,9 @@ class _Buffer:
     __slots__ = ("array", "mapping", "size", "used")
 
     def __init__(self, size: int):
-        # An anonymous mapping of its own: zeros, as fresh memory reads.
-        self.mapping = mmap.mmap(-1, size)
+        # An anonymous private mapping of its own: zeros, as fresh memory
+        # reads (``mmap``'s default is a shared one, accounted as shmem).
+        self.mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self.array = np.frombuffer(self.mapping, dtype=np.uint8)
         self.size = size
         self.used = False
@@ -77,7 +82,7 @@ class WarmPool:
         #: address of each served array alive -> the serial number it was served under, and the array.
         self._live: dict[int, tuple[int, weakref.ref[np.ndarray]]] = {}
         self._serial = 0
-        #: Bytes handed out from reused buffers / from new ones (the benchmarks print them).
+        #: Bytes handed out from reused buffers / from new ones (tests/test_warm_memory.py reads them).
         self.reused_bytes = 0
         self.fresh_bytes = 0
 
