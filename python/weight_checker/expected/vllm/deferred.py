@@ -64,6 +64,12 @@ _METADATA = frozenset(
 )  # fmt: skip
 
 
+def op_name(func: Any) -> str:
+    """What an operation is called: an operator overload's base name
+    (``torch.ops.aten.fill_.Scalar`` is ``fill_``, in place like ``Tensor.fill_``)."""
+    return str(getattr(func, "__name__", "")).split(".")[0]
+
+
 def describes_only(name: str, args: Any) -> bool:
     """Whether an operation only describes or views its tensor: basic
     indexing does, advanced indexing (a tensor, list or array index) reads."""
@@ -204,7 +210,7 @@ class DeferredWrites(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if not self._passthrough:
-            name = getattr(func, "__name__", "")
+            name = op_name(func)
             if name in ("copy_", "fill_", "zero_") and args and self._in_arena(args[0]):
                 if self._defer(name, args, kwargs):
                     return args[0]

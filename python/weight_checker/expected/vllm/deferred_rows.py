@@ -40,7 +40,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from weight_checker.expected.vllm import warm_memory
-from weight_checker.expected.vllm.deferred import ESCAPES, Piece, describes_only, storage_address
+from weight_checker.expected.vllm.deferred import ESCAPES, Piece, describes_only, op_name, storage_address
 from weight_checker.expected.vllm.warm_memory import WarmPool
 
 _LOCAL = threading.local()
@@ -201,8 +201,7 @@ class DeferredCopies(TorchFunctionMode):
             if tensor is not None:
                 return tensor
         if not self._quiet:
-            # An operator overload is named "fill_.Scalar": its base name says what it does.
-            name = getattr(func, "__name__", "").split(".")[0]
+            name = op_name(func)
             if name == "copy_" and not self._stopped and self._defer(args, kwargs):
                 return args[0]
             if name == "data_ptr" or name in ESCAPES:

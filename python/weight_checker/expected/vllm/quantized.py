@@ -241,71 +241,54 @@ def quantized_ranks(
     hashed (the reduction's two passes where TP > 1): the ranks with their
     digests, for the caller to lay out under their DP replicas. The memory
     pool keeps, for the next call, only what this one used."""
-    from weight_checker.expected.vllm import warm_memory
-
-    try:
-        return _ranks_hashed(config, source, tp, pp, dp, allow_unwritten, out, progress)
-    finally:
-        warm_memory.POOL.trim()
-
-
-def _ranks_hashed(
-    config: Any,
-    source: Any,
-    tp: int,
-    pp: int,
-    dp: int,
-    allow_unwritten: bool,
-    out: Any,
-    progress: Any = None,
-) -> list[Any]:
-    """:func:`quantized_ranks`, the pool left as it is."""
     import time
 
     from weight_checker.expected.rank import Rank
+    from weight_checker.expected.vllm import warm_memory
 
-    reduce = AmaxReduce(tp)
-    out._quantized = (config, tp, pp, dp, reduce)  # what the explanation's rebuild needs (no weights)
-    ranks = [Rank(p, t) for p in range(pp) for t in range(tp)]
-    # Online quantization's first pass only records amaxes (its casts are
-    # skipped); a checkpoint format's is hashed, and it is the only pass
-    # where no rank reduced an amax.
-    online = getattr(config.model_config, "quantization", None) in ONLINE
-    first: dict[str, dict[str, str]] = {}
-    if tp > 1:  # the first pass: what each rank contributes to the reduction
+    with warm_memory.POOL.trimming():
+        reduce = AmaxReduce(tp)
+        out._quantized = (config, tp, pp, dp, reduce)  # what the explanation's rebuild needs (no weights)
+        ranks = [Rank(p, t) for p in range(pp) for t in range(tp)]
+        # Online quantization's first pass only records amaxes (its casts are
+        # skipped); a checkpoint format's is hashed, and it is the only pass
+        # where no rank reduced an amax.
+        online = getattr(config.model_config, "quantization", None) in ONLINE
+        first: dict[str, dict[str, str]] = {}
+        if tp > 1:  # the first pass: what each rank contributes to the reduction
+            for rank in ranks:
+                if progress is not None:
+                    progress(f"{rank.name} (amax)")
+                started = time.perf_counter()
+                with reduce.recording(rank.pp_rank, rank.tp_rank):
+                    model = load_and_process(config, source, rank, tp, pp, dp, allow_unwritten, amax_only=online)
+                hashed_at = time.perf_counter()
+                out.seconds["load"] += hashed_at - started
+                if not online:
+                    refuse_unseen(model, rank.name)
+                    first[rank.name] = rank_digests(model, rank.prefix)
+                    out.seconds["hash"] += time.perf_counter() - hashed_at
+                drop_tensors(model)
+                del model
+            reduce.reduce()
+            if not reduce.needed and len(first) == len(ranks):
+                for rank in ranks:
+                    rank.put(first[rank.name])
+                return ranks
         for rank in ranks:
             if progress is not None:
-                progress(f"{rank.name} (amax)")
+                progress(rank.name)
             started = time.perf_counter()
-            with reduce.recording(rank.pp_rank, rank.tp_rank):
-                model = load_and_process(config, source, rank, tp, pp, dp, allow_unwritten, amax_only=online)
+            with reduce.for_rank(rank.pp_rank, rank.tp_rank):
+                model = load_and_process(config, source, rank, tp, pp, dp, allow_unwritten)
             hashed_at = time.perf_counter()
             out.seconds["load"] += hashed_at - started
-            if not online:
-                refuse_unseen(model, rank.name)
-                first[rank.name] = rank_digests(model, rank.prefix)
-                out.seconds["hash"] += time.perf_counter() - hashed_at
+            refuse_unseen(model, rank.name)
+            rank.put(rank_digests(model, rank.prefix))
+            out.seconds["hash"] += time.perf_counter() - hashed_at
             drop_tensors(model)
             del model
-        reduce.reduce()
-        if not reduce.needed and len(first) == len(ranks):
-            for rank in ranks:
-                rank.put(first[rank.name])
-            return ranks
-    for rank in ranks:
-        if progress is not None:
-            progress(rank.name)
-        started = time.perf_counter()
-        with reduce.for_rank(rank.pp_rank, rank.tp_rank):
-            model = load_and_process(config, source, rank, tp, pp, dp, allow_unwritten)
-        hashed_at = time.perf_counter()
-        out.seconds["load"] += hashed_at - started
-        refuse_unseen(model, rank.name)
-        rank.put(rank_digests(model, rank.prefix))
-        out.seconds["hash"] += time.perf_counter() - hashed_at
-        drop_tensors(model)
-        del model
-    return ranks
+        return ranks
 
 
 def drop_tensors(model: Any) -> None:

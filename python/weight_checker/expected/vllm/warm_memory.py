@@ -152,6 +152,14 @@ class WarmPool:
             for b in self._free:
                 b.used = False
 
+    @contextlib.contextmanager
+    def trimming(self) -> Iterator[None]:
+        """One call: on the way out, however it ends, :meth:`trim`."""
+        try:
+            yield
+        finally:
+            self.trim()
+
     def clear(self) -> None:
         with self._lock:
             self._drain()
