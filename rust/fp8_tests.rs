@@ -44,6 +44,8 @@ fn transposed_equals_the_elementwise_definition_at_ragged_sizes() {
         (8, 1030),
         (136, 520),
         (77, 1537),
+        (70, 5000), // several bands of the widest kind and a short last one
+        (33, 9000),
     ] {
         let src: Vec<u16> = (0..rows * cols)
             .map(|i| (i as u16).wrapping_mul(40503) & 0xbfff)
@@ -128,4 +130,20 @@ fn nan_is_reported() {
         false
     ));
     assert_eq!(out[..2], [0x7e, 0xfe]);
+}
+
+#[test]
+fn bands_are_whole_blocks_within_bounds_and_two_a_thread() {
+    assert_eq!(band_width(1, 2), MIN_BAND);
+    assert_eq!(band_width(11008, 2), MAX_BAND);
+    assert_eq!(band_width(5504, 2), 1376); // a row-parallel TP=2 shard: four tasks
+    for cols in [1, 17, 600, 2049, 5503, 100_000] {
+        for threads in [0, 1, 2, 3, 16] {
+            let band = band_width(cols, threads);
+            assert!(
+                band.is_multiple_of(BLOCK) && (MIN_BAND..=MAX_BAND).contains(&band),
+                "{cols} {threads}"
+            );
+        }
+    }
 }
