@@ -172,6 +172,31 @@ class WarmPool:
             return sum(b.size for b in self._free)
 
 
+@contextlib.contextmanager
+def young_garbage() -> Iterator[None]:
+    """One call's garbage kept young: the cyclic collector is paused inside
+    and, on the way out, collects its two young generations only.
+
+    A call builds a model a rank, and a model's modules sit in cycles
+    (:func:`.quantized.drop_tensors`). With the collector running, they
+    outlive a young collection or two and are promoted, and every few calls
+    the promoted objects trigger a full collection of the process: with vLLM
+    imported, 0.35 s (measured on an Intel Xeon fam 6 model 207), more than
+    the hash of a 1 GB model. Paused, the call's cycles are still young when
+    it ends and a young collection frees them. The collector's state is
+    restored: a caller that paused it keeps it paused."""
+    import gc
+
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+            gc.collect(1)
+
+
 #: The process's pool (one call at a time: ``rank_model.LOCK``).
 POOL = WarmPool()
 _LOCAL = threading.local()
