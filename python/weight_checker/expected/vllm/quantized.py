@@ -11,10 +11,13 @@ as the engine on this host does it, and hashed over the worker's own walk.
 One step of that processing talks to the other ranks: a row-parallel layer's
 per-channel amax is all-reduced over the TP group (each shard holds part of
 every row), so every shard's scales are the whole weight's. Ranks are built
-here one at a time, so the reduction is reproduced in two passes: the first
-loads and processes every rank and records the amax each one contributes
-(the calls come in the same order on every rank); the second processes every
-rank again with the reduced amax in place of the collective, then hashes.
+here one at a time, so the reduction is reproduced: every rank is loaded and
+processed, except the layers whose amax is reduced, for which only the amax
+each rank contributes is recorded (the calls come in the same order on every
+rank, :mod:`.online_process`); then those layers are processed with the
+reduced amax in place of the collective, and each rank is hashed. (A format
+whose processing reduced an amax but could not hold its layers back would be
+loaded twice, a pass to record and one to apply; none of this host's does.)
 
 What cannot be reproduced is refused by name: a format this project does not
 know, a kernel that keeps a layer's weights outside its parameters (vLLM's
@@ -26,12 +29,11 @@ engine or here), and a processing step vLLM itself cannot run on this host
 from __future__ import annotations
 
 import contextlib
-import sys
-import threading
-from collections.abc import Iterator
 from typing import Any
 
 from weight_checker.errors import ExpectedDigestsError
+from weight_checker.expected.vllm.amax_reduce import AmaxReduce
+from weight_checker.expected.vllm.online_process import ZERO_ROWS
 
 #: The online shorthand whose post-load processing runs here.
 ONLINE = ("fp8_per_channel",)
@@ -52,137 +54,6 @@ def check_known(method: Any, where: str) -> str:
         f"{where}: quantization {method!r} is not a format this project reproduces (known: {known}); "
         "its digests are not guessed"
     )
-
-
-_AMAX = "amax_for_tp_weight_quant"
-
-
-class AmaxReduce:
-    """vLLM's TP all-reduce (MAX) of weight amaxes, reproduced across ranks
-    built one after another: :meth:`recording` keeps each sharded call's
-    local amax, :meth:`reduce` takes the elementwise max over the TP ranks of
-    each pipeline stage, :meth:`applying` hands each call its reduced value.
-    Only the thread that records or applies sees the replacement
-    (:func:`_dispatch`): any other thread, an engine's own processing in the
-    same process among them, gets vLLM's collective."""
-
-    def __init__(self, tp: int):
-        self.tp = tp
-        self.recorded: dict[tuple[int, int], list[Any]] = {}
-        #: (pp_rank, index of the call) -> the reduced amax; kept for rebuilds.
-        self.reduced: dict[int, list[Any]] = {}
-        self.needed = False
-
-    @contextlib.contextmanager
-    def recording(self, pp_rank: int, tp_rank: int) -> Iterator[None]:
-        calls = self.recorded.setdefault((pp_rank, tp_rank), [])
-        calls.clear()
-
-        def record(amax: Any, is_sharded: bool) -> Any:
-            if is_sharded:
-                calls.append(amax.detach().clone())
-            return amax
-
-        with _replaced(record):
-            yield
-
-    def reduce(self) -> None:
-        """The elementwise max over each stage's TP ranks, call by call; the
-        local amaxes are dropped."""
-        import torch
-
-        for pp_rank in sorted({pp for pp, _ in self.recorded}):
-            stage = {tp: calls for (pp, tp), calls in self.recorded.items() if pp == pp_rank}
-            counts = {tp: len(calls) for tp, calls in stage.items()}
-            if len(set(counts.values())) > 1:
-                raise ExpectedDigestsError(
-                    f"the TP ranks of pp{pp_rank} reduce different numbers of weight amaxes: {counts}"
-                )
-            reduced = []
-            for column in zip(*(stage[tp] for tp in sorted(stage)), strict=True):
-                if len({tuple(t.shape) for t in column}) > 1:
-                    raise ExpectedDigestsError(
-                        f"the TP ranks of pp{pp_rank} reduce weight amaxes of different shapes: "
-                        f"{[list(t.shape) for t in column]}"
-                    )
-                reduced.append(torch.stack(list(column)).amax(dim=0))
-            self.reduced[pp_rank] = reduced
-            self.needed = self.needed or bool(reduced)
-        self.recorded.clear()
-
-    @contextlib.contextmanager
-    def applying(self, pp_rank: int, tp_rank: int) -> Iterator[None]:
-        reduced = list(self.reduced.get(pp_rank, []))
-        at = [0]
-
-        def apply(amax: Any, is_sharded: bool) -> Any:
-            if not is_sharded:
-                return amax
-            if at[0] >= len(reduced):
-                raise ExpectedDigestsError(f"pp{pp_rank}:tp{tp_rank} reduces more weight amaxes than it did before")
-            value = reduced[at[0]]
-            at[0] += 1
-            if value.shape != amax.shape:
-                raise ExpectedDigestsError(
-                    f"pp{pp_rank}:tp{tp_rank}: a reduced weight amax of shape {list(value.shape)} where vLLM holds "
-                    f"{list(amax.shape)}"
-                )
-            amax.copy_(value)  # in place, as torch.distributed.all_reduce writes it
-            return amax
-
-        with _replaced(apply):
-            yield
-
-    def for_rank(self, pp_rank: int, tp_rank: int) -> Any:
-        """What a rank's processing runs under: the reduced amaxes where the
-        reduction was needed, else nothing replaced."""
-        if self.needed:
-            return self.applying(pp_rank, tp_rank)
-        return contextlib.nullcontext()
-
-
-#: This thread's replacement of vLLM's amax reduction, while one is in place.
-_LOCAL = threading.local()
-_INSTALL = threading.Lock()
-
-
-def _dispatch(original: Any) -> Any:
-    """vLLM's ``amax_for_tp_weight_quant``, or this thread's replacement."""
-
-    def amax_for_tp_weight_quant(amax: Any, is_sharded: bool) -> Any:
-        replacement = getattr(_LOCAL, "replacement", None)
-        if replacement is None:
-            return original(amax, is_sharded)
-        return replacement(amax, is_sharded)
-
-    amax_for_tp_weight_quant.weight_checker_original = original  # type: ignore[attr-defined]
-    return amax_for_tp_weight_quant
-
-
-def _install() -> None:
-    """The dispatcher put in place of ``amax_for_tp_weight_quant`` in every
-    loaded vLLM module that imported it by name (each quantization method
-    does), once per module: it calls vLLM's own unless this thread replaced it."""
-    from vllm.model_executor.layers.quantization.utils import quant_utils
-
-    with _INSTALL:
-        current = getattr(quant_utils, _AMAX)
-        original = getattr(current, "weight_checker_original", current)
-        dispatcher = current if current is not original else _dispatch(original)
-        for name, module in list(sys.modules.items()):
-            if name.startswith("vllm.") and getattr(module, _AMAX, None) is original:
-                setattr(module, _AMAX, dispatcher)
-
-
-@contextlib.contextmanager
-def _replaced(fn: Any) -> Iterator[None]:
-    _install()
-    previous = getattr(_LOCAL, "replacement", None)
-    _LOCAL.replacement = fn
-    try:
-        yield
-    finally:
-        _LOCAL.replacement = previous
 
 
 def process(model: Any, model_config: Any) -> None:
@@ -246,14 +117,16 @@ def quantized_ranks(
     from weight_checker.expected.rank import Rank
     from weight_checker.expected.vllm import warm_memory
 
-    with warm_memory.POOL.trimming():
+    with warm_memory.POOL.trimming(), warm_memory.young_garbage():
         reduce = AmaxReduce(tp)
         out._quantized = (config, tp, pp, dp, reduce)  # what the explanation's rebuild needs (no weights)
         ranks = [Rank(p, t) for p in range(pp) for t in range(tp)]
-        # Online quantization's first pass only records amaxes (its casts are
-        # skipped); a checkpoint format's is hashed, and it is the only pass
-        # where no rank reduced an amax.
         online = getattr(config.model_config, "quantization", None) in ONLINE
+        if online and tp > 1:
+            _online_ranks(config, source, ranks, tp, pp, dp, allow_unwritten, out, reduce, progress)
+            return ranks
+        # A checkpoint format's first pass is hashed: it is the only pass
+        # where no rank reduced an amax (none of this host's formats does).
         first: dict[str, dict[str, str]] = {}
         if tp > 1:  # the first pass: what each rank contributes to the reduction
             for rank in ranks:
@@ -261,17 +134,16 @@ def quantized_ranks(
                     progress(f"{rank.name} (amax)")
                 started = time.perf_counter()
                 with reduce.recording(rank.pp_rank, rank.tp_rank):
-                    model = load_and_process(config, source, rank, tp, pp, dp, allow_unwritten, amax_only=online)
+                    model = load_and_process(config, source, rank, tp, pp, dp, allow_unwritten)
                 hashed_at = time.perf_counter()
                 out.seconds["load"] += hashed_at - started
-                if not online:
-                    refuse_unseen(model, rank.name)
-                    first[rank.name] = rank_digests(model, rank.prefix)
-                    out.seconds["hash"] += time.perf_counter() - hashed_at
+                refuse_unseen(model, rank.name)
+                first[rank.name] = rank_digests(model, rank.prefix)
+                out.seconds["hash"] += time.perf_counter() - hashed_at
                 drop_tensors(model)
                 del model
             reduce.reduce()
-            if not reduce.needed and len(first) == len(ranks):
+            if not reduce.needed:
                 for rank in ranks:
                     rank.put(first[rank.name])
                 return ranks
@@ -289,6 +161,84 @@ def quantized_ranks(
             drop_tensors(model)
             del model
         return ranks
+
+
+def _online_ranks(
+    config: Any,
+    source: Any,
+    ranks: list[Any],
+    tp: int,
+    pp: int,
+    dp: int,
+    allow_unwritten: bool,
+    out: Any,
+    reduce: AmaxReduce,
+    progress: Any,
+) -> None:
+    """Online FP8 at TP > 1 in one pass: every rank built and loaded once,
+    its layers whose amax vLLM all-reduces held back (their amaxes
+    recorded, :func:`.online_process.holding_back`); then, the amaxes
+    reduced, each rank's held layers processed by vLLM and the rank hashed."""
+    import time
+
+    from weight_checker.expected.rank import on_rank
+    from weight_checker.expected.vllm import fp8_kernels, online_process, warm_memory
+
+    loaded = []
+    for rank in ranks:
+        if progress is not None:
+            progress(f"{rank.name} (load)")
+        started = time.perf_counter()
+        held: list[Any] = []
+        with reduce.recording(rank.pp_rank, rank.tp_rank), online_process.holding_back(held):
+            model = load_and_process(config, source, rank, tp, pp, dp, allow_unwritten)
+        loaded.append((rank, model, held))
+        out.seconds["load"] += time.perf_counter() - started
+        recorded = len(reduce.recorded.get((rank.pp_rank, rank.tp_rank), []))
+        if recorded != len(held):  # an amax reduced by a layer that was not held back: its order is unknown
+            raise ExpectedDigestsError(
+                f"{rank.name}: {recorded - len(held)} weight amax(es) all-reduced outside vLLM's online FP8 linear "
+                "layers: this model's TP reduction is not reproduced here"
+            )
+    reduce.reduce()
+    while loaded:
+        rank, model, held = loaded.pop(0)
+        if progress is not None:
+            progress(rank.name)
+        started = time.perf_counter()
+        with (
+            on_rank(config, config, config.model_config, rank, tp, pp, dp, None),
+            fp8_kernels.fast(),
+            warm_memory.serving(),
+            reduce.for_rank(rank.pp_rank, rank.tp_rank),
+        ):
+            process_held(held, rank.name)
+        hashed_at = time.perf_counter()
+        out.seconds["load"] += hashed_at - started
+        refuse_unseen(model, rank.name)
+        rank.put(rank_digests(model, rank.prefix))
+        out.seconds["hash"] += time.perf_counter() - hashed_at
+        drop_tensors(model)
+        del model, held
+
+
+def process_held(held: list[Any], rank_name: str) -> None:
+    """:func:`.online_process.process_held`, vLLM's error in one line."""
+    import torch
+
+    from weight_checker.expected.vllm import online_process
+
+    try:
+        with torch.no_grad():
+            online_process.process_held(held)
+    except ExpectedDigestsError:
+        raise
+    except Exception as e:
+        reason = " ".join(str(e).split()) or type(e).__name__
+        raise ExpectedDigestsError(
+            f"{rank_name}: vLLM's post-load processing of this quantized model fails on this host "
+            f"({type(e).__name__}: {reason}): its digests cannot be computed here"
+        ) from e
 
 
 def drop_tensors(model: Any) -> None:
@@ -406,7 +356,7 @@ def _mark_zero_rows(model: Any, rank: Any, zero: list[tuple[str, list[int], int]
             raise ExpectedDigestsError(f"{rank.name}: no layer {layer_name!r} to zero channels of")
         row_parallel = getattr(layer, "input_size", None) != getattr(layer, "input_size_per_partition", None)
         if key_tp == rank.tp_rank or row_parallel:
-            setattr(layer, _ZERO_ROWS, list(rows))
+            setattr(layer, ZERO_ROWS, list(rows))
 
 
 def _quantized_layer(module: Any) -> bool:
@@ -421,29 +371,3 @@ def rank_digests(model: Any, prefix: str) -> dict[str, str]:
 
     targets = vllm_checksum_targets(model)
     return checksum(model if targets is None else targets, prefix)
-
-
-#: The attribute that marks a layer of a model built for an explanation: the
-#: rows of its weight to zero before vLLM quantizes it (:func:`_zeroing`).
-_ZERO_ROWS = "_weight_checker_zero_rows"
-
-
-def install_zeroing() -> None:
-    """vLLM's online FP8 processing, wrapped once: a layer marked with
-    :data:`_ZERO_ROWS` has those rows of its weight zeroed first. Only a
-    model built here is ever marked; any other layer is processed as is."""
-    from vllm.model_executor.layers.quantization.online.fp8 import Fp8PtpcOnlineLinearMethod
-
-    with _INSTALL:
-        original = Fp8PtpcOnlineLinearMethod.process_weights_after_loading
-        if getattr(original, "weight_checker_original", None) is not None:
-            return
-
-        def process_weights_after_loading(self: Any, layer: Any) -> None:
-            rows = getattr(layer, _ZERO_ROWS, None)
-            if rows is not None and not getattr(layer, "_already_called_process_weights_after_loading", False):
-                layer.weight.data[rows] = 0
-            original(self, layer)
-
-        process_weights_after_loading.weight_checker_original = original  # type: ignore[attr-defined]
-        Fp8PtpcOnlineLinearMethod.process_weights_after_loading = process_weights_after_loading  # type: ignore[method-assign]

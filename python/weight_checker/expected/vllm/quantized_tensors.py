@@ -10,11 +10,11 @@ from __future__ import annotations
 from typing import Any
 
 from weight_checker.errors import ExpectedDigestsError
+from weight_checker.expected.vllm import online_process
+from weight_checker.expected.vllm.amax_reduce import AmaxReduce
 from weight_checker.expected.vllm.quantized import (
     ONLINE,
-    AmaxReduce,
     drop_tensors,
-    install_zeroing,
     load_and_process,
     rank_digests,
 )
@@ -142,7 +142,7 @@ def _zeroed_again(expected: Any, zeros: dict[str, list[int]]) -> dict[str, str]:
         pp_rank, tp_rank = int(fields[1].removeprefix("pp")), int(fields[3].removeprefix("tp"))
         asked.setdefault((pp_rank, tp_rank), set()).add(prefix)
         stages.setdefault(pp_rank, []).append((name.removesuffix(".weight"), list(zeros[key]), tp_rank))
-    install_zeroing()
+    online_process.install()
     weights = read_again(recipe, keys)
     out: dict[str, str] = {}
     try:

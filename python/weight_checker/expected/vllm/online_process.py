@@ -1,0 +1,111 @@
+"""vLLM's online FP8 processing of a layer, wrapped once for the expected
+models built here: the rows an explanation zeroes, and the layers a one-pass
+TP reduction holds back.
+
+``Fp8PtpcOnlineLinearMethod.process_weights_after_loading`` is replaced by a
+wrapper that runs vLLM's own on every layer not marked by this package (an
+engine's own processing in the same process included). Two marks change
+what happens before it runs:
+
+- :data:`ZERO_ROWS` on a layer: those rows of its weight are zeroed first
+  (an explanation's "had the trainer sent zeros" model, :mod:`.quantized_tensors`).
+- :func:`holding_back` on the calling thread: a layer whose amax vLLM
+  all-reduces over the TP group (a row-parallel one: each shard holds a part
+  of every row) is not processed yet. vLLM's processing runs on a shallow
+  copy of it instead, its cast skipped (:func:`.fp8_kernels.fast`), so the
+  amax the rank contributes is recorded (:class:`.amax_reduce.AmaxReduce`);
+  the layer itself keeps its loaded weight, and :func:`process_held` runs
+  vLLM's processing on it once every rank's amax is reduced. So a rank of
+  a TP > 1 engine is built and loaded once, not once a pass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+#: The attribute that marks a layer of a model built for an explanation: the
+#: rows of its weight to zero before vLLM quantizes it.
+ZERO_ROWS = "_weight_checker_zero_rows"
+_DONE = "_already_called_process_weights_after_loading"
+_LOCAL = threading.local()
+_INSTALL = threading.Lock()
+
+
+def install() -> None:
+    """The wrapper put in place of vLLM's method, once per process."""
+    from vllm.model_executor.layers.quantization.online.fp8 import Fp8PtpcOnlineLinearMethod
+
+    with _INSTALL:
+        original = Fp8PtpcOnlineLinearMethod.process_weights_after_loading
+        if getattr(original, "weight_checker_original", None) is not None:
+            return
+
+        def process_weights_after_loading(self: Any, layer: Any) -> None:
+            if getattr(layer, _DONE, False):
+                original(self, layer)  # vLLM's own early return
+                return
+            if _hold_back(original, self, layer):
+                return
+            rows = getattr(layer, ZERO_ROWS, None)
+            if rows is not None:
+                layer.weight.data[rows] = 0
+            original(self, layer)
+
+        process_weights_after_loading.weight_checker_original = original  # type: ignore[attr-defined]
+        Fp8PtpcOnlineLinearMethod.process_weights_after_loading = process_weights_after_loading  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def holding_back(held: list[Any]) -> Iterator[None]:
+    """Inside, on this thread: the TP-reduced layers processed are appended
+    to ``held`` (once each, in the order vLLM processes them) and left as
+    loaded, their amaxes recorded (see the module docstring)."""
+    install()
+    previous = getattr(_LOCAL, "held", None)
+    _LOCAL.held = held
+    try:
+        yield
+    finally:
+        _LOCAL.held = previous
+
+
+def _hold_back(original: Any, method: Any, layer: Any) -> bool:
+    held = getattr(_LOCAL, "held", None)
+    if held is None:
+        return False
+    from vllm.model_executor.layers.quantization.online.fp8 import _is_tp_sharded
+
+    # vLLM's own test of whether this layer's amax is all-reduced, as its
+    # processing calls it.
+    if not _is_tp_sharded(layer, reduces_output_dim=False):
+        return False
+    if any(h is layer for h in held):
+        return True  # held already (vLLM's final pass over the model comes back to it)
+    from weight_checker.expected.vllm import fp8_kernels
+
+    # A shallow copy with parameter and buffer tables of its own: what vLLM
+    # registers on it (the FP8 weight, the scale) stays off the layer.
+    shadow = copy.copy(layer)
+    shadow.__dict__["_parameters"] = dict(layer._parameters)
+    shadow.__dict__["_buffers"] = dict(layer._buffers)
+    with fp8_kernels.fast(amax_only=True):
+        original(method, shadow)
+    shadow.__dict__["_parameters"].clear()
+    shadow.__dict__["_buffers"].clear()
+    held.append(layer)
+    return True
+
+
+def process_held(held: list[Any]) -> None:
+    """vLLM's processing of each held layer, in the order they were held
+    (the order their amaxes were recorded), then what vLLM's layerwise
+    loader does after it (the parameters' TP state reconciled)."""
+    install()
+    for layer in held:
+        layer.quant_method.process_weights_after_loading(layer)
+        if hasattr(layer, "update_param_tp_status"):
+            layer.update_param_tp_status()
