@@ -133,16 +133,34 @@ fn nan_is_reported() {
 }
 
 #[test]
-fn bands_are_whole_blocks_within_bounds_and_two_a_thread() {
-    assert_eq!(band_width(1, 2), MIN_BAND);
-    assert_eq!(band_width(11008, 2), MAX_BAND);
-    assert_eq!(band_width(5504, 2), 1376); // a row-parallel TP=2 shard: four tasks
-    for cols in [1, 17, 600, 2049, 5503, 100_000] {
-        for threads in [0, 1, 2, 3, 16] {
-            let band = band_width(cols, threads);
+fn a_piece_into_aligned_and_misaligned_outputs_equals_the_definition() {
+    // Whole tiles whose output runs start 16-byte aligned take the streaming
+    // stores; one byte off, the plain transposes: the same bytes.
+    let (rows, cols, total, first) = (128, 72, 160, 16);
+    let src: Vec<u16> = (0..rows * cols)
+        .map(|i| (i as u16).wrapping_mul(40503) & 0xbfff)
+        .collect();
+    let mut amax = vec![0u16; rows];
+    assert!(!row_abs_max(&src, cols, &mut amax));
+    let scale: Vec<f32> = amax.iter().map(|&a| (bf16_to_f32(a) / E4M3_MAX).max(1e-6)).collect();
+    let whole = reference(&src, rows, cols, &scale); // [cols, rows]
+    let mut buffer = vec![0u8; cols * total + 64];
+    for skew in [0usize, 1] {
+        let start = buffer.as_ptr().align_offset(16) + skew;
+        let out = &mut buffer[start..start + cols * total];
+        out.fill(0xaa);
+        let piece = Rows::new(&src, 0, cols, rows, cols).unwrap();
+        assert!(!quantize_rows_into(widest(), piece, &scale, out, first, total));
+        for k in 0..cols {
+            let row = &out[k * total..(k + 1) * total];
+            assert_eq!(
+                &row[first..first + rows],
+                &whole[k * rows..(k + 1) * rows],
+                "skew {skew}, k {k}"
+            );
             assert!(
-                band.is_multiple_of(BLOCK) && (MIN_BAND..=MAX_BAND).contains(&band),
-                "{cols} {threads}"
+                row[..first].iter().chain(&row[first + rows..]).all(|&b| b == 0xaa),
+                "skew {skew}: outside the piece"
             );
         }
     }
