@@ -132,10 +132,17 @@ def _install() -> None:
     with _INSTALL:
         current = getattr(quant_utils, _AMAX)
         original = getattr(current, "weight_checker_original", current)
+        if current is not original and len(sys.modules) == _SCANNED[0]:
+            return  # no module imported since the last scan (a scan costs ~5 ms with vLLM loaded)
         dispatcher = current if current is not original else _dispatch(original)
         for name, module in list(sys.modules.items()):
             if name.startswith("vllm.") and getattr(module, _AMAX, None) is original:
                 setattr(module, _AMAX, dispatcher)
+        _SCANNED[0] = len(sys.modules)
+
+
+#: How many modules were loaded at the last scan of :func:`_install`.
+_SCANNED = [0]
 
 
 @contextlib.contextmanager
