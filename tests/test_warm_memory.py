@@ -416,3 +416,15 @@ def test_young_garbage_pauses_the_collector_frees_the_calls_cycles_and_restores_
         assert not gc.isenabled()  # a caller that paused it keeps it paused
     finally:
         gc.enable()
+
+
+def test_a_mapping_that_fails_is_a_memory_error_in_one_line(monkeypatch):
+    import mmap
+
+    def refuse(*args, **kwargs):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(mmap, "mmap", refuse)
+    pool = warm_memory.WarmPool()
+    with pytest.raises(MemoryError, match=r"could not map [\d,]+ bytes \(Cannot allocate memory\)"):
+        pool.take(1 << 20, zeroed=False)

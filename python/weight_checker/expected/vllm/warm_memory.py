@@ -62,7 +62,12 @@ class _Buffer:
     def __init__(self, size: int):
         # An anonymous private mapping of its own: zeros, as fresh memory
         # reads (``mmap``'s default is a shared one, accounted as shmem).
-        self.mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        try:
+            self.mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        except OSError as e:  # as torch's allocator fails: out of memory, said in one line
+            raise MemoryError(
+                f"the expected digests' memory pool could not map {size:,} bytes ({e.strerror or e})"
+            ) from e
         self.array = np.frombuffer(self.mapping, dtype=np.uint8)
         self.size = size
         self.used = False
