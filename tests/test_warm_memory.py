@@ -428,3 +428,43 @@ def test_a_mapping_that_fails_is_a_memory_error_in_one_line(monkeypatch):
     pool = warm_memory.WarmPool()
     with pytest.raises(MemoryError, match=r"could not map [\d,]+ bytes \(Cannot allocate memory\)"):
         pool.take(1 << 20, zeroed=False)
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed")
+def test_online_fp8_at_tp2_falls_back_to_two_passes_where_one_would_not_fit_and_a_failed_call_keeps_nothing(
+    models, monkeypatch
+):
+    """Where the first rank's memory times the ranks is over the budget, the
+    ranks are loaded twice, one at a time (the amax pass, then the real
+    one): the same digests. A call that fails after every rank was loaded
+    leaves no buffer of the pool in use."""
+    import weight_checker
+    from weight_checker.errors import ExpectedDigestsError
+    from weight_checker.expected.vllm import quantized
+
+    monkeypatch.setattr(warm_memory, "MIN_BYTES", 0)
+    monkeypatch.setattr(warm_memory, "POOL", warm_memory.WarmPool())
+    path = models.path("tiny-llama")
+    one_pass = weight_checker.expected_digests(path, tp=2, quantization="fp8_per_channel")
+    loads = []
+    original = quantized.load_and_process
+    monkeypatch.setattr(
+        quantized, "load_and_process", lambda *a, **k: loads.append(k.get("amax_only", False)) or original(*a, **k)
+    )
+    monkeypatch.setattr(quantized, "one_pass_budget", lambda: 0)
+    two_passes = weight_checker.expected_digests(path, tp=2, quantization="fp8_per_channel")
+    assert loads == [False, True, True, False, False]  # the first rank tried, then the amax pass and the real one
+    assert dict(two_passes) == dict(one_pass)
+    monkeypatch.setattr(quantized, "one_pass_budget", lambda: 1 << 62)
+    loads.clear()
+
+    def fail(*args, **kwargs):
+        raise ExpectedDigestsError("refused on purpose")
+
+    monkeypatch.setattr(quantized, "ranks_digests", fail)
+    with pytest.raises(ExpectedDigestsError, match="on purpose"):
+        weight_checker.expected_digests(path, tp=2, quantization="fp8_per_channel")
+    assert loads == [False, False]  # one pass: each rank loaded once
+    gc.collect()
+    assert warm_memory.POOL.live_bytes() == 0

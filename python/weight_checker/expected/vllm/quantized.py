@@ -122,28 +122,32 @@ def quantized_ranks(
         out._quantized = (config, tp, pp, dp, reduce)  # what the explanation's rebuild needs (no weights)
         ranks = [Rank(p, t) for p in range(pp) for t in range(tp)]
         online = getattr(config.model_config, "quantization", None) in ONLINE
-        if online and tp > 1:
-            _online_ranks(config, source, ranks, tp, pp, dp, allow_unwritten, out, reduce, progress)
+        one_pass = online and tp > 1
+        if one_pass and _online_ranks(config, source, ranks, tp, pp, dp, allow_unwritten, out, reduce, progress):
             return ranks
-        # A checkpoint format's first pass is hashed: it is the only pass
-        # where no rank reduced an amax (none of this host's formats does).
+        # Two passes where one would hold too much memory (or for a format
+        # whose layers are not held back): the first records what each rank
+        # contributes to the reduction (online FP8's skips the casts; a
+        # checkpoint format's is hashed: it is the only pass where no rank
+        # reduced an amax, and none of this host's formats reduces one).
         first: dict[str, dict[str, str]] = {}
-        if tp > 1:  # the first pass: what each rank contributes to the reduction
+        if tp > 1:
             for rank in ranks:
                 if progress is not None:
                     progress(f"{rank.name} (amax)")
                 started = time.perf_counter()
                 with reduce.recording(rank.pp_rank, rank.tp_rank):
-                    model = load_and_process(config, source, rank, tp, pp, dp, allow_unwritten)
+                    model = load_and_process(config, source, rank, tp, pp, dp, allow_unwritten, amax_only=online)
                 hashed_at = time.perf_counter()
                 out.seconds["load"] += hashed_at - started
-                refuse_unseen(model, rank.name)
-                first[rank.name] = rank_digests(model, rank.prefix)
-                out.seconds["hash"] += time.perf_counter() - hashed_at
+                if not online:
+                    refuse_unseen(model, rank.name)
+                    first[rank.name] = rank_digests(model, rank.prefix)
+                    out.seconds["hash"] += time.perf_counter() - hashed_at
                 drop_tensors(model)
                 del model
             reduce.reduce()
-            if not reduce.needed:
+            if not reduce.needed and len(first) == len(ranks):
                 for rank in ranks:
                     rank.put(first[rank.name])
                 return ranks
@@ -174,57 +178,90 @@ def _online_ranks(
     out: Any,
     reduce: AmaxReduce,
     progress: Any,
-) -> None:
+) -> bool:
     """Online FP8 at TP > 1 in one pass: every rank built and loaded once,
     its layers whose amax vLLM all-reduces held back (their amaxes
     recorded, :func:`.online_process.holding_back`); then, the amaxes
-    reduced, each rank's held layers processed by vLLM and the rank hashed."""
+    reduced, each rank's held layers processed by vLLM, and every rank
+    hashed. Every rank is alive at once, so the pass runs only where, judged
+    by the first rank's memory, all of them fit in half the memory available
+    (:func:`one_pass_budget`); else ``False``, nothing kept, for two passes."""
     import time
 
     from weight_checker.expected.rank import on_rank
     from weight_checker.expected.vllm import fp8_kernels, online_process, warm_memory
 
-    loaded = []
-    for rank in ranks:
-        if progress is not None:
-            progress(f"{rank.name} (load)")
+    loaded: list[tuple[Any, Any, list[Any]]] = []
+    try:
+        before = warm_memory.POOL.live_bytes()
+        for rank in ranks:
+            if progress is not None:
+                progress(f"{rank.name} (load)")
+            started = time.perf_counter()
+            held: list[Any] = []
+            with reduce.recording(rank.pp_rank, rank.tp_rank), online_process.holding_back(held):
+                model = load_and_process(config, source, rank, tp, pp, dp, allow_unwritten)
+            loaded.append((rank, model, held))
+            out.seconds["load"] += time.perf_counter() - started
+            recorded = len(reduce.recorded.get((rank.pp_rank, rank.tp_rank), []))
+            if recorded != len(held):  # an amax reduced by a layer that was not held back: its order is unknown
+                raise ExpectedDigestsError(
+                    f"{rank.name}: {recorded - len(held)} weight amax(es) all-reduced outside vLLM's online FP8 "
+                    "linear layers: this model's TP reduction is not reproduced here"
+                )
+            if len(loaded) == 1 and (warm_memory.POOL.live_bytes() - before) * len(ranks) > one_pass_budget():
+                reduce.recorded.clear()
+                return False
+        reduce.reduce()
         started = time.perf_counter()
-        held: list[Any] = []
-        with reduce.recording(rank.pp_rank, rank.tp_rank), online_process.holding_back(held):
-            model = load_and_process(config, source, rank, tp, pp, dp, allow_unwritten)
-        loaded.append((rank, model, held))
-        out.seconds["load"] += time.perf_counter() - started
-        recorded = len(reduce.recorded.get((rank.pp_rank, rank.tp_rank), []))
-        if recorded != len(held):  # an amax reduced by a layer that was not held back: its order is unknown
-            raise ExpectedDigestsError(
-                f"{rank.name}: {recorded - len(held)} weight amax(es) all-reduced outside vLLM's online FP8 linear "
-                "layers: this model's TP reduction is not reproduced here"
-            )
-    reduce.reduce()
-    started = time.perf_counter()
-    for rank, model, held in loaded:
-        if progress is not None:
-            progress(rank.name)
-        with (
-            on_rank(config, config, config.model_config, rank, tp, pp, dp, None),
-            fp8_kernels.fast(),
-            warm_memory.serving(),
-            reduce.for_rank(rank.pp_rank, rank.tp_rank),
-        ):
-            process_held(held, rank.name)
-        refuse_unseen(model, rank.name)
-        held.clear()
-    hashed_at = time.perf_counter()
-    out.seconds["load"] += hashed_at - started
-    # Every rank's tensors in one call: a rank's alone are too few to keep
-    # both cores' lanes busy (hashed rank by rank, two TP=2 ranks took twice
-    # one TP=1 rank of the same bytes).
-    digests = ranks_digests([(model, rank.prefix) for rank, model, _ in loaded])
-    for (rank, model, _), rank_keys in zip(loaded, digests, strict=True):
-        rank.put(rank_keys)
-        drop_tensors(model)
-    out.seconds["hash"] += time.perf_counter() - hashed_at
-    loaded.clear()
+        for rank, model, held in loaded:
+            if progress is not None:
+                progress(rank.name)
+            with (
+                on_rank(config, config, config.model_config, rank, tp, pp, dp, None),
+                fp8_kernels.fast(),
+                warm_memory.serving(),
+                reduce.for_rank(rank.pp_rank, rank.tp_rank),
+            ):
+                process_held(held, rank.name)
+            refuse_unseen(model, rank.name)
+            held.clear()
+        hashed_at = time.perf_counter()
+        out.seconds["load"] += hashed_at - started
+        # Every rank's tensors in one call: a rank's alone are too few to keep
+        # both cores' lanes busy (hashed rank by rank, two TP=2 ranks took twice
+        # one TP=1 rank of the same bytes).
+        digests = ranks_digests([(model, rank.prefix) for rank, model, _ in loaded])
+        for (rank, _, _), rank_keys in zip(loaded, digests, strict=True):
+            rank.put(rank_keys)
+        out.seconds["hash"] += time.perf_counter() - hashed_at
+        return True
+    finally:
+        # However the call ends: vLLM's layerwise loader keeps each layer
+        # reachable after it (a weak table whose values reach their keys), so
+        # a model not emptied here would hold its memory for good.
+        for _, model, held in loaded:
+            held.clear()
+            drop_tensors(model)
+        loaded.clear()
+
+
+def one_pass_budget() -> int:
+    """Bytes the ranks of one pass may hold together: half the memory the
+    kernel says is available (``MemAvailable``), else half the free pages."""
+    import os
+
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024 // 2
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+    except (OSError, ValueError):
+        return 0
 
 
 def process_held(held: list[Any], rank_name: str) -> None:
@@ -292,12 +329,16 @@ def load_and_process(
         warm_memory.serving(mode=not online),
     ):
         model = in_a_clean_thread(_build_warm, config, model_config)
-        if zero:
-            _mark_zero_rows(model, rank, zero)
-        weights = source.read()
-        deferred = deferred_rows.DeferredCopies(discard=amax_only, serves=True) if online else None
-        with deferred if deferred is not None else contextlib.nullcontext():
-            _load_and_process(model, model_config, weights, deferred, rank, allow_unwritten)
+        try:
+            if zero:
+                _mark_zero_rows(model, rank, zero)
+            weights = source.read()
+            deferred = deferred_rows.DeferredCopies(discard=amax_only, serves=True) if online else None
+            with deferred if deferred is not None else contextlib.nullcontext():
+                _load_and_process(model, model_config, weights, deferred, rank, allow_unwritten)
+        except BaseException:
+            drop_tensors(model)  # its memory back now: vLLM's loader keeps the layers reachable
+            raise
     return model
 
 

@@ -138,6 +138,12 @@ class WarmPool:
         array = entry[1]() if entry is not None and entry[0] == serial else None
         return array
 
+    def live_bytes(self) -> int:
+        """Bytes of the arrays served and not freed yet."""
+        with self._lock:
+            views = [entry[1]() for entry in self._live.values()]
+        return sum(v.nbytes for v in views if v is not None)
+
     def _give_back(self, buffer: _Buffer, address: int) -> None:
         # No lock (see __init__). The address is no longer live before the
         # buffer can be served again: it is served only once drained.
@@ -188,8 +194,10 @@ def young_garbage() -> Iterator[None]:
     the promoted objects trigger a full collection of the process: with vLLM
     imported, 0.35 s (measured on an Intel Xeon fam 6 model 207), more than
     the hash of a 1 GB model. Paused, the call's cycles are still young when
-    it ends and a young collection frees them. The collector's state is
-    restored: a caller that paused it keeps it paused."""
+    it ends and a young collection frees them. The collector's state on the
+    way in is restored: a caller that paused it keeps it paused. (The switch
+    is the process's: another thread that pauses it meanwhile finds it
+    running again once the call ends.)"""
     import gc
 
     enabled = gc.isenabled()
