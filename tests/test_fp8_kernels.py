@@ -141,6 +141,33 @@ def test_the_core_refuses_sizes_that_overflow_and_an_output_over_its_input():
     assert out.tolist() == [7, 7]
 
 
+def test_the_core_refuses_arrays_of_another_item_type_and_writes_nothing():
+    """A float32 weight, a float16 one (numpy's only 2-byte float, not
+    bf16), float64 or int32 scales: each a ValueError naming the argument
+    and the format, whatever their byte counts; nothing is written."""
+    import numpy as np
+    from weight_checker import _core
+
+    bits = np.array([[0x3F80, 0x4000], [0xBF80, 0x3F00]], np.uint16).view(np.int16)
+    scale = np.ones(2, np.float32)
+    out = np.full(4, 7, np.uint8)
+    assert not _core.fp8_quantize_rows(bits, 2, scale, out, True)
+    out[:] = 7
+    for args, what in [
+        ((bits.view(np.float16), 2, scale, out), "weight"),
+        ((np.ones((2, 1), np.float32), 1, scale, out[:2]), "weight"),
+        ((bits, 2, np.ones(1, np.float64), out), "scale"),
+        ((bits, 2, scale.view(np.int32), out), "scale"),
+    ]:
+        with pytest.raises(ValueError, match=rf"^{what}: items of \d bytes, format"):
+            _core.fp8_quantize_rows(*args, True)
+    with pytest.raises(ValueError, match=r"^out: items of 2 bytes"):
+        _core.fp8_quantize_rows(bits, 2, scale, np.zeros(4, np.uint16), True)
+    with pytest.raises(ValueError, match=r"^source: items of 4 bytes"):
+        _core.fp8_row_abs_max_piece(np.zeros(4, np.float32), 0, 2, 2, 2, np.zeros(2, np.int16))
+    assert out.tolist() == [7] * 4
+
+
 def test_the_onednn_handle_is_skipped_only_where_the_caller_keeps_the_weight():
     """Inside ``fast()``, vLLM's ``dispatch_cpu_unquantized_gemm`` (run as
     vLLM runs it, on a real layer) leaves the layer's parameters exactly as

@@ -9,20 +9,68 @@ use pyo3::prelude::*;
 use super::acquire::BufferExport;
 use crate::fp8;
 
-/// A C-contiguous buffer export as a slice of `T`: its length in bytes
-/// must be a whole number of `T` and its address aligned for `T`.
+/// A C-contiguous buffer export as a slice of `T`: its items must be `T`'s
+/// size and one of `T`'s formats ([`Item`]), its length in bytes a whole
+/// number of `T` and its address aligned for `T`.
 struct Typed {
     export: BufferExport,
     len: usize,
 }
 
+/// The element types the kernels read and write, with the buffer formats
+/// (`struct` codes, native byte order) that hold them: bf16 bits come as
+/// 16-bit integers (numpy has no bf16), bytes as 8-bit ones.
+trait Item {
+    const FORMATS: &'static [u8];
+    const NAME: &'static str;
+}
+
+impl Item for u16 {
+    const FORMATS: &'static [u8] = b"hH";
+    const NAME: &'static str = "16-bit integers (bf16 bits)";
+}
+
+impl Item for f32 {
+    const FORMATS: &'static [u8] = b"f";
+    const NAME: &'static str = "float32";
+}
+
+impl Item for u8 {
+    const FORMATS: &'static [u8] = b"Bb";
+    const NAME: &'static str = "bytes";
+}
+
+/// The buffer's item format, its native-order prefix stripped (`None` when
+/// it is anything but one `struct` code in native or little-endian order).
+fn format_code(view: &ffi::Py_buffer) -> Option<u8> {
+    if view.format.is_null() {
+        return Some(b'B'); // the buffer protocol's default
+    }
+    // SAFETY: with PyBUF_FORMAT requested, a non-null `format` is a
+    // NUL-terminated string the exporter keeps alive with the export.
+    let format = unsafe { std::ffi::CStr::from_ptr(view.format) }.to_bytes();
+    match format {
+        [code] | [b'@' | b'=' | b'<', code] => Some(*code),
+        _ => None,
+    }
+}
+
 impl Typed {
-    fn new<T>(obj: &Bound<'_, PyAny>, writable: bool, what: &str) -> PyResult<Typed> {
-        let flags = ffi::PyBUF_C_CONTIGUOUS | if writable { ffi::PyBUF_WRITABLE } else { 0 };
+    fn new<T: Item>(obj: &Bound<'_, PyAny>, writable: bool, what: &str) -> PyResult<Typed> {
+        let flags = ffi::PyBUF_C_CONTIGUOUS | ffi::PyBUF_FORMAT | if writable { ffi::PyBUF_WRITABLE } else { 0 };
         let export = BufferExport::new(obj, flags)?;
         let view = export.view();
         let bytes = view.len.max(0) as usize;
         let size = std::mem::size_of::<T>();
+        let code = format_code(view);
+        if view.itemsize as usize != size || !code.is_some_and(|c| T::FORMATS.contains(&c)) {
+            return Err(PyValueError::new_err(format!(
+                "{what}: items of {} bytes, format {:?}, where {} are expected",
+                view.itemsize,
+                code.map_or("?".to_string(), |c| (c as char).to_string()),
+                T::NAME
+            )));
+        }
         if !bytes.is_multiple_of(size) || !(view.buf as usize).is_multiple_of(std::mem::align_of::<T>()) {
             return Err(PyValueError::new_err(format!(
                 "{what}: {bytes} bytes at an address that is not a whole, aligned array of {size}-byte items"
