@@ -233,6 +233,22 @@ def models(request) -> Models:
     return _models(request.config)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def vllm_imported_alone(request) -> None:
+    """vLLM's quantization layers (and transformers under them) imported in
+    this process before any test of a session that runs vLLM tests, while
+    no checkpoint is being written: transformers' lazy imports are not
+    thread-safe, and a server started ahead writes its model in another
+    thread (a test's first import then failed, rarely, with "cannot import
+    name 'PreTrainedConfig'")."""
+    from weight_checker.testing.launch import vllm_available
+
+    if not any(item.get_closest_marker("vllm") for item in request.session.items) or not vllm_available():
+        return
+    with _models(request.config).exclusive():
+        import vllm.model_executor.layers.quantization.online.fp8  # noqa: F401
+
+
 @pytest.fixture(scope="session")
 def vllm_servers(request) -> ServerPool:
     """The session's shared servers (tests/servers.py)."""
