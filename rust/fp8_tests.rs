@@ -44,7 +44,7 @@ fn transposed_equals_the_elementwise_definition_at_ragged_sizes() {
         (8, 1030),
         (136, 520),
         (77, 1537),
-        (70, 5000), // several bands of the widest kind and a short last one
+        (70, 5000),
         (33, 9000),
     ] {
         let src: Vec<u16> = (0..rows * cols)
@@ -134,9 +134,16 @@ fn nan_is_reported() {
 
 #[test]
 fn a_piece_into_aligned_and_misaligned_outputs_equals_the_definition() {
-    // Whole tiles whose output runs start 16-byte aligned take the streaming
-    // stores; one byte off, the plain transposes: the same bytes.
-    let (rows, cols, total, first) = (128, 72, 160, 16);
+    // Whole tiles whose output runs start 64-byte aligned take the streaming
+    // stores; one byte off, or a pitch of 16-byte steps, the plain
+    // transposes: the same bytes.
+    for (total, first, skew) in [(192, 64, 0), (192, 64, 1), (160, 16, 0)] {
+        piece_into(total, first, skew);
+    }
+}
+
+fn piece_into(total: usize, first: usize, skew: usize) {
+    let (rows, cols) = (128, 72);
     let src: Vec<u16> = (0..rows * cols)
         .map(|i| (i as u16).wrapping_mul(40503) & 0xbfff)
         .collect();
@@ -144,9 +151,9 @@ fn a_piece_into_aligned_and_misaligned_outputs_equals_the_definition() {
     assert!(!row_abs_max(&src, cols, &mut amax));
     let scale: Vec<f32> = amax.iter().map(|&a| (bf16_to_f32(a) / E4M3_MAX).max(1e-6)).collect();
     let whole = reference(&src, rows, cols, &scale); // [cols, rows]
-    let mut buffer = vec![0u8; cols * total + 64];
-    for skew in [0usize, 1] {
-        let start = buffer.as_ptr().align_offset(16) + skew;
+    let mut buffer = vec![0u8; cols * total + 128];
+    {
+        let start = buffer.as_ptr().align_offset(64) + skew;
         let out = &mut buffer[start..start + cols * total];
         out.fill(0xaa);
         let piece = Rows::new(&src, 0, cols, rows, cols).unwrap();

@@ -18,12 +18,15 @@ pub const BLOCK: usize = 16;
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub unsafe fn transpose16(src: *const u8, src_pitch: isize, dst: *mut u8, dst_pitch: usize) {
-    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_storeu_si128, _mm_unpackhi_epi8, _mm_unpacklo_epi8};
+    use std::arch::x86_64::{
+        __m128i, _mm_loadu_si128, _mm_setzero_si128, _mm_storeu_si128, _mm_unpackhi_epi8, _mm_unpacklo_epi8,
+    };
     // Plain fixed-count loops over arrays, no closures: LLVM unrolls them
     // and keeps the rows in registers. (Built with `array::from_fn` and a
     // branch on the index, each round was a loop with a 256-byte `memcpy`,
     // and the FP8 cast's transposed writes ran at a quarter of its speed.)
-    let mut rows = [[0u8; 16]; 16].map(|_| unsafe { std::mem::zeroed::<__m128i>() });
+    // SAFETY: SSE2 is part of every x86-64 CPU.
+    let mut rows: [__m128i; 16] = [unsafe { _mm_setzero_si128() }; 16];
     for (r, row) in rows.iter_mut().enumerate() {
         // SAFETY: the caller makes the 16 bytes at src + r * src_pitch readable.
         *row = unsafe { _mm_loadu_si128(src.offset(r as isize * src_pitch).cast()) };
@@ -45,6 +48,11 @@ pub unsafe fn transpose16(src: *const u8, src_pitch: isize, dst: *mut u8, dst_pi
     }
 }
 
+/// The portable build of the x86-64 one above.
+///
+/// # Safety
+/// As the x86-64 build: the 16 rows of 16 bytes at `src` readable, at `dst`
+/// writable, the two regions apart.
 #[cfg(not(target_arch = "x86_64"))]
 #[inline]
 pub unsafe fn transpose16(src: *const u8, src_pitch: isize, dst: *mut u8, dst_pitch: usize) {
@@ -57,14 +65,16 @@ pub unsafe fn transpose16(src: *const u8, src_pitch: isize, dst: *mut u8, dst_pi
 }
 
 /// The tile height whose output runs are written by streaming stores: 64
-/// bytes, a whole cache line of each output row.
+/// bytes, a whole cache line of each output row where the output is 64-byte
+/// aligned (only then are streaming stores used: a line written in two
+/// parts by them is flushed twice).
 const STREAMED: usize = 64;
 
 /// 64 bytes from `src` to `dst` with streaming stores: an output line written
 /// whole, never read first and not kept in cache.
 ///
 /// # Safety
-/// 64 bytes readable at `src`, writable at `dst` (16-byte aligned).
+/// 64 bytes readable at `src`, writable at `dst` (64-byte aligned).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn stream64(src: *const u8, dst: *mut u8) {
@@ -90,7 +100,7 @@ pub unsafe fn write_tile_transposed(tile: &[u8], height: usize, cols: usize, dst
     assert_eq!(tile.len(), height * cols, "the tile holds its rows");
     let (full_i, full_k) = (height / BLOCK * BLOCK, cols / BLOCK * BLOCK);
     #[cfg(target_arch = "x86_64")]
-    if height == STREAMED && (dst as usize).is_multiple_of(16) && pitch.is_multiple_of(16) {
+    if height == STREAMED && (dst as usize).is_multiple_of(STREAMED) && pitch.is_multiple_of(STREAMED) {
         let mut stage = [0u8; BLOCK * STREAMED];
         for k0 in (0..full_k).step_by(BLOCK) {
             for i0 in (0..STREAMED).step_by(BLOCK) {
@@ -107,7 +117,7 @@ pub unsafe fn write_tile_transposed(tile: &[u8], height: usize, cols: usize, dst
             }
             for c in 0..BLOCK {
                 // SAFETY: 64 bytes at dst + (k0 + c) * pitch are the caller's
-                // to write (k0 + c < cols, height == 64), 16-byte aligned
+                // to write (k0 + c < cols, height == 64), 64-byte aligned
                 // (checked above); the stage's row c is 64 bytes.
                 unsafe { stream64(stage.as_ptr().add(c * STREAMED), dst.add((k0 + c) * pitch)) };
             }
