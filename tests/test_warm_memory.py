@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import os
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -446,17 +447,24 @@ def test_online_fp8_at_tp2_falls_back_to_two_passes_where_one_would_not_fit_and_
     monkeypatch.setattr(warm_memory, "MIN_BYTES", 0)
     monkeypatch.setattr(warm_memory, "POOL", warm_memory.WarmPool())
     path = models.path("tiny-llama")
-    one_pass = weight_checker.expected_digests(path, tp=2, quantization="fp8_per_channel")
     loads = []
     original = quantized.load_and_process
     monkeypatch.setattr(
         quantized, "load_and_process", lambda *a, **k: loads.append(k.get("amax_only", False)) or original(*a, **k)
     )
-    monkeypatch.setattr(quantized, "one_pass_budget", lambda: 0)
-    two_passes = weight_checker.expected_digests(path, tp=2, quantization="fp8_per_channel")
-    assert loads == [False, True, True, False, False]  # the first rank tried, then the amax pass and the real one
-    assert dict(two_passes) == dict(one_pass)
-    monkeypatch.setattr(quantized, "one_pass_budget", lambda: 1 << 62)
+    for pp in (1, 2):  # pipeline stages: each reduces over its own TP ranks
+        loads.clear()
+        monkeypatch.setattr(warm_memory, "spare_bytes", lambda: 1 << 62)
+        one_pass = weight_checker.expected_digests(path, tp=2, pp=pp, quantization="fp8_per_channel")
+        assert loads == [False] * 2 * pp  # one pass: each rank loaded once
+        loads.clear()
+        monkeypatch.setattr(warm_memory, "spare_bytes", lambda: 0)
+        monkeypatch.setattr(warm_memory.POOL, "_free", [])  # nothing kept to count either
+        two_passes = weight_checker.expected_digests(path, tp=2, pp=pp, quantization="fp8_per_channel")
+        # The first rank tried, then the amax pass and the real one.
+        assert loads == [False] + [True] * 2 * pp + [False] * 2 * pp
+        assert dict(two_passes) == dict(one_pass) and len(one_pass) > 0
+    monkeypatch.setattr(warm_memory, "spare_bytes", lambda: 1 << 62)
     loads.clear()
 
     def fail(*args, **kwargs):
@@ -466,5 +474,10 @@ def test_online_fp8_at_tp2_falls_back_to_two_passes_where_one_would_not_fit_and_
     with pytest.raises(ExpectedDigestsError, match="on purpose"):
         weight_checker.expected_digests(path, tp=2, quantization="fp8_per_channel")
     assert loads == [False, False]  # one pass: each rank loaded once
-    gc.collect()
-    assert warm_memory.POOL.live_bytes() == 0
+    assert warm_memory.POOL.live_bytes() == 0  # emptied by the call itself (no collection asked for)
+
+
+def test_spare_bytes_is_half_of_what_the_process_may_still_take():
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    spare = warm_memory.spare_bytes()
+    assert 0 < spare <= total // 2

@@ -81,6 +81,11 @@ def _hold_back(original: Any, method: Any, layer: Any) -> bool:
 
     # vLLM's own test of whether this layer's amax is all-reduced, as its
     # processing calls it.
+    # A method that requantizes a checkpoint's own weights keeps state of
+    # its own (the source parameters it releases): not held back, its amax
+    # is recorded unheld, and the caller takes the two passes.
+    if getattr(method, "requantization_source", None) is not None or getattr(layer, ZERO_ROWS, None) is not None:
+        return False
     if not _is_tp_sharded(layer, reduces_output_dim=False):
         return False
     if any(h is layer for h in held):
@@ -89,15 +94,25 @@ def _hold_back(original: Any, method: Any, layer: Any) -> bool:
 
     # A shallow copy with parameter and buffer tables of its own: what vLLM
     # registers on it (the FP8 weight, the scale) stays off the layer.
+    parameters, buffers = dict(layer._parameters), dict(layer._buffers)
     shadow = copy.copy(layer)
-    shadow.__dict__["_parameters"] = dict(layer._parameters)
-    shadow.__dict__["_buffers"] = dict(layer._buffers)
-    with fp8_kernels.fast(amax_only=True):
-        original(method, shadow)
-    shadow.__dict__["_parameters"].clear()
-    shadow.__dict__["_buffers"].clear()
+    shadow.__dict__["_parameters"] = dict(parameters)
+    shadow.__dict__["_buffers"] = dict(buffers)
+    try:
+        with fp8_kernels.fast(amax_only=True):
+            original(method, shadow)
+    finally:
+        shadow.__dict__["_parameters"].clear()  # its unwritten FP8 weight back to the pool, also on failure
+        shadow.__dict__["_buffers"].clear()
+    if not (_same(layer._parameters, parameters) and _same(layer._buffers, buffers)):
+        raise RuntimeError(f"vLLM's processing of a copy of {type(layer).__name__} changed the layer itself")
     held.append(layer)
     return True
+
+
+def _same(table: dict[str, Any], before: dict[str, Any]) -> bool:
+    """Whether a module's table holds the very objects it held before."""
+    return table.keys() == before.keys() and all(table[k] is v for k, v in before.items())
 
 
 def process_held(held: list[Any]) -> None:

@@ -15,9 +15,10 @@ here one at a time, so the reduction is reproduced: every rank is loaded and
 processed, except the layers whose amax is reduced, for which only the amax
 each rank contributes is recorded (the calls come in the same order on every
 rank, :mod:`.online_process`); then those layers are processed with the
-reduced amax in place of the collective, and each rank is hashed. (A format
-whose processing reduced an amax but could not hold its layers back would be
-loaded twice, a pass to record and one to apply; none of this host's does.)
+reduced amax in place of the collective, and each rank is hashed. Where the
+ranks would not fit in memory together, or a reduced amax came from a layer
+that was not held back, each rank is loaded twice instead, one at a time: a
+pass to record, one to apply.
 
 What cannot be reproduced is refused by name: a format this project does not
 know, a kernel that keeps a layer's weights outside its parameters (vLLM's
@@ -29,6 +30,7 @@ engine or here), and a processing step vLLM itself cannot run on this host
 from __future__ import annotations
 
 import contextlib
+import gc
 from typing import Any
 
 from weight_checker.errors import ExpectedDigestsError
@@ -109,7 +111,7 @@ def quantized_ranks(
     progress: Any = None,
 ) -> list[Any]:
     """Every rank of a quantized engine built, loaded, processed by vLLM and
-    hashed (the reduction's two passes where TP > 1): the ranks with their
+    hashed (see the module docstring for the TP reduction): the ranks with their
     digests, for the caller to lay out under their DP replicas. The memory
     pool keeps, for the next call, only what this one used."""
     import time
@@ -146,6 +148,7 @@ def quantized_ranks(
                     out.seconds["hash"] += time.perf_counter() - hashed_at
                 drop_tensors(model)
                 del model
+                gc.collect(0)  # the rank's cycles (all still young: young_garbage), before the next rank
             reduce.reduce()
             if not reduce.needed and len(first) == len(ranks):
                 for rank in ranks:
@@ -164,6 +167,7 @@ def quantized_ranks(
             out.seconds["hash"] += time.perf_counter() - hashed_at
             drop_tensors(model)
             del model
+            gc.collect(0)
         return ranks
 
 
@@ -183,9 +187,10 @@ def _online_ranks(
     its layers whose amax vLLM all-reduces held back (their amaxes
     recorded, :func:`.online_process.holding_back`); then, the amaxes
     reduced, each rank's held layers processed by vLLM, and every rank
-    hashed. Every rank is alive at once, so the pass runs only where, judged
-    by the first rank's memory, all of them fit in half the memory available
-    (:func:`one_pass_budget`); else ``False``, nothing kept, for two passes."""
+    hashed. Every rank is alive at once, so the pass goes on only while all
+    of them would fit in half the memory available (:func:`.warm_memory.spare_bytes`,
+    judged after each rank), and only while every reduced amax came from a
+    held layer; else ``False``, nothing kept, for the two passes."""
     import time
 
     from weight_checker.expected.rank import on_rank
@@ -194,6 +199,10 @@ def _online_ranks(
     loaded: list[tuple[Any, Any, list[Any]]] = []
     try:
         before = warm_memory.POOL.live_bytes()
+        # What the pool kept from the last call is touched memory the kernel
+        # does not count as available, yet this call reuses it.
+        budget = warm_memory.spare_bytes() + warm_memory.POOL.kept_bytes
+        largest = so_far = 0
         for rank in ranks:
             if progress is not None:
                 progress(f"{rank.name} (load)")
@@ -204,12 +213,15 @@ def _online_ranks(
             loaded.append((rank, model, held))
             out.seconds["load"] += time.perf_counter() - started
             recorded = len(reduce.recorded.get((rank.pp_rank, rank.tp_rank), []))
-            if recorded != len(held):  # an amax reduced by a layer that was not held back: its order is unknown
-                raise ExpectedDigestsError(
-                    f"{rank.name}: {recorded - len(held)} weight amax(es) all-reduced outside vLLM's online FP8 "
-                    "linear layers: this model's TP reduction is not reproduced here"
-                )
-            if len(loaded) == 1 and (warm_memory.POOL.live_bytes() - before) * len(ranks) > one_pass_budget():
+            # Judged after every rank: what is alive, and the largest rank so
+            # far for each rank still to load (a pipeline stage may hold more
+            # layers, or the lm_head).
+            live = warm_memory.POOL.live_bytes() - before
+            largest, so_far = max(largest, live - so_far), live
+            if recorded != len(held) or live + (len(ranks) - len(loaded)) * largest > budget:
+                # An amax reduced by a layer that was not held back (its order
+                # among the held ones is unknown), or the ranks would not fit:
+                # the two passes, which record and apply every call in order.
                 reduce.recorded.clear()
                 return False
         reduce.reduce()
@@ -244,24 +256,6 @@ def _online_ranks(
             held.clear()
             drop_tensors(model)
         loaded.clear()
-
-
-def one_pass_budget() -> int:
-    """Bytes the ranks of one pass may hold together: half the memory the
-    kernel says is available (``MemAvailable``), else half the free pages."""
-    import os
-
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024 // 2
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
-    except (OSError, ValueError):
-        return 0
 
 
 def process_held(held: list[Any], rank_name: str) -> None:

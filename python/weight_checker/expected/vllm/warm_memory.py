@@ -39,6 +39,7 @@ import collections
 import contextlib
 import math
 import mmap
+import os
 import threading
 import weakref
 from collections.abc import Iterator
@@ -208,6 +209,60 @@ def young_garbage() -> Iterator[None]:
         if enabled:
             gc.enable()
             gc.collect(1)
+
+
+def spare_bytes() -> int:
+    """Bytes a call may hold at once (the ranks of a one-pass TP reduction:
+    :mod:`.quantized`): half of what this process may still take, the least of the memory the kernel says is
+    available (``MemAvailable``, else the free pages) and its cgroup's
+    headroom (a container's limit: the host's memory is not the pod's)."""
+    available = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    if available is None:
+        try:
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError):
+            available = 0
+    headroom = _cgroup_headroom()
+    return (available if headroom is None else min(available, headroom)) // 2
+
+
+def _cgroup_headroom() -> int | None:
+    """This process's cgroup memory limit less its usage (v2, else v1);
+    ``None`` where no limit is set or none can be read."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        hierarchy, controllers, path = [*line.split(":", 2), "", ""][:3]
+        if hierarchy == "0" and controllers == "":  # v2
+            pair = ("memory.max", "memory.current")
+            root = "/sys/fs/cgroup"
+        elif "memory" in controllers.split(","):  # v1
+            pair = ("memory.limit_in_bytes", "memory.usage_in_bytes")
+            root = "/sys/fs/cgroup/memory"
+        else:
+            continue
+        for where in (f"{root}{path}", root):  # the process's own, or the namespace's root
+            try:
+                with open(f"{where}/{pair[0]}") as f:
+                    limit = f.read().strip()
+                with open(f"{where}/{pair[1]}") as f:
+                    usage = int(f.read().strip())
+            except (OSError, ValueError):
+                continue
+            if limit == "max" or not limit.isdigit() or int(limit) >= 1 << 60:
+                return None
+            return max(0, int(limit) - usage)
+    return None
 
 
 #: The process's pool (one call at a time: ``rank_model.LOCK``).
