@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+from collections.abc import Iterator
 from typing import Any
 
 from weight_checker.errors import ExpectedDigestsError
@@ -70,18 +71,25 @@ def process(model: Any, model_config: Any) -> None:
     # whose weights came in an order it did not count (a bias before its
     # weight: every Qwen2 checkpoint), before the processing proper.
     online = any(getattr(getattr(m, "quant_method", None), "uses_meta_device", False) for m in model.modules())
+    with vllms_processing_error(""), torch.no_grad():
+        if online:
+            finalize_layerwise_processing(model, model_config)
+        process_weights_after_loading(model, model_config, torch.device("cpu"))
+
+
+@contextlib.contextmanager
+def vllms_processing_error(where: str) -> Iterator[None]:
+    """An error of vLLM's post-load processing inside, in one line
+    (``where``: the rank, or empty)."""
     try:
-        with torch.no_grad():
-            if online:
-                finalize_layerwise_processing(model, model_config)
-            process_weights_after_loading(model, model_config, torch.device("cpu"))
+        yield
     except ExpectedDigestsError:
         raise
     except Exception as e:
         reason = " ".join(str(e).split()) or type(e).__name__
         raise ExpectedDigestsError(
-            f"vLLM's post-load processing of this quantized model fails on this host ({type(e).__name__}: {reason}): "
-            "its digests cannot be computed here"
+            f"{where}vLLM's post-load processing of this quantized model fails on this host "
+            f"({type(e).__name__}: {reason}): its digests cannot be computed here"
         ) from e
 
 
@@ -264,17 +272,8 @@ def process_held(held: list[Any], rank_name: str) -> None:
 
     from weight_checker.expected.vllm import online_process
 
-    try:
-        with torch.no_grad():
-            online_process.process_held(held)
-    except ExpectedDigestsError:
-        raise
-    except Exception as e:
-        reason = " ".join(str(e).split()) or type(e).__name__
-        raise ExpectedDigestsError(
-            f"{rank_name}: vLLM's post-load processing of this quantized model fails on this host "
-            f"({type(e).__name__}: {reason}): its digests cannot be computed here"
-        ) from e
+    with vllms_processing_error(f"{rank_name}: "), torch.no_grad():
+        online_process.process_held(held)
 
 
 def drop_tensors(model: Any) -> None:
