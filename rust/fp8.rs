@@ -25,148 +25,15 @@ use rayon::prelude::*;
 
 use crate::transpose::write_tile_transposed;
 
-/// The largest finite e4m3fn value.
-pub const E4M3_MAX: f32 = 448.0;
+mod cast;
+use cast::cast_row;
+#[cfg(test)]
+use cast::quantize;
+pub use cast::{bf16_to_f32, channel_scale, e4m3fn_from_f32, widest, Width, E4M3_MAX};
 
 /// Input rows a task of the transposed cast quantizes together: each output
 /// row then takes 64 bytes from it, one cache line.
 const TILE: usize = 64;
-
-/// A bf16 value (its bits) widened to fp32: exact.
-#[inline]
-pub fn bf16_to_f32(bits: u16) -> f32 {
-    f32::from_bits(u32::from(bits) << 16)
-}
-
-/// torch's fp32 -> float8_e4m3fn cast (c10 `fp8e4m3fn_from_fp32_value`):
-/// round to nearest even, finite overflow and infinities saturate to 448
-/// (`0x7e`), NaN becomes `0x7f`, the sign kept.
-#[inline]
-pub fn e4m3fn_from_f32(f: f32) -> u8 {
-    // 480.0f, the first fp32 value not representable in e4m3fn.
-    const FP8_MAX: u32 = 1087 << 20;
-    // 0.5 as an exponent offset: adding 2^(141-127) to a value below
-    // e4m3fn's normal range (2^-6) rounds it, as an fp32 addition does, to
-    // the bits of its denormal encoding: ((127 - 7) + (23 - 3) + 1) << 23.
-    const DENORM_MASK: u32 = 141 << 23;
-    const INF: u32 = 0x7F80_0000;
-    let all = f.to_bits();
-    let sign = all & 0x8000_0000;
-    let bits = all ^ sign;
-    let denormal = (f32::from_bits(bits) + f32::from_bits(DENORM_MASK))
-        .to_bits()
-        .wrapping_sub(DENORM_MASK) as u8;
-    let mant_odd = (bits >> 20) & 1;
-    let normal = (bits
-        .wrapping_add((7u32.wrapping_sub(127) << 23).wrapping_add(0x7FFFF))
-        .wrapping_add(mant_odd)
-        >> 20) as u8;
-    // `bits` < 2^31 (the sign cleared): compared as i32, which vectorizes.
-    let magnitude = if bits as i32 >= FP8_MAX as i32 {
-        if bits as i32 > INF as i32 {
-            0x7f
-        } else {
-            0x7e
-        }
-    } else if (bits as i32) < (121 << 23) {
-        denormal
-    } else {
-        normal
-    };
-    magnitude | (sign >> 24) as u8
-}
-
-/// One element quantized: `clamp(x / scale, -448, 448)` cast to e4m3fn.
-#[inline(always)]
-fn quantize(x: u16, scale: f32) -> u8 {
-    e4m3fn_from_f32((bf16_to_f32(x) / scale).clamp(-E4M3_MAX, E4M3_MAX))
-}
-
-#[inline]
-fn is_nan_bf16(x: u16) -> bool {
-    x & 0x7fff > 0x7f80
-}
-
-/// `row` quantized by one scale into `out`; `true` if an element is NaN.
-/// Written so that the compiler vectorizes it: no early exit, the NaN test
-/// folded into an accumulator, every branch of the cast a select.
-#[inline(always)]
-fn quantize_slice_generic(row: &[u16], scale: f32, out: &mut [u8]) -> bool {
-    let mut nan = 0u16;
-    for (q, &x) in out.iter_mut().zip(row) {
-        *q = quantize(x, scale);
-        nan |= u16::from(is_nan_bf16(x));
-    }
-    nan != 0
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-fn quantize_slice_avx2(row: &[u16], scale: f32, out: &mut [u8]) -> bool {
-    quantize_slice_generic(row, scale, out)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-fn quantize_slice_avx512(row: &[u16], scale: f32, out: &mut [u8]) -> bool {
-    quantize_slice_generic(row, scale, out)
-}
-
-/// The widest build of the element loop this CPU runs (detected once).
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub enum Width {
-    Portable,
-    Avx2,
-    Avx512,
-}
-
-/// The widest [`Width`] this CPU supports.
-pub fn widest() -> Width {
-    #[cfg(target_arch = "x86_64")]
-    {
-        static WIDTH: std::sync::OnceLock<Width> = std::sync::OnceLock::new();
-        *WIDTH.get_or_init(|| {
-            if is_x86_feature_detected!("avx512f")
-                && is_x86_feature_detected!("avx512bw")
-                && is_x86_feature_detected!("avx512vl")
-            {
-                Width::Avx512
-            } else if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-                Width::Avx2
-            } else {
-                Width::Portable
-            }
-        })
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    Width::Portable
-}
-
-/// `row` quantized into `out` by the build of the loop `width` names.
-///
-/// # Panics
-/// If `width` is wider than this CPU supports ([`widest`]).
-#[inline]
-fn quantize_slice(width: Width, row: &[u16], scale: f32, out: &mut [u8]) -> bool {
-    match width {
-        Width::Portable => quantize_slice_generic(row, scale, out),
-        #[cfg(target_arch = "x86_64")]
-        Width::Avx2 => {
-            assert!(widest() != Width::Portable, "AVX2 is not available");
-            // SAFETY: the CPU has AVX2 and FMA (checked above: `widest`
-            // detects them at run time before naming a wider build).
-            unsafe { quantize_slice_avx2(row, scale, out) }
-        }
-        #[cfg(target_arch = "x86_64")]
-        Width::Avx512 => {
-            assert!(widest() == Width::Avx512, "AVX-512 is not available");
-            // SAFETY: the CPU has AVX-512 F, BW and VL (detected at run time).
-            unsafe { quantize_slice_avx512(row, scale, out) }
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        _ => quantize_slice_generic(row, scale, out),
-    }
-}
 
 /// Rows of bf16 bits read where they lie: row `n` is
 /// `src[offset + n * stride..][..cols]` (a contiguous matrix, or a piece of
@@ -313,7 +180,7 @@ pub fn quantize_rows_with(
         .zip(src.par_chunks(cols))
         .zip(scale.par_iter())
         .with_min_len(16)
-        .map(|((o, row), &s)| quantize_slice(width, row, s, o))
+        .map(|((o, row), &s)| cast_row(width, row, Some(s), o).2)
         .reduce(|| false, |a, b| a | b);
     nan || nan_scale
 }
@@ -334,31 +201,35 @@ pub fn quantize_rows_into(
     first: usize,
     total: usize,
 ) -> bool {
-    assert_eq!(
-        scale.len(),
-        rows.rows,
-        "quantize_rows_into: {} scales for {} rows",
-        scale.len(),
-        rows.rows
-    );
-    // Checked: the tasks write through raw pointers (`quantize_row_tiles`),
-    // so a wrapped sum or product here would let them write out of bounds.
-    assert!(
-        first.checked_add(rows.rows).is_some_and(|end| end <= total),
-        "rows {first}+{} of {total}",
-        rows.rows
-    );
-    assert_eq!(
-        Some(out.len()),
-        rows.cols.checked_mul(total),
-        "quantize_rows_into: the output holds {} bytes",
-        out.len()
-    );
-    if rows.rows == 0 || rows.cols == 0 {
-        return false;
-    }
+    assert_eq!(scale.len(), rows.rows, "quantize_rows_into: {} scales", scale.len());
     let nan_scale = scale.iter().any(|s| s.is_nan());
-    quantize_row_tiles(width, rows, scale, out, first, total) || nan_scale
+    quantize_row_tiles(width, rows, Scales::Given(scale), out, first, total) || nan_scale
+}
+
+/// [`quantize_rows_into`] by each row's own [`channel_scale`], in one read
+/// of the rows: each row's amax (bf16 bits) and scale are written to
+/// `amax` and `scale`. Returns `true` if a weight is NaN (then nothing
+/// written is torch's).
+///
+/// # Panics
+/// As [`quantize_rows_into`], `amax` and `scale` one per row.
+pub fn amax_quantize_rows_into(
+    width: Width,
+    rows: Rows<'_>,
+    amax: &mut [u16],
+    scale: &mut [f32],
+    out: &mut [u8],
+    first: usize,
+    total: usize,
+) -> bool {
+    assert!(
+        amax.len() == rows.rows && scale.len() == rows.rows,
+        "amax_quantize_rows_into: {} amaxes and {} scales for {} rows",
+        amax.len(),
+        scale.len(),
+        rows.rows
+    );
+    quantize_row_tiles(width, rows, Scales::Own(amax, scale), out, first, total)
 }
 
 /// The output's base pointer, shared by the tasks of [`quantize_row_tiles`]
@@ -382,6 +253,13 @@ impl Output {
     }
 }
 
+/// The scales of a cast's rows: given, or each row's own, computed from its
+/// amax and written out beside it (one item per row each).
+enum Scales<'s> {
+    Given(&'s [f32]),
+    Own(&'s mut [u16], &'s mut [f32]),
+}
+
 /// The transposed layout, input rows first: each task quantizes a tile of
 /// `TILE` whole input rows (read in order, at the row-major cast's speed),
 /// then writes it out as the same 64 bytes of every output row (a whole
@@ -394,34 +272,97 @@ impl Output {
 /// with wider bands); input-row tiles 4.1; with streaming stores 6.2; the
 /// row-major cast 9. An output line written in parts, or read before it is
 /// written, costs more than the cast of its 64 bytes.
-fn quantize_row_tiles(width: Width, rows: Rows<'_>, scale: &[f32], out: &mut [u8], first: usize, total: usize) -> bool {
+fn quantize_row_tiles(
+    width: Width,
+    rows: Rows<'_>,
+    scales: Scales<'_>,
+    out: &mut [u8],
+    first: usize,
+    total: usize,
+) -> bool {
     let cols = rows.cols;
-    let height = TILE;
+    // Checked: the tasks write through raw pointers, so a wrapped sum or
+    // product here would let them write out of bounds.
     assert!(
-        first.checked_add(rows.rows).is_some_and(|end| end <= total) && Some(out.len()) == cols.checked_mul(total),
-        "the output holds the rows"
+        first.checked_add(rows.rows).is_some_and(|end| end <= total),
+        "rows {first}+{} of {total}",
+        rows.rows
     );
+    assert_eq!(
+        Some(out.len()),
+        cols.checked_mul(total),
+        "the transposed output holds {} bytes",
+        out.len()
+    );
+    if rows.rows == 0 || cols == 0 {
+        if let Scales::Own(amax, scale) = scales {
+            amax.fill(0);
+            scale.fill(channel_scale(0));
+        }
+        return false;
+    }
     let base = Output(out.as_mut_ptr());
-    (0..rows.rows.div_ceil(height))
-        .into_par_iter()
-        .map(|t| {
-            let n0 = t * height;
-            let used = height.min(rows.rows - n0);
-            let mut tile = vec![0u8; used * cols];
-            let mut nan = false;
-            for (i, quantized) in tile.chunks_exact_mut(cols).enumerate() {
-                nan |= quantize_slice(width, rows.row(n0 + i), scale[n0 + i], quantized);
+    // SAFETY (both arms): task `t` writes out[k * total + first + n0 + i]
+    // for k < cols, i < its tile's rows (n0 = t * TILE): columns
+    // first + n0.. of the cols output rows, inside `out` (first + rows <=
+    // total, out.len() == cols * total: asserted) and written by no other
+    // task (each owns its own tile of rows); `out` is borrowed mutably for
+    // the whole call, so nothing else reads it meanwhile.
+    let tile = |t: usize, scales: Scales<'_>| unsafe { cast_tile(width, rows, t * TILE, scales, base, first, total) };
+    match scales {
+        Scales::Given(scale) => scale
+            .par_chunks(TILE)
+            .enumerate()
+            .map(|(t, s)| tile(t, Scales::Given(s)))
+            .reduce(|| false, |a, b| a | b),
+        Scales::Own(amax, scale) => amax
+            .par_chunks_mut(TILE)
+            .zip(scale.par_chunks_mut(TILE))
+            .enumerate()
+            .map(|(t, (a, s))| tile(t, Scales::Own(a, s)))
+            .reduce(|| false, |a, b| a | b),
+    }
+}
+
+/// One task of [`quantize_row_tiles`]: rows `n0..` of `rows`, one per item
+/// of `scales`, cast into a tile, then written transposed at column
+/// `first + n0` of the output at `base`. `true` if a weight or scale is NaN.
+///
+/// # Safety
+/// `base` must be a `[rows.cols, total]` output whose columns
+/// `first + n0..first + n0 + scales.len()` lie inside it and are written by
+/// nobody else while this runs.
+unsafe fn cast_tile(
+    width: Width,
+    rows: Rows<'_>,
+    n0: usize,
+    mut scales: Scales<'_>,
+    base: Output,
+    first: usize,
+    total: usize,
+) -> bool {
+    let cols = rows.cols;
+    let used = match &scales {
+        Scales::Given(s) => s.len(),
+        Scales::Own(a, _) => a.len(),
+    };
+    let mut tile = vec![0u8; used * cols];
+    let mut nan = false;
+    for (i, quantized) in tile.chunks_exact_mut(cols).enumerate() {
+        let row = rows.row(n0 + i);
+        nan |= match &mut scales {
+            Scales::Given(s) => cast_row(width, row, Some(s[i]), quantized).2,
+            Scales::Own(amax, scale) => {
+                let (top, s, bad) = cast_row(width, row, None, quantized);
+                (amax[i], scale[i]) = (top, s);
+                bad
             }
-            // SAFETY: this task writes out[k * total + first + n0 + i] for
-            // k < cols, i < used only: columns first + n0.. first + n0 + used
-            // of the cols output rows, inside `out` (first + rows <= total,
-            // out.len() == cols * total: asserted) and written by no other
-            // task (each owns its own n0..n0 + used); `out` is borrowed
-            // mutably for the whole call, so nothing else reads it meanwhile.
-            unsafe { write_tile_transposed(&tile, used, cols, base.at(first + n0), total) };
-            nan
-        })
-        .reduce(|| false, |a, b| a | b)
+        };
+    }
+    // SAFETY: the caller's: these columns are inside the output and this
+    // call's alone.
+    unsafe { write_tile_transposed(&tile, used, cols, base.at(first + n0), total) };
+    nan
 }
 
 #[cfg(test)]

@@ -172,3 +172,59 @@ fn piece_into(total: usize, first: usize, skew: usize) {
         }
     }
 }
+
+#[test]
+fn a_cast_by_its_own_amax_equals_the_amax_the_scale_and_the_cast_apart() {
+    // vLLM's scale, restated independently: fp32 amax / 448, floored at
+    // 1 / 229376 (every all-zero row takes the floor).
+    let floor = 1.0f32 / 229376.0;
+    for (rows, cols, stride, offset) in [(1, 1, 1, 0), (70, 130, 130, 0), (129, 200, 260, 7), (64, 64, 96, 3)] {
+        let len = offset + (rows - 1) * stride + cols;
+        let mut src: Vec<u16> = (0..len).map(|i| (i as u16).wrapping_mul(40503) & 0xbfff).collect();
+        // A zero row, a row of one tiny denormal, a row with an infinity.
+        for k in 0..cols {
+            src[offset + k] = 0;
+        }
+        if rows > 2 {
+            for k in 0..cols {
+                src[offset + stride + k] = if k == cols / 2 { 0x8001 } else { 0 };
+            }
+            src[offset + 2 * stride] = 0xff80;
+        }
+        let piece = Rows::new(&src, offset, stride, rows, cols).unwrap();
+        let mut amax = vec![0u16; rows];
+        assert!(!rows_abs_max(piece, &mut amax));
+        let scale: Vec<f32> = amax.iter().map(|&a| (bf16_to_f32(a) / 448.0).max(floor)).collect();
+        for width in [Width::Portable, Width::Avx2, Width::Avx512] {
+            if (width == Width::Avx512 && widest() != Width::Avx512)
+                || (width == Width::Avx2 && widest() == Width::Portable)
+            {
+                continue;
+            }
+            let (total, first) = (rows + 5, 3);
+            let mut apart = vec![0x55u8; cols * total];
+            assert!(!quantize_rows_into(width, piece, &scale, &mut apart, first, total));
+            let (mut own_amax, mut own_scale) = (vec![1u16; rows], vec![-1f32; rows]);
+            let mut fused = vec![0x55u8; cols * total];
+            let nan = amax_quantize_rows_into(width, piece, &mut own_amax, &mut own_scale, &mut fused, first, total);
+            assert!(!nan, "{width:?} {rows}x{cols}");
+            assert_eq!(own_amax, amax, "{width:?} {rows}x{cols}");
+            let bits = |v: &[f32]| v.iter().map(|s| s.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&own_scale), bits(&scale), "{width:?} {rows}x{cols}");
+            assert_eq!(fused, apart, "{width:?} {rows}x{cols}");
+        }
+    }
+    // A NaN weight is reported.
+    let src = [0x3f80u16, 0x7fc1, 0x0000, 0x4000];
+    let (mut amax, mut scale, mut out) = ([0u16; 2], [0f32; 2], [0u8; 4]);
+    let piece = Rows::new(&src, 0, 2, 2, 2).unwrap();
+    assert!(amax_quantize_rows_into(
+        widest(),
+        piece,
+        &mut amax,
+        &mut scale,
+        &mut out,
+        0,
+        2
+    ));
+}

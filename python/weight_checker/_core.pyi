@@ -31,6 +31,7 @@ __all__ = [
     "describe_assignment",
     "digest_many",
     "dominant_chains",
+    "fp8_amax_quantize_piece",
     "fp8_quantize_piece",
     "fp8_quantize_rows",
     "fp8_row_abs_max",
@@ -211,6 +212,23 @@ def fp8_quantize_piece(
     in ``fp8_row_abs_max_piece``, one fp32 ``scale`` each) into rows
     ``first..first + rows`` of the transposed ``[cols, total]`` output
     (``out[k * total + first + n]``); ``True`` if a quotient was NaN."""
+
+def fp8_amax_quantize_piece(
+    source: Any,
+    offset: int,
+    stride: int,
+    rows: int,
+    cols: int,
+    amax: Any,
+    scale: Any,
+    out: Any,
+    first: int,
+    total: int,
+) -> bool:
+    """``fp8_quantize_piece`` by each row's own scale, vLLM's from its amax
+    (``amax / 448`` in fp32, at least ``1 / (448 * 512)``), in one read of
+    the piece: each row's amax (bf16 bits, 16-bit items) and scale (fp32)
+    written into ``amax`` and ``scale``; ``True`` if a weight was NaN."""
 
 def checksum_safetensors(
     paths: Sequence[str],

@@ -296,3 +296,64 @@ pub(super) fn fp8_quantize_piece(
     drop((src, sc, dst));
     Ok(nan)
 }
+
+/// [`fp8_quantize_piece`] by each row's own scale, vLLM's from its amax
+/// (`crate::fp8::channel_scale`), in one read of the piece: each row's amax
+/// (bf16 bits) and scale are written into `amax` and `scale` (one per row);
+/// `True` if a weight was NaN (nothing written is usable).
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn fp8_amax_quantize_piece(
+    py: Python<'_>,
+    source: &Bound<'_, PyAny>,
+    offset: usize,
+    stride: usize,
+    rows: usize,
+    cols: usize,
+    amax: &Bound<'_, PyAny>,
+    scale: &Bound<'_, PyAny>,
+    out: &Bound<'_, PyAny>,
+    first: usize,
+    total: usize,
+) -> PyResult<bool> {
+    let src = Typed::new::<u16>(source, false, "source")?;
+    let am = Typed::new::<u16>(amax, true, "amax")?;
+    let sc = Typed::new::<f32>(scale, true, "scale")?;
+    let dst = Typed::new::<u8>(out, true, "out")?;
+    check(am.len, rows, "amax")?;
+    check(sc.len, rows, "scale")?;
+    check(dst.len, items(total, cols, "out")?, "out")?;
+    if first.checked_add(rows).is_none_or(|end| end > total) {
+        return Err(PyValueError::new_err(format!("rows {first}+{rows} of {total}")));
+    }
+    // Every output apart from the source and from one another.
+    apart(&dst, dst.len, &src, src.len * 2, "source")?;
+    apart(&am, am.len * 2, &src, src.len * 2, "source")?;
+    apart(&sc, sc.len * 4, &src, src.len * 2, "source")?;
+    apart(&dst, dst.len, &am, am.len * 2, "amax")?;
+    apart(&dst, dst.len, &sc, sc.len * 4, "scale")?;
+    apart(&sc, sc.len * 4, &am, am.len * 2, "amax")?;
+    let (s, a, c, d) = (
+        src.ptr() as usize,
+        am.ptr() as usize,
+        sc.ptr() as usize,
+        dst.ptr() as usize,
+    );
+    let (n_src, n_dst) = (src.len, dst.len);
+    // SAFETY: as in `fp8_quantize_piece`: four live, C-contiguous, aligned
+    // exports of the lengths read from them; the three outputs share no byte
+    // with the source or one another (checked); `piece` checks that every
+    // row lies inside the source, and the lengths and row range (checked
+    // above) are what `amax_quantize_rows_into` asserts; the caller's
+    // contract keeps the source unwritten while the GIL is released.
+    let nan = py.detach(|| unsafe {
+        let src = shared::<u16>(s, n_src);
+        let am = exclusive::<u16>(a, rows);
+        let sc = exclusive::<f32>(c, rows);
+        let dst = exclusive::<u8>(d, n_dst);
+        piece(src, offset, stride, rows, cols)
+            .map(|p| fp8::amax_quantize_rows_into(fp8::widest(), p, am, sc, dst, first, total))
+    })?;
+    drop((src, am, sc, dst));
+    Ok(nan)
+}

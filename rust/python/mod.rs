@@ -256,6 +256,7 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(fp8::fp8_quantize_rows, m)?)?;
     m.add_function(wrap_pyfunction!(fp8::fp8_row_abs_max_piece, m)?)?;
     m.add_function(wrap_pyfunction!(fp8::fp8_quantize_piece, m)?)?;
+    m.add_function(wrap_pyfunction!(fp8::fp8_amax_quantize_piece, m)?)?;
     m.add_function(wrap_pyfunction!(set_threads, m)?)?;
     m.add_function(wrap_pyfunction!(checksum_safetensors, m)?)?;
     m.add_function(wrap_pyfunction!(safetensors_tensors, m)?)?;
