@@ -203,3 +203,67 @@ def test_the_onednn_handle_is_skipped_only_where_the_caller_keeps_the_weight():
             assert mine.weight.shape == theirs.weight.shape and torch.equal(mine.weight, theirs.weight)
     finally:
         _custom_ops.create_onednn_mm = dispatcher
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_cast_made_in_the_read_of_the_amax_is_kept_only_where_vllms_scale_is_the_one_it_was_made_by(
+    models, monkeypatch, tp
+):
+    """Weights read where they lie are cast in the read of their amax, by
+    the scale the core expects vLLM to derive: kept for every layer whose
+    amax is not reduced, and the digests equal a run where nothing is read
+    in place (vLLM's own sequence: the amax, then the cast). With vLLM's
+    scale changed (twice its own), every cast made ahead is dropped, and
+    the digests are again those of that run, with the changed scale."""
+    import weight_checker
+    from weight_checker.expected.vllm import warm_memory
+
+    source = models.path("tiny-llama")
+    monkeypatch.setattr(warm_memory, "POOL", warm_memory.WarmPool())
+
+    def digests(in_place: bool) -> tuple[dict[str, str], dict[str, int]]:
+        monkeypatch.setattr(warm_memory, "MIN_BYTES", 0 if in_place else 1 << 62)
+        before = dict(fp8_kernels.FUSED)
+        got = dict(weight_checker.expected_digests(source, tp=tp, quantization="fp8_per_channel"))
+        return got, {k: fp8_kernels.FUSED[k] - before[k] for k in before}
+
+    fused, counts = digests(in_place=True)
+    plain, none = digests(in_place=False)
+    assert fused == plain and none == {"made": 0, "kept": 0}
+    assert counts["made"] == counts["kept"] > 0, counts
+
+    module = fp8_kernels._fp8_module()
+    vllms_scale = module._fp8_channel_scale
+    monkeypatch.setattr(module, "_fp8_channel_scale", lambda amax: vllms_scale(amax) * 2)
+    doubled, counts = digests(in_place=True)
+    assert counts["made"] > 0 and counts["kept"] == 0, counts
+    assert doubled == digests(in_place=False)[0]
+    changed = {k for k in fused if fused[k] != doubled[k]}
+    assert changed and all(k.endswith((".weight", ".weight_scale")) for k in changed)
+
+
+def test_an_amax_kept_from_an_amax_only_pass_is_given_once_and_only_to_the_same_weight_unchanged(vllm_fp8, monkeypatch):
+    """A held layer's amax is read once: its shadow's (an amax-only pass)
+    is given again to its processing, once; a weight written in between is
+    read again (the amax of what it holds now, vLLM's own)."""
+    from weight_checker import _core
+
+    module, original = vllm_fp8
+    reads = []
+    real = _core.fp8_row_abs_max
+    monkeypatch.setattr(_core, "fp8_row_abs_max", lambda *a: reads.append(1) or real(*a))
+    weight = (torch.randn(8, 32) * 0.02).to(torch.bfloat16)
+    amax = module.weight_amax  # the dispatcher
+    with fp8_kernels.remembering_amaxes():
+        with fp8_kernels.fast(amax_only=True):
+            shadow = amax(weight, dim=-1, keepdim=True)
+        with fp8_kernels.fast():
+            assert torch.equal(amax(weight, dim=-1, keepdim=True), shadow) and len(reads) == 1  # the kept one
+            assert torch.equal(amax(weight, dim=-1, keepdim=True), shadow) and len(reads) == 2  # once only
+        with fp8_kernels.fast(amax_only=True):
+            amax(weight, dim=-1, keepdim=True)
+        weight.mul_(2)  # written in between
+        with fp8_kernels.fast():
+            again = amax(weight, dim=-1, keepdim=True)
+        assert len(reads) == 4 and torch.equal(again, original["weight_amax"](weight, dim=-1, keepdim=True))

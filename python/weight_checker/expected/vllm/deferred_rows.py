@@ -80,11 +80,19 @@ class DeferredCopies(TorchFunctionMode):
     """The recording mode (see the module docstring); one rank's load and
     processing, on the thread that enters it."""
 
-    def __init__(self, pool: WarmPool | None = None, discard: bool = False, serves: bool = False):
+    def __init__(
+        self,
+        pool: WarmPool | None = None,
+        discard: bool = False,
+        serves: bool = False,
+        adopt: list[Handed] | None = None,
+    ):
         """``discard``: the model is dropped unread when the mode ends (a TP
         reduction's amax pass), so what is still pending then is not written.
         ``serves``: it also serves allocations, as ``warm_memory.serving``'s
-        mode would (entered with ``mode=False``): one mode on the thread, not two."""
+        mode would (entered with ``mode=False``): one mode on the thread, not two.
+        ``adopt``: pieces an earlier mode handed on (:func:`hand_on`), pending
+        here as if recorded here."""
         super().__init__()
         self._discard = discard
         self._serves = serves
@@ -98,6 +106,11 @@ class DeferredCopies(TorchFunctionMode):
         #: Bytes written for real after all, and bytes read where they lie.
         self.replayed_bytes = 0
         self.in_place_bytes = 0
+        #: storage address -> the list its pending pieces are handed to when the mode ends.
+        self._hand_on: dict[int, list[Handed]] = {}
+        for handed in adopt or ():
+            self.pending[handed.address] = (handed.serial, handed.pieces)
+            self._sources.update(handed.sources)
 
     def __enter__(self) -> DeferredCopies:
         super().__enter__()
@@ -111,6 +124,8 @@ class DeferredCopies(TorchFunctionMode):
         try:
             self._zeroing.__exit__(*exc)
             if exc[0] is None and not self._discard:
+                for address, into in self._hand_on.items():
+                    self._hand(address, into)
                 self.flush()
         finally:
             _LOCAL.mode = self._previous
@@ -185,6 +200,22 @@ class DeferredCopies(TorchFunctionMode):
         if serial is not None:
             self.replay(address)
             self._real.add((address, serial))
+
+    def _hand(self, address: int, into: list[Handed]) -> None:
+        """The pieces pending at ``address`` (its allocation alive) moved to ``into``."""
+        pieces = self._alive(address)
+        if not pieces:
+            return
+        sources = {}
+        quiet, self._quiet = self._quiet, True  # asking for a weight's storage hands nothing out
+        try:
+            for piece in pieces:
+                storage = storage_address(piece.source) if piece.source is not None else None
+                if storage is not None:
+                    sources[storage] = self._sources.get(storage, piece.name or "")
+        finally:
+            self._quiet = quiet
+        into.append(Handed(address, self.pending.pop(address)[0], pieces, sources))
 
     def flush(self) -> None:
         """Every pending piece written; nothing more is deferred."""
@@ -283,6 +314,35 @@ class DeferredCopies(TorchFunctionMode):
         offset = dst.data_ptr() - address
         pieces.append(Piece(offset, dst.nbytes, dst.shape, dst.dtype, src, self._sources[source_storage]))
         return True
+
+
+@dataclass(frozen=True)
+class Handed:
+    """Pieces pending at ``address`` (the allocation served under ``serial``)
+    handed from one mode to a later one, with the weights they come from
+    (storage address -> name)."""
+
+    address: int
+    serial: int
+    pieces: list[Piece]
+    sources: dict[int, str]
+
+
+def hand_on(tensor: torch.Tensor, into: list[Handed]) -> None:
+    """The pieces pending under ``tensor``'s memory, if any, are not written
+    when this thread's mode ends (without an error): they are appended to
+    ``into``, for a later mode to adopt (``DeferredCopies(adopt=...)``). A
+    touch meanwhile writes them as usual (then nothing is handed on)."""
+    mode = getattr(_LOCAL, "mode", None)
+    if mode is None or mode._discard:
+        return
+    quiet, mode._quiet = mode._quiet, True  # asking for the storage hands nothing out
+    try:
+        address = storage_address(tensor)
+    finally:
+        mode._quiet = quiet
+    if address is not None and address in mode.pending:
+        mode._hand_on[address] = into
 
 
 def _tiles(pieces: list[Piece], start: int, nbytes: int) -> bool:

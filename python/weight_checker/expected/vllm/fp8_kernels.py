@@ -34,12 +34,16 @@ import contextlib
 import sys
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 _LOCAL = threading.local()
 _INSTALL = threading.Lock()
 #: The functions replaced, by their name in vLLM's online FP8 module.
 _NAMES = ("weight_amax", "_fp8_quant_per_channel")
+#: Casts made in the read of the amax, and those vLLM's scale then kept, in
+#: this process (tests/test_fp8_kernels.py reads them).
+FUSED = {"made": 0, "kept": 0}
 
 
 def _fp8_module() -> Any:
@@ -74,7 +78,14 @@ def _row_abs_max(original: Any) -> Any:
         from weight_checker.expected.vllm import deferred_rows
 
         if _plain_bf16(weight) and dim in (-1, 1) and keepdim:
+            kept = _remembered(weight)
+            if kept is not None:
+                return kept
             pieces = deferred_rows.pieces_of(weight)  # its rows where the weights lie (no copy was made)
+            if pieces is not None and getattr(_LOCAL, "fuse", False) and not getattr(_LOCAL, "amax_only", False):
+                amax = _cast_ahead(weight, pieces)
+                if amax is not None:
+                    return amax
             if pieces is not None:
                 out = torch.empty(weight.shape[0], dtype=torch.int16)
                 into, cols = out.numpy(), weight.shape[1]
@@ -85,14 +96,124 @@ def _row_abs_max(original: Any) -> Any:
                 for p in pieces:
                     p.check()  # read with the GIL released: the weights were not written meanwhile
                 if not nan:
-                    return out.view(torch.bfloat16).reshape(-1, 1)
+                    return _remember(weight, pieces, out.view(torch.bfloat16).reshape(-1, 1))
             w = weight.detach().contiguous()
             out = torch.empty(w.shape[0], dtype=torch.int16)
             if not _core.fp8_row_abs_max(w.view(torch.int16).numpy(), w.shape[1], out.numpy()):
-                return out.view(torch.bfloat16).reshape(-1, 1)
+                return _remember(weight, [], out.view(torch.bfloat16).reshape(-1, 1))
         return original(weight, dim=dim, keepdim=keepdim)
 
     return weight_amax
+
+
+@dataclass
+class _Amax:
+    """An amax read in a pass that keeps amaxes only, of this weight as it was."""
+
+    weight: Any
+    version: int
+    pieces: list[Any]
+    amax: Any
+
+
+def _remember(weight: Any, pieces: list[Any], amax: Any) -> Any:
+    """``amax``, kept inside :func:`remembering_amaxes` when read by a pass
+    that keeps amaxes only (a held layer's shadow), for the same weight's
+    processing to take (:func:`_remembered`)."""
+    remembered = getattr(_LOCAL, "amaxes", None)
+    if remembered is not None and getattr(_LOCAL, "amax_only", False):
+        remembered[id(weight)] = _Amax(weight, weight._version, pieces, amax.clone())
+    return amax
+
+
+def _remembered(weight: Any) -> Any:
+    """The amax :func:`_remember` kept of this very ``weight``, unchanged
+    since (as far as torch and the deferred pieces tell), once; else ``None``."""
+    remembered = getattr(_LOCAL, "amaxes", None)
+    if not remembered or getattr(_LOCAL, "amax_only", False):
+        return None
+    kept = remembered.pop(id(weight), None)
+    if kept is None or kept.weight is not weight or weight._version != kept.version:
+        return None
+    for p in kept.pieces:
+        p.check()  # the weights it was read from are as they were
+    return kept.amax
+
+
+@contextlib.contextmanager
+def remembering_amaxes() -> Iterator[None]:
+    """Inside, on this thread: the amax a pass that keeps amaxes only reads
+    of a weight (a held layer's shadow, :mod:`.online_process`) is given
+    again, once, to the same weight's processing, if the weight is unchanged
+    since: its rows are read once, not twice."""
+    previous = getattr(_LOCAL, "amaxes", None)
+    _LOCAL.amaxes = {}
+    try:
+        yield
+    finally:
+        _LOCAL.amaxes = previous
+
+
+@dataclass
+class _Ahead:
+    """A cast made with the amax, by the scale vLLM is expected to derive from it."""
+
+    weight: Any
+    version: int
+    pieces: list[Any]
+    scale: Any  # numpy float32, one per row
+    out: Any  # the [K, N] FP8 storage
+
+
+def _cast_ahead(weight: Any, pieces: list[Any]) -> Any:
+    """The amax of ``weight``'s rows, read where they lie, and in the same
+    read its cast by the scale vLLM derives from that amax
+    (``_core.fp8_amax_quantize_piece``: one read of the weight, not two),
+    kept for :func:`_cast_made_ahead`; ``None`` on a NaN (then nothing is kept)."""
+    import torch
+
+    from weight_checker import _core
+    from weight_checker.expected.vllm import warm_memory
+
+    rows, cols = weight.shape
+    amax = torch.empty(rows, dtype=torch.int16)
+    scale = torch.empty(rows, dtype=torch.float32)
+    out = warm_memory.empty((cols, rows), torch.float8_e4m3fn)
+    top, scales, into = amax.numpy(), scale.numpy(), out.view(torch.uint8).numpy()
+    nan = any(
+        _core.fp8_amax_quantize_piece(
+            p.source, 0, p.stride, p.rows, cols, top[p.first : p.first + p.rows],
+            scales[p.first : p.first + p.rows], into, p.first, rows,
+        )
+        for p in pieces
+    )  # fmt: skip
+    for p in pieces:
+        p.check()  # read with the GIL released: the weights were not written meanwhile
+    if nan:
+        return None
+    _LOCAL.ahead = _Ahead(weight, weight._version, pieces, scales, out)
+    FUSED["made"] += 1
+    return amax.view(torch.bfloat16).reshape(-1, 1)
+
+
+def _cast_made_ahead(weight: Any, scale: Any) -> Any:
+    """The cast :func:`_cast_ahead` made of this very ``weight``, unchanged
+    since, where ``scale`` is bit for bit the one it was cast by (else
+    ``None``: the cast made ahead is dropped, and this one is made as usual).
+    vLLM's own scale is what decides: a TP reduction of the amax, or any
+    other formula, takes the usual cast."""
+    import numpy as np
+
+    ahead, _LOCAL.ahead = getattr(_LOCAL, "ahead", None), None
+    if ahead is None or ahead.weight is not weight or weight._version != ahead.version:
+        return None
+    given = scale.detach().contiguous().reshape(-1).numpy()
+    if given.shape != ahead.scale.shape or not np.array_equal(given.view(np.uint32), ahead.scale.view(np.uint32)):
+        return None
+    for p in ahead.pieces:
+        p.check()  # the weights it was read from are as they were
+    FUSED["kept"] += 1
+    return ahead.out
 
 
 def _quant_per_channel(original: Any) -> Any:
@@ -111,6 +232,9 @@ def _quant_per_channel(original: Any) -> Any:
             and _e4m3fn_range_is_torchs()
         ):
             cols = weight.shape[1]
+            ahead = _cast_made_ahead(weight, scale)
+            if ahead is not None:
+                return ahead.t()
             # [K, N] storage: the [N, K] result vLLM transposes is then contiguous.
             out = warm_memory.empty((cols, rows), torch.float8_e4m3fn)  # written in full below
             if getattr(_LOCAL, "amax_only", False):
@@ -187,15 +311,19 @@ def _install() -> None:
 
 
 @contextlib.contextmanager
-def fast(amax_only: bool = False) -> Iterator[None]:
+def fast(amax_only: bool = False, fuse: bool = False) -> Iterator[None]:
     """vLLM's online FP8 arithmetic by the core, on this thread, inside.
     ``amax_only``: for a pass whose model is dropped once its amaxes are
     recorded (the TP reduction's first pass): the cast is skipped and the
-    FP8 weights are left unwritten."""
+    FP8 weights are left unwritten. ``fuse``: a weight read where it lies
+    is cast in the same read as its amax, by the scale vLLM is expected to
+    derive (kept where it does; for passes whose amaxes are not reduced,
+    where it always does)."""
     _install()
-    previous = getattr(_LOCAL, "on", False), getattr(_LOCAL, "amax_only", False)
-    _LOCAL.on, _LOCAL.amax_only = True, amax_only
+    previous = getattr(_LOCAL, "on", False), getattr(_LOCAL, "amax_only", False), getattr(_LOCAL, "fuse", False)
+    _LOCAL.on, _LOCAL.amax_only, _LOCAL.fuse = True, amax_only, fuse
     try:
         yield
     finally:
-        _LOCAL.on, _LOCAL.amax_only = previous
+        _LOCAL.on, _LOCAL.amax_only, _LOCAL.fuse = previous
+        _LOCAL.ahead = None

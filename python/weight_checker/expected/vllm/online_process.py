@@ -60,17 +60,19 @@ def install() -> None:
 
 
 @contextlib.contextmanager
-def holding_back(held: list[Any]) -> Iterator[None]:
+def holding_back(held: list[Any], handed: list[Any] | None = None) -> Iterator[None]:
     """Inside, on this thread: the TP-reduced layers processed are appended
     to ``held`` (once each, in the order vLLM processes them) and left as
-    loaded, their amaxes recorded (see the module docstring)."""
+    loaded, their amaxes recorded (see the module docstring). ``handed``:
+    where a held weight's copies still deferred (:mod:`.deferred_rows`) go,
+    for the mode that processes it to read them where they lie."""
     install()
-    previous = getattr(_LOCAL, "held", None)
-    _LOCAL.held = held
+    previous = getattr(_LOCAL, "held", None), getattr(_LOCAL, "handed", None)
+    _LOCAL.held, _LOCAL.handed = held, handed
     try:
         yield
     finally:
-        _LOCAL.held = previous
+        _LOCAL.held, _LOCAL.handed = previous
 
 
 def _hold_back(original: Any, method: Any, layer: Any) -> bool:
@@ -107,6 +109,11 @@ def _hold_back(original: Any, method: Any, layer: Any) -> bool:
     if not (_same(layer._parameters, parameters) and _same(layer._buffers, buffers)):
         raise RuntimeError(f"vLLM's processing of a copy of {type(layer).__name__} changed the layer itself")
     held.append(layer)
+    handed = getattr(_LOCAL, "handed", None)
+    if handed is not None:
+        from weight_checker.expected.vllm import deferred_rows
+
+        deferred_rows.hand_on(layer.weight, handed)
     return True
 
 

@@ -202,68 +202,75 @@ def _online_ranks(
     import time
 
     from weight_checker.expected.rank import on_rank
-    from weight_checker.expected.vllm import fp8_kernels, online_process, warm_memory
+    from weight_checker.expected.vllm import deferred_rows, fp8_kernels, online_process, warm_memory
 
-    loaded: list[tuple[Any, Any, list[Any]]] = []
-    try:
-        before = warm_memory.POOL.live_bytes()
-        # What the pool kept from the last call is touched memory the kernel
-        # does not count as available, yet this call reuses it.
-        budget = warm_memory.spare_bytes() + warm_memory.POOL.kept_bytes
-        largest = so_far = 0
-        for rank in ranks:
-            if progress is not None:
-                progress(f"{rank.name} (load)")
+    loaded: list[tuple[Any, Any, list[Any], list[Any]]] = []
+    # A held layer's amax is read once (its shadow's), and its weight's
+    # copies stay deferred until vLLM processes it (read where they lie).
+    with fp8_kernels.remembering_amaxes():
+        try:
+            before = warm_memory.POOL.live_bytes()
+            # What the pool kept from the last call is touched memory the kernel
+            # does not count as available, yet this call reuses it.
+            budget = warm_memory.spare_bytes() + warm_memory.POOL.kept_bytes
+            largest = so_far = 0
+            for rank in ranks:
+                if progress is not None:
+                    progress(f"{rank.name} (load)")
+                started = time.perf_counter()
+                held: list[Any] = []
+                handed: list[Any] = []
+                with reduce.recording(rank.pp_rank, rank.tp_rank), online_process.holding_back(held, handed):
+                    # Fused casts: the layers whose amax is reduced are held back.
+                    model = load_and_process(config, source, rank, tp, pp, dp, allow_unwritten, fuse=True)
+                loaded.append((rank, model, held, handed))
+                out.seconds["load"] += time.perf_counter() - started
+                recorded = len(reduce.recorded.get((rank.pp_rank, rank.tp_rank), []))
+                # Judged after every rank: what is alive, and the largest rank so
+                # far for each rank still to load (a pipeline stage may hold more
+                # layers, or the lm_head).
+                live = warm_memory.POOL.live_bytes() - before
+                largest, so_far = max(largest, live - so_far), live
+                if recorded != len(held) or live + (len(ranks) - len(loaded)) * largest > budget:
+                    # An amax reduced by a layer that was not held back (its order
+                    # among the held ones is unknown), or the ranks would not fit:
+                    # the two passes, which record and apply every call in order.
+                    reduce.recorded.clear()
+                    return False
+            reduce.reduce()
             started = time.perf_counter()
-            held: list[Any] = []
-            with reduce.recording(rank.pp_rank, rank.tp_rank), online_process.holding_back(held):
-                model = load_and_process(config, source, rank, tp, pp, dp, allow_unwritten)
-            loaded.append((rank, model, held))
-            out.seconds["load"] += time.perf_counter() - started
-            recorded = len(reduce.recorded.get((rank.pp_rank, rank.tp_rank), []))
-            # Judged after every rank: what is alive, and the largest rank so
-            # far for each rank still to load (a pipeline stage may hold more
-            # layers, or the lm_head).
-            live = warm_memory.POOL.live_bytes() - before
-            largest, so_far = max(largest, live - so_far), live
-            if recorded != len(held) or live + (len(ranks) - len(loaded)) * largest > budget:
-                # An amax reduced by a layer that was not held back (its order
-                # among the held ones is unknown), or the ranks would not fit:
-                # the two passes, which record and apply every call in order.
-                reduce.recorded.clear()
-                return False
-        reduce.reduce()
-        started = time.perf_counter()
-        for rank, model, held in loaded:
-            if progress is not None:
-                progress(rank.name)
-            with (
-                on_rank(config, config, config.model_config, rank, tp, pp, dp, None),
-                fp8_kernels.fast(),
-                warm_memory.serving(),
-                reduce.for_rank(rank.pp_rank, rank.tp_rank),
-            ):
-                process_held(held, rank.name)
-            refuse_unseen(model, rank.name)
-            held.clear()
-        hashed_at = time.perf_counter()
-        out.seconds["load"] += hashed_at - started
-        # Every rank's tensors in one call: a rank's alone are too few to keep
-        # both cores' lanes busy (hashed rank by rank, two TP=2 ranks took twice
-        # one TP=1 rank of the same bytes).
-        digests = ranks_digests([(model, rank.prefix) for rank, model, _ in loaded])
-        for (rank, _, _), rank_keys in zip(loaded, digests, strict=True):
-            rank.put(rank_keys)
-        out.seconds["hash"] += time.perf_counter() - hashed_at
-        return True
-    finally:
-        # However the call ends: vLLM's layerwise loader keeps each layer
-        # reachable after it (a weak table whose values reach their keys), so
-        # a model not emptied here would hold its memory for good.
-        for _, model, held in loaded:
-            held.clear()
-            drop_tensors(model)
-        loaded.clear()
+            for rank, model, held, handed in loaded:
+                if progress is not None:
+                    progress(rank.name)
+                with (
+                    on_rank(config, config, config.model_config, rank, tp, pp, dp, None),
+                    fp8_kernels.fast(),
+                    deferred_rows.DeferredCopies(serves=True, adopt=handed),
+                    reduce.for_rank(rank.pp_rank, rank.tp_rank),
+                ):
+                    process_held(held, rank.name)
+                refuse_unseen(model, rank.name)
+                held.clear()
+                handed.clear()
+            hashed_at = time.perf_counter()
+            out.seconds["load"] += hashed_at - started
+            # Every rank's tensors in one call: a rank's alone are too few to keep
+            # both cores' lanes busy (hashed rank by rank, two TP=2 ranks took twice
+            # one TP=1 rank of the same bytes).
+            digests = ranks_digests([(model, rank.prefix) for rank, model, _, _ in loaded])
+            for (rank, _, _, _), rank_keys in zip(loaded, digests, strict=True):
+                rank.put(rank_keys)
+            out.seconds["hash"] += time.perf_counter() - hashed_at
+            return True
+        finally:
+            # However the call ends: vLLM's layerwise loader keeps each layer
+            # reachable after it (a weak table whose values reach their keys), so
+            # a model not emptied here would hold its memory for good.
+            for _, model, held, handed in loaded:
+                held.clear()
+                handed.clear()
+                drop_tensors(model)
+            loaded.clear()
 
 
 def process_held(held: list[Any], rank_name: str) -> None:
@@ -296,11 +303,14 @@ def load_and_process(
     allow_unwritten: bool,
     zero: list[tuple[str, list[int], int]] | None = None,
     amax_only: bool = False,
+    fuse: bool | None = None,
 ) -> Any:
     """One rank's model: built by vLLM on the CPU, loaded with one pass of
     the weights by its own ``load_weights``, then processed by vLLM.
     ``zero``: ``[(layer, rows, tp rank of the key)]``, those rows of each
-    layer's weight zeroed before it is quantized (:func:`_zeroed_again`)."""
+    layer's weight zeroed before it is quantized (:func:`_zeroed_again`).
+    ``fuse``: each weight cast in the read of its amax (:func:`.fp8_kernels.fast`);
+    by default at TP=1, where no amax is reduced (a reduced one wastes the cast)."""
 
     from weight_checker.expected.rank import on_rank
     from weight_checker.expected.vllm import deferred_rows, fp8_kernels, warm_memory
@@ -318,7 +328,7 @@ def load_and_process(
     online = getattr(model_config, "quantization", None) in ONLINE
     with (
         on_rank(config, config, model_config, rank, tp, pp, dp, None),
-        fp8_kernels.fast(amax_only),
+        fp8_kernels.fast(amax_only, fuse=tp == 1 if fuse is None else fuse),
         warm_memory.serving(mode=not online),
     ):
         model = in_a_clean_thread(_build_warm, config, model_config)
