@@ -182,6 +182,34 @@ def test_fp8_a_stale_step_is_named_by_its_version_at_the_quantized_level(fp8, tm
     assert set(causes.values()) == {"version:step-1"}, causes
 
 
+@pytest.mark.parametrize("fp8", ["fp8-tp2"], indirect=True)
+def test_fp8_a_column_parallel_layer_loaded_from_rank_0s_shard_is_named_shard_of_at_the_quantized_level(
+    fp8, tmp_path
+):
+    """Rank 1's gate_up_proj holds rank 0's rows (the trainer's gate and up
+    each sent with their second half a copy of the first, as a loader that
+    read shard 0 everywhere gives): its FP8 weight and scale are rank 0's
+    bytes, named ``shard-of:tp0`` by whole digest. The row-parallel layers
+    (their amax all-reduced) and every other key match."""
+    server, tp = fp8
+    step1 = train_step(state_of(server), 1)
+    expected = weight_checker.expected_digests(None, step1.items(), like=server.url)
+    faulty = dict(step1)
+    layer = "model.layers.0.mlp"
+    for part in ("gate_proj", "up_proj"):
+        w = faulty[f"{layer}.{part}.weight"].clone()
+        half = w.shape[0] // 2
+        w[half:] = w[:half]
+        faulty[f"{layer}.{part}.weight"] = w
+    path = push(faulty, Path(server.model), tmp_path / "shard0")
+    result = weight_checker.verify(server.url, transfer=reload(server, path), expected=expected)
+    wrong = {f"dp0:pp0:pcp0:tp1:{layer}.gate_up_proj.{p}" for p in ("weight", "weight_scale")}
+    assert set(result.mismatches) == wrong, result.mismatches
+    assert result.explanation is not None
+    causes = {k: e.cause for k, e in result.explanation.keys.items() if k in wrong}
+    assert causes == dict.fromkeys(wrong, "shard-of:tp0"), causes
+
+
 @pytest.mark.parametrize("fp8", ["fp8-tp1"], indirect=True)  # what is refused does not depend on the layout
 def test_fp8_rows_changed_otherwise_are_not_called_zeros(fp8, tmp_path):
     """The zeros cause is named only where the recomputation through vLLM
