@@ -26,9 +26,9 @@ use rayon::prelude::*;
 use crate::transpose::write_tile_transposed;
 
 mod cast;
-use cast::cast_row;
 #[cfg(test)]
 use cast::quantize;
+use cast::{abs_max_bits, cast_row};
 pub use cast::{bf16_to_f32, channel_scale, e4m3fn_from_f32, widest, Width, E4M3_MAX};
 
 /// Input rows a task of the transposed cast quantizes together: each output
@@ -127,9 +127,7 @@ pub fn rows_abs_max(rows: Rows<'_>, out: &mut [u16]) -> bool {
         .enumerate()
         .with_min_len(16)
         .map(|(n, m)| {
-            // For every non-NaN bf16, the magnitude's order is the order of
-            // its bits with the sign cleared (infinity included).
-            let top = rows.row(n).iter().fold(0u16, |acc, &x| acc.max(x & 0x7fff));
+            let top = abs_max_bits(rows.row(n));
             *m = top;
             top > 0x7f80
         })
@@ -202,6 +200,9 @@ pub fn quantize_rows_into(
     total: usize,
 ) -> bool {
     assert_eq!(scale.len(), rows.rows, "quantize_rows_into: {} scales", scale.len());
+    if rows.rows == 0 || rows.cols == 0 {
+        return false;
+    }
     let nan_scale = scale.iter().any(|s| s.is_nan());
     quantize_row_tiles(width, rows, Scales::Given(scale), out, first, total) || nan_scale
 }
@@ -294,6 +295,15 @@ fn quantize_row_tiles(
         "the transposed output holds {} bytes",
         out.len()
     );
+    let given = match &scales {
+        Scales::Given(s) => s.len(),
+        Scales::Own(a, s) => a.len().min(s.len()),
+    };
+    // Checked here, where the tasks rely on it: one scale (and amax) a row.
+    assert_eq!(given, rows.rows, "{given} scales for {} rows", rows.rows);
+    if let Scales::Own(amax, scale) = &scales {
+        assert_eq!(amax.len(), scale.len(), "one amax and one scale a row");
+    }
     if rows.rows == 0 || cols == 0 {
         if let Scales::Own(amax, scale) = scales {
             amax.fill(0);

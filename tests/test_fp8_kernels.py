@@ -244,26 +244,134 @@ def test_a_cast_made_in_the_read_of_the_amax_is_kept_only_where_vllms_scale_is_t
 
 
 def test_an_amax_kept_from_an_amax_only_pass_is_given_once_and_only_to_the_same_weight_unchanged(vllm_fp8, monkeypatch):
-    """A held layer's amax is read once: its shadow's (an amax-only pass)
-    is given again to its processing, once; a weight written in between is
-    read again (the amax of what it holds now, vLLM's own)."""
+    """A held layer's amax is read once: its shadow's (an amax-only pass,
+    read where its copies lie) is given again to its processing, once; a
+    weight written in between (through ``.data``, which leaves its version
+    as it was) or another tensor of the same values is read again (the amax
+    of what it holds now, vLLM's own)."""
     from weight_checker import _core
+    from weight_checker.expected.vllm import deferred_rows, warm_memory
 
     module, original = vllm_fp8
     reads = []
-    real = _core.fp8_row_abs_max
-    monkeypatch.setattr(_core, "fp8_row_abs_max", lambda *a: reads.append(1) or real(*a))
-    weight = (torch.randn(8, 32) * 0.02).to(torch.bfloat16)
+    real = _core.fp8_row_abs_max_piece
+    monkeypatch.setattr(_core, "fp8_row_abs_max_piece", lambda *a: reads.append(1) or real(*a))
     amax = module.weight_amax  # the dispatcher
-    with fp8_kernels.remembering_amaxes():
-        with fp8_kernels.fast(amax_only=True):
-            shadow = amax(weight, dim=-1, keepdim=True)
-        with fp8_kernels.fast():
-            assert torch.equal(amax(weight, dim=-1, keepdim=True), shadow) and len(reads) == 1  # the kept one
-            assert torch.equal(amax(weight, dim=-1, keepdim=True), shadow) and len(reads) == 2  # once only
-        with fp8_kernels.fast(amax_only=True):
-            amax(weight, dim=-1, keepdim=True)
-        weight.mul_(2)  # written in between
-        with fp8_kernels.fast():
-            again = amax(weight, dim=-1, keepdim=True)
-        assert len(reads) == 4 and torch.equal(again, original["weight_amax"](weight, dim=-1, keepdim=True))
+    pool = warm_memory.WarmPool()
+    source = (torch.randn(512, 1024) * 0.02).to(torch.bfloat16)
+    with warm_memory.serving(pool, mode=False), deferred_rows.DeferredCopies(pool, serves=True) as mode:
+        mode.note_source("w", source)
+        weight = torch.empty(512, 1024, dtype=torch.bfloat16, device="cpu")
+        weight.copy_(source)  # deferred: read where it lies
+        with fp8_kernels.remembering_amaxes():
+            with fp8_kernels.fast(amax_only=True):
+                shadow = amax(weight, dim=-1, keepdim=True)
+            with fp8_kernels.fast():
+                assert torch.equal(amax(weight, dim=-1, keepdim=True), shadow) and len(reads) == 1  # the kept one
+                assert torch.equal(amax(weight, dim=-1, keepdim=True), shadow) and len(reads) == 2  # once only
+            with fp8_kernels.fast(amax_only=True):
+                amax(weight, dim=-1, keepdim=True)
+            with fp8_kernels.fast():
+                other = amax(weight.clone(), dim=-1, keepdim=True)  # the same values, another tensor: not given it
+                assert torch.equal(other, shadow)
+            weight.data[3] = 1.0  # written in between, its version unchanged
+            with fp8_kernels.fast():
+                again = amax(weight, dim=-1, keepdim=True)
+        assert again[3].item() == 1.0 and torch.equal(again, original["weight_amax"](weight, dim=-1, keepdim=True))
+
+
+def test_the_cast_by_its_own_amax_gives_vllms_scale_for_every_bf16_amax_and_the_usual_bytes(vllm_fp8):
+    """``_core.fp8_amax_quantize_piece`` against its oracles: the amax of
+    every non-negative bf16 value (one a row) and the scale vLLM's
+    ``_fp8_channel_scale`` derives from it, bit for bit (the scale the cast
+    made ahead is kept by); and, on pieces of a weight written at row
+    ``first`` of a wider output, the bytes of the core's separate amax and
+    cast by that scale."""
+    import numpy as np
+    from weight_checker import _core
+
+    module, _ = vllm_fp8
+    bits = np.arange(0, 0x7F81, dtype=np.uint16).view(np.int16)  # +0 .. +inf
+    n = len(bits)
+    amax, scale, out = np.empty(n, np.int16), np.empty(n, np.float32), np.empty(n, np.uint8)
+    assert not _core.fp8_amax_quantize_piece(bits, 0, 1, n, 1, amax, scale, out, 0, n)
+    assert np.array_equal(amax, bits)
+    vllms = module._fp8_channel_scale(torch.from_numpy(bits.copy()).view(torch.bfloat16).reshape(-1, 1))
+    assert np.array_equal(scale.view(np.uint32), vllms.reshape(-1).numpy().view(np.uint32))
+
+    g = torch.Generator().manual_seed(3)
+    weight = (torch.randn(300, 130, generator=g) * 0.05).to(torch.bfloat16)
+    weight[7] = 0  # the floor scale
+    src = weight.view(torch.int16).numpy().reshape(-1)
+    total, first, cols = 310, 4, 100  # two pieces: rows 0-149 and 150-299, columns 10-109
+    fused, apart = np.zeros(cols * total, np.uint8), np.zeros(cols * total, np.uint8)
+    got_amax, got_scale = np.empty(300, np.int16), np.empty(300, np.float32)
+    want_amax = np.empty(300, np.int16)
+    for start in (0, 150):
+        offset = start * 130 + 10
+        rows = slice(start, start + 150)
+        assert not _core.fp8_amax_quantize_piece(
+            src, offset, 130, 150, cols, got_amax[rows], got_scale[rows], fused, first + start, total
+        )
+        assert not _core.fp8_row_abs_max_piece(src, offset, 130, 150, cols, want_amax[rows])
+    want_scale = module._fp8_channel_scale(torch.from_numpy(want_amax).view(torch.bfloat16).reshape(-1, 1))
+    want_scale = want_scale.reshape(-1).numpy()
+    for start in (0, 150):
+        offset = start * 130 + 10
+        rows = slice(start, start + 150)
+        assert not _core.fp8_quantize_piece(src, offset, 130, 150, cols, want_scale[rows], apart, first + start, total)
+    assert np.array_equal(got_amax, want_amax) and np.array_equal(got_scale.view(np.uint32), want_scale.view(np.uint32))
+    assert np.array_equal(fused, apart)
+
+
+def test_the_cast_by_its_own_amax_refuses_bad_arguments_and_names_the_buffers():
+    import numpy as np
+    from weight_checker import _core
+
+    src = np.arange(64, dtype=np.int16)
+    amax, scale, out = np.zeros(4, np.int16), np.zeros(4, np.float32), np.full(4 * 16, 7, np.uint8)
+    cases = [
+        ((src, 0, 16, 4, 16, amax[:3], scale, out, 0, 4), "amax: 3 items"),
+        ((src, 0, 16, 4, 16, amax, scale[:3], out, 0, 4), "scale: 3 items"),
+        ((src, 0, 16, 4, 16, amax, scale, out[:-1], 0, 4), "out: 63 items"),
+        ((src, 0, 16, 4, 16, amax, scale, out, 1, 4), r"rows 1\+4 of 4"),
+        ((src, 1, 16, 4, 16, amax, scale, out, 0, 4), "end past"),
+        ((src, 0, 16, 4, 16, amax, scale.view(np.int32), out, 0, 4), "^scale: items of 4 bytes, format"),
+        ((src, 0, 16, 4, 16, src[:4], scale, out, 0, 4), "amax overlaps source"),
+        ((src, 0, 16, 4, 16, amax, src[:8].view(np.float32), out, 0, 4), "scale overlaps source"),
+        ((src, 0, 16, 4, 16, amax, out[:16].view(np.float32), out, 0, 4), "out overlaps scale"),
+        ((src, 0, 16, 4, 16, out[:8].view(np.int16), scale, out, 0, 4), "out overlaps amax"),
+    ]
+    for args, message in cases:
+        with pytest.raises(ValueError, match=message):
+            _core.fp8_amax_quantize_piece(*args)
+    assert out.tolist() == [7] * 64 and not amax.any() and not scale.any()
+
+
+def test_a_cast_made_ahead_is_dropped_for_a_weight_written_through_data_or_another_tensor(vllm_fp8):
+    """A write through ``.data`` leaves the weight's version as it was: the
+    cast made ahead is dropped all the same (its copies were written and
+    are no longer pending), and the cast is vLLM's of what the weight holds
+    now; a different tensor with the same values never takes it."""
+    from weight_checker.expected.vllm import deferred_rows, warm_memory
+
+    module, original = vllm_fp8
+    pool = warm_memory.WarmPool()
+    source = (torch.randn(512, 1024) * 0.02).to(torch.bfloat16)
+    with warm_memory.serving(pool, mode=False), deferred_rows.DeferredCopies(pool, serves=True) as mode:
+        mode.note_source("w", source)
+        for write in ("data", "other"):
+            weight = torch.empty(512, 1024, dtype=torch.bfloat16, device="cpu")
+            weight.copy_(source)  # deferred
+            before = dict(fp8_kernels.FUSED)
+            with fp8_kernels.fast(fuse=True):
+                scale = module._fp8_channel_scale(module.weight_amax(weight, dim=-1, keepdim=True))
+                if write == "data":
+                    weight.data[3] = 1.0
+                    target = weight
+                else:
+                    target = weight.clone()
+                got = module._fp8_quant_per_channel(target, scale)
+            assert fp8_kernels.FUSED["made"] == before["made"] + 1 and fp8_kernels.FUSED["kept"] == before["kept"]
+            want = original["_fp8_quant_per_channel"](target.clone(), scale)
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), write

@@ -183,15 +183,13 @@ def test_fp8_a_stale_step_is_named_by_its_version_at_the_quantized_level(fp8, tm
 
 
 @pytest.mark.parametrize("fp8", ["fp8-tp2"], indirect=True)
-def test_fp8_a_column_parallel_layer_loaded_from_rank_0s_shard_is_named_shard_of_at_the_quantized_level(
-    fp8, tmp_path
-):
+def test_fp8_a_column_parallel_layer_loaded_from_rank_0s_shard_is_named_shard_of_at_the_quantized_level(fp8, tmp_path):
     """Rank 1's gate_up_proj holds rank 0's rows (the trainer's gate and up
     each sent with their second half a copy of the first, as a loader that
     read shard 0 everywhere gives): its FP8 weight and scale are rank 0's
     bytes, named ``shard-of:tp0`` by whole digest. The row-parallel layers
     (their amax all-reduced) and every other key match."""
-    server, tp = fp8
+    server, _ = fp8
     step1 = train_step(state_of(server), 1)
     expected = weight_checker.expected_digests(None, step1.items(), like=server.url)
     faulty = dict(step1)

@@ -369,6 +369,22 @@ def test_fp8_expected_digests_from_reused_memory_equal_a_pure_torch_quantization
     state = load_file(str(source / "model.safetensors"))
     steps = {1: train_step(state, 1), 2: train_step(state, 2)}
     paths = {s: push(w, source, tmp_path / f"step{s}") for s, w in steps.items()}
+    from weight_checker.expected.vllm import quantized
+    from weight_checker.expected.vllm.deferred import storage_address
+
+    # Every FP8 weight hashed is pool memory (a held layer's too: its
+    # processing serves from the pool as the load's does).
+    served: list[bool] = []
+    original = quantized.ranks_digests if tp > 1 else quantized.rank_digests
+
+    def hashing(models, *args):
+        for model, _ in models if tp > 1 else [(models, None)]:
+            for _, p in model.named_parameters():
+                if p.dtype == torch.float8_e4m3fn:
+                    served.append(warm_memory.POOL.serial(storage_address(p)) is not None)
+        return original(models, *args)
+
+    monkeypatch.setattr(quantized, "ranks_digests" if tp > 1 else "rank_digests", hashing)
     results = []
     for step in (1, 2, 1):
         reused_before = warm_memory.POOL.reused_bytes
@@ -379,6 +395,7 @@ def test_fp8_expected_digests_from_reused_memory_equal_a_pure_torch_quantization
         moved = {k: deferred_rows.TOTALS[k] - totals_before[k] for k in totals_before}
         results.append((dict(expected), warm_memory.POOL.reused_bytes - reused_before, moved))
         gc.collect()
+    assert served and all(served), served
     assert results[0][0] == results[2][0] and results[0][0] != results[1][0]
     assert results[1][1] > 0 and results[2][1] > 0  # the later calls did reuse memory
     # Every key (embeddings, norms, scales included) as a run with nothing

@@ -84,6 +84,14 @@ pub fn channel_scale(amax: u16) -> f32 {
     (bf16_to_f32(amax) / E4M3_MAX).max(FLOOR)
 }
 
+/// `max(|x|)` of a row of bf16 bits, as bf16 bits (above `0x7f80`: a NaN).
+/// For every non-NaN bf16, the magnitude's order is the order of its bits
+/// with the sign cleared (infinity included).
+#[inline(always)]
+pub fn abs_max_bits(row: &[u16]) -> u16 {
+    row.iter().fold(0u16, |acc, &x| acc.max(x & 0x7fff))
+}
+
 /// `row` cast into `out` by `scale`, or (`None`) by the [`channel_scale`]
 /// of its own amax: `(amax, scale, nan)`, the amax 0 where the scale was
 /// given. The amax is a second read of a row the cast reads from L1 next.
@@ -92,9 +100,7 @@ fn cast_row_generic(row: &[u16], scale: Option<f32>, out: &mut [u8]) -> (u16, f3
     match scale {
         Some(s) => (0, s, quantize_slice_generic(row, s, out)),
         None => {
-            // For every non-NaN bf16, the magnitude's order is the order of
-            // its bits with the sign cleared (infinity included).
-            let top = row.iter().fold(0u16, |acc, &x| acc.max(x & 0x7fff));
+            let top = abs_max_bits(row);
             let s = channel_scale(top);
             (top, s, quantize_slice_generic(row, s, out) || top > 0x7f80)
         }

@@ -135,9 +135,14 @@ fn check(got: usize, want: usize, what: &str) -> PyResult<()> {
 /// `out` must share no byte with an input: the core reads the inputs while
 /// it writes `out` (a shared and a mutable slice of one memory are unsound).
 fn apart(out: &Typed, out_bytes: usize, input: &Typed, input_bytes: usize, what: &str) -> PyResult<()> {
-    let (o, i) = (out.ptr() as usize, input.ptr() as usize);
-    if out_bytes > 0 && input_bytes > 0 && o < i + input_bytes && i < o + out_bytes {
-        return Err(PyValueError::new_err(format!("out overlaps {what}")));
+    apart_named((out, out_bytes, "out"), (input, input_bytes, what))
+}
+
+/// [`apart`] of any two buffers, each named in the error.
+fn apart_named(a: (&Typed, usize, &str), b: (&Typed, usize, &str)) -> PyResult<()> {
+    let (x, y) = (a.0.ptr() as usize, b.0.ptr() as usize);
+    if a.1 > 0 && b.1 > 0 && x < y + b.1 && y < x + a.1 {
+        return Err(PyValueError::new_err(format!("{} overlaps {}", a.2, b.2)));
     }
     Ok(())
 }
@@ -327,12 +332,17 @@ pub(super) fn fp8_amax_quantize_piece(
         return Err(PyValueError::new_err(format!("rows {first}+{rows} of {total}")));
     }
     // Every output apart from the source and from one another.
-    apart(&dst, dst.len, &src, src.len * 2, "source")?;
-    apart(&am, am.len * 2, &src, src.len * 2, "source")?;
-    apart(&sc, sc.len * 4, &src, src.len * 2, "source")?;
-    apart(&dst, dst.len, &am, am.len * 2, "amax")?;
-    apart(&dst, dst.len, &sc, sc.len * 4, "scale")?;
-    apart(&sc, sc.len * 4, &am, am.len * 2, "amax")?;
+    let buffers = [
+        (&dst, dst.len, "out"),
+        (&am, am.len * 2, "amax"),
+        (&sc, sc.len * 4, "scale"),
+        (&src, src.len * 2, "source"),
+    ];
+    for (i, a) in buffers.iter().enumerate() {
+        for b in &buffers[i + 1..] {
+            apart_named(*a, *b)?;
+        }
+    }
     let (s, a, c, d) = (
         src.ptr() as usize,
         am.ptr() as usize,

@@ -27,6 +27,11 @@ freed, after it was recorded (checked again after the core has read it) is
 an error naming it (``Piece.check``), never a wrong digest. A write torch
 cannot see (a raw pointer, another thread's numpy view) is the caller's to
 avoid, as for every digest of memory in use (:class:`.deferred.PendingDigests`).
+
+One exception to "written when the mode ends": a weight's pieces handed on
+(:func:`hand_on`, a layer held back at TP > 1) stay unwritten until a later
+mode that adopts them (``DeferredCopies(adopt=...)``) ends; nothing may read
+that memory in between (the caller keeps the layer unread until then).
 """
 
 from __future__ import annotations
@@ -106,8 +111,9 @@ class DeferredCopies(TorchFunctionMode):
         #: Bytes written for real after all, and bytes read where they lie.
         self.replayed_bytes = 0
         self.in_place_bytes = 0
-        #: storage address -> the list its pending pieces are handed to when the mode ends.
-        self._hand_on: dict[int, list[Handed]] = {}
+        #: storage address -> the list its pending pieces are handed to when the mode
+        #: ends, and the serial of the allocation they were pending in then.
+        self._hand_on: dict[int, tuple[list[Handed], int]] = {}
         for handed in adopt or ():
             self.pending[handed.address] = (handed.serial, handed.pieces)
             self._sources.update(handed.sources)
@@ -124,8 +130,8 @@ class DeferredCopies(TorchFunctionMode):
         try:
             self._zeroing.__exit__(*exc)
             if exc[0] is None and not self._discard:
-                for address, into in self._hand_on.items():
-                    self._hand(address, into)
+                for address, (into, serial) in self._hand_on.items():
+                    self._hand(address, serial, into)
                 self.flush()
         finally:
             _LOCAL.mode = self._previous
@@ -201,10 +207,11 @@ class DeferredCopies(TorchFunctionMode):
             self.replay(address)
             self._real.add((address, serial))
 
-    def _hand(self, address: int, into: list[Handed]) -> None:
-        """The pieces pending at ``address`` (its allocation alive) moved to ``into``."""
+    def _hand(self, address: int, serial: int, into: list[Handed]) -> None:
+        """The pieces pending at ``address`` moved to ``into``, if its
+        allocation is the one served under ``serial`` (alive, not a later one)."""
         pieces = self._alive(address)
-        if not pieces:
+        if not pieces or self.pending[address][0] != serial:
             return
         sources = {}
         quiet, self._quiet = self._quiet, True  # asking for a weight's storage hands nothing out
@@ -341,8 +348,26 @@ def hand_on(tensor: torch.Tensor, into: list[Handed]) -> None:
         address = storage_address(tensor)
     finally:
         mode._quiet = quiet
-    if address is not None and address in mode.pending:
-        mode._hand_on[address] = into
+    entry = mode.pending.get(address) if address is not None else None
+    if entry is not None:
+        mode._hand_on[address] = (into, entry[0])
+
+
+def pending_pieces(tensor: torch.Tensor) -> tuple[Piece, ...]:
+    """The copies still pending under ``tensor``'s memory, in the order
+    recorded (empty: none; its bytes are in memory). Whatever is computed
+    from them holds while the same pieces, and only they, are still pending
+    (compared by identity): a write for real, through any alias, writes
+    them first and drops them; another deferred copy adds one."""
+    mode = getattr(_LOCAL, "mode", None)
+    if mode is None:
+        return ()
+    quiet, mode._quiet = mode._quiet, True
+    try:
+        address = storage_address(tensor)
+        return tuple(mode._alive(address) or ()) if address is not None else ()
+    finally:
+        mode._quiet = quiet
 
 
 def _tiles(pieces: list[Piece], start: int, nbytes: int) -> bool:

@@ -42,7 +42,7 @@ _INSTALL = threading.Lock()
 #: The functions replaced, by their name in vLLM's online FP8 module.
 _NAMES = ("weight_amax", "_fp8_quant_per_channel")
 #: Casts made in the read of the amax, and those vLLM's scale then kept, in
-#: this process (tests/test_fp8_kernels.py reads them).
+#: this process: a test's counters (tests/test_fp8_kernels.py), not thread-safe.
 FUSED = {"made": 0, "kept": 0}
 
 
@@ -107,37 +107,55 @@ def _row_abs_max(original: Any) -> Any:
 
 
 @dataclass
-class _Amax:
-    """An amax read in a pass that keeps amaxes only, of this weight as it was."""
+class _Read:
+    """What was read of ``weight`` where its copies lie: valid while it is
+    the same object, at the same version, over the very same pending
+    copies (:func:`.deferred_rows.pending_pieces`), their sources unchanged."""
 
     weight: Any
     version: int
+    pending: tuple[Any, ...]
     pieces: list[Any]
-    amax: Any
+
+    def holds(self, weight: Any) -> bool:
+        from weight_checker.expected.vllm import deferred_rows
+
+        now = deferred_rows.pending_pieces(weight)
+        if self.weight is not weight or weight._version != self.version or len(now) != len(self.pending):
+            return False
+        if not all(a is b for a, b in zip(now, self.pending, strict=True)):
+            return False
+        for p in self.pieces:
+            p.check()  # the weights it was read from are as they were
+        return True
+
+
+def _read(weight: Any, pieces: list[Any]) -> _Read:
+    from weight_checker.expected.vllm import deferred_rows
+
+    return _Read(weight, weight._version, deferred_rows.pending_pieces(weight), pieces)
 
 
 def _remember(weight: Any, pieces: list[Any], amax: Any) -> Any:
-    """``amax``, kept inside :func:`remembering_amaxes` when read by a pass
-    that keeps amaxes only (a held layer's shadow), for the same weight's
-    processing to take (:func:`_remembered`)."""
+    """``amax``, read from ``pieces``, kept inside :func:`remembering_amaxes`
+    when read by a pass that keeps amaxes only (a held layer's shadow), for
+    the same weight's processing to take (:func:`_remembered`)."""
     remembered = getattr(_LOCAL, "amaxes", None)
-    if remembered is not None and getattr(_LOCAL, "amax_only", False):
-        remembered[id(weight)] = _Amax(weight, weight._version, pieces, amax.clone())
+    if remembered is not None and pieces and getattr(_LOCAL, "amax_only", False):
+        remembered[id(weight)] = (_read(weight, pieces), amax.clone())
     return amax
 
 
 def _remembered(weight: Any) -> Any:
-    """The amax :func:`_remember` kept of this very ``weight``, unchanged
-    since (as far as torch and the deferred pieces tell), once; else ``None``."""
+    """The amax :func:`_remember` kept of this very ``weight``, its copies
+    still pending as they were (:class:`_Read`), once; else ``None``."""
     remembered = getattr(_LOCAL, "amaxes", None)
     if not remembered or getattr(_LOCAL, "amax_only", False):
         return None
     kept = remembered.pop(id(weight), None)
-    if kept is None or kept.weight is not weight or weight._version != kept.version:
+    if kept is None or not kept[0].holds(weight):
         return None
-    for p in kept.pieces:
-        p.check()  # the weights it was read from are as they were
-    return kept.amax
+    return kept[1]
 
 
 @contextlib.contextmanager
@@ -145,7 +163,8 @@ def remembering_amaxes() -> Iterator[None]:
     """Inside, on this thread: the amax a pass that keeps amaxes only reads
     of a weight (a held layer's shadow, :mod:`.online_process`) is given
     again, once, to the same weight's processing, if the weight is unchanged
-    since: its rows are read once, not twice."""
+    since: its rows are read once, not twice. (vLLM then all-reduces a held
+    layer's amax, which the TP reduction here replaces by the reduced one.)"""
     previous = getattr(_LOCAL, "amaxes", None)
     _LOCAL.amaxes = {}
     try:
@@ -158,9 +177,7 @@ def remembering_amaxes() -> Iterator[None]:
 class _Ahead:
     """A cast made with the amax, by the scale vLLM is expected to derive from it."""
 
-    weight: Any
-    version: int
-    pieces: list[Any]
+    read: _Read
     scale: Any  # numpy float32, one per row
     out: Any  # the [K, N] FP8 storage
 
@@ -191,7 +208,7 @@ def _cast_ahead(weight: Any, pieces: list[Any]) -> Any:
         p.check()  # read with the GIL released: the weights were not written meanwhile
     if nan:
         return None
-    _LOCAL.ahead = _Ahead(weight, weight._version, pieces, scales, out)
+    _LOCAL.ahead = _Ahead(_read(weight, pieces), scales, out)
     FUSED["made"] += 1
     return amax.view(torch.bfloat16).reshape(-1, 1)
 
@@ -205,13 +222,11 @@ def _cast_made_ahead(weight: Any, scale: Any) -> Any:
     import numpy as np
 
     ahead, _LOCAL.ahead = getattr(_LOCAL, "ahead", None), None
-    if ahead is None or ahead.weight is not weight or weight._version != ahead.version:
+    if ahead is None or not ahead.read.holds(weight):
         return None
     given = scale.detach().contiguous().reshape(-1).numpy()
     if given.shape != ahead.scale.shape or not np.array_equal(given.view(np.uint32), ahead.scale.view(np.uint32)):
         return None
-    for p in ahead.pieces:
-        p.check()  # the weights it was read from are as they were
     FUSED["kept"] += 1
     return ahead.out
 
@@ -317,13 +332,16 @@ def fast(amax_only: bool = False, fuse: bool = False) -> Iterator[None]:
     recorded (the TP reduction's first pass): the cast is skipped and the
     FP8 weights are left unwritten. ``fuse``: a weight read where it lies
     is cast in the same read as its amax, by the scale vLLM is expected to
-    derive (kept where it does; for passes whose amaxes are not reduced,
-    where it always does)."""
+    derive (``channel_scale`` in the core, checked against vLLM's
+    ``_fp8_channel_scale`` for every bf16 amax in tests/test_fp8_kernels.py):
+    kept only where the scale vLLM passes is bit for bit that one (else the
+    cast is made again; a reduced amax's layer wastes the one made ahead)."""
     _install()
-    previous = getattr(_LOCAL, "on", False), getattr(_LOCAL, "amax_only", False), getattr(_LOCAL, "fuse", False)
-    _LOCAL.on, _LOCAL.amax_only, _LOCAL.fuse = True, amax_only, fuse
+    state = ("on", "amax_only", "fuse", "ahead")
+    previous = [getattr(_LOCAL, name, None) for name in state]
+    _LOCAL.on, _LOCAL.amax_only, _LOCAL.fuse, _LOCAL.ahead = True, amax_only, fuse, None
     try:
         yield
     finally:
-        _LOCAL.on, _LOCAL.amax_only, _LOCAL.fuse = previous
-        _LOCAL.ahead = None
+        for name, value in zip(state, previous, strict=True):
+            setattr(_LOCAL, name, value)

@@ -14,8 +14,10 @@ what happens before it runs:
   of every row) is not processed yet. vLLM's processing runs on a shallow
   copy of it instead, its cast skipped (:func:`.fp8_kernels.fast`), so the
   amax the rank contributes is recorded (:class:`.amax_reduce.AmaxReduce`);
-  the layer itself keeps its loaded weight, and :func:`process_held` runs
-  vLLM's processing on it once every rank's amax is reduced. So a rank of
+  the layer itself keeps its loaded weight (its copies possibly still
+  deferred, :func:`.deferred_rows.hand_on`: nothing may read it until then),
+  and :func:`process_held` runs vLLM's processing on it once every rank's
+  amax is reduced. So a rank of
   a TP > 1 engine is built and loaded once, not once a pass.
 """
 

@@ -245,6 +245,7 @@ def _online_ranks(
                 with (
                     on_rank(config, config, config.model_config, rank, tp, pp, dp, None),
                     fp8_kernels.fast(),
+                    warm_memory.serving(mode=False),  # the pool the mode below serves from
                     deferred_rows.DeferredCopies(serves=True, adopt=handed),
                     reduce.for_rank(rank.pp_rank, rank.tp_rank),
                 ):
