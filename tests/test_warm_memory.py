@@ -425,6 +425,42 @@ def test_fp8_expected_digests_from_reused_memory_equal_a_pure_torch_quantization
 
 @pytest.mark.vllm
 @pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed")
+def test_fp8_at_tp2_from_a_callable_that_refills_one_buffer_per_rank_equals_a_run_with_nothing_served(
+    models, monkeypatch
+):
+    """A callable's tensors may be refilled for the next rank (docs/expected.md):
+    a held layer's copies are then written as its rank's load ends, not left
+    pending on buffers the next rank's call refills (which would be refused
+    as written meanwhile), and the digests equal a run with nothing served."""
+    import weight_checker
+    from safetensors.torch import load_file
+
+    source = Path(models.path("tiny-llama"))
+    state = load_file(str(source / "model.safetensors"))
+    buffers = {k: torch.empty_like(v) for k, v in state.items()}
+    calls: list[int] = []
+
+    def weights():
+        # Refilled for each rank's load, in place (the version of each buffer moves on).
+        with torch.no_grad():
+            for k, b in buffers.items():
+                b.copy_(state[k])
+        calls.append(1)
+        return list(buffers.items())
+
+    monkeypatch.setattr(warm_memory, "POOL", warm_memory.WarmPool())
+    results = []
+    for min_bytes in (0, 1 << 62):
+        monkeypatch.setattr(warm_memory, "MIN_BYTES", min_bytes)
+        results.append(
+            dict(weight_checker.expected_digests(str(source), weights, tp=2, quantization="fp8_per_channel"))
+        )
+    assert results[0] == results[1] and len(results[0]) > 10 and len(calls) >= 4
+    assert warm_memory.POOL.live_bytes() == 0
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed")
 @pytest.mark.parametrize("writer", ["write_gptq_int4", "write_fp8_channel"])
 def test_a_quantized_checkpoints_digests_from_reused_memory_equal_a_run_with_nothing_served(
     models, tmp_path, monkeypatch, writer

@@ -220,7 +220,11 @@ def _online_ranks(
                 started = time.perf_counter()
                 held: list[Any] = []
                 handed: list[Any] = []
-                with reduce.recording(rank.pp_rank, rank.tp_rank), online_process.holding_back(held, handed):
+                # A held layer's copies stay deferred past its rank's load only
+                # where the weights outlive it (a callable's may be refilled or
+                # freed for the next rank: then they are written as it ends).
+                keep = None if source.fresh_per_rank else handed
+                with reduce.recording(rank.pp_rank, rank.tp_rank), online_process.holding_back(held, keep):
                     # Fused casts: the layers whose amax is reduced are held back.
                     model = load_and_process(config, source, rank, tp, pp, dp, allow_unwritten, fuse=True)
                 loaded.append((rank, model, held, handed))
