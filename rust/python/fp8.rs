@@ -211,6 +211,16 @@ pub(super) fn fp8_quantize_rows(
     Ok(nan)
 }
 
+/// A transposed `[cols, total]` output of `out_len` bytes that rows
+/// `first..first + rows` fit in (what `quantize_rows_into` asserts), or the error.
+fn transposed_rows(out_len: usize, rows: usize, cols: usize, first: usize, total: usize) -> PyResult<()> {
+    check(out_len, items(total, cols, "out")?, "out")?;
+    if first.checked_add(rows).is_none_or(|end| end > total) {
+        return Err(PyValueError::new_err(format!("rows {first}+{rows} of {total}")));
+    }
+    Ok(())
+}
+
 /// The rows of a piece of a weight read where they lie: row `n` is
 /// `source[offset + n * stride..][..cols]` (bf16 bits), or the error.
 fn piece<'a>(source: &'a [u16], offset: usize, stride: usize, rows: usize, cols: usize) -> PyResult<fp8::Rows<'a>> {
@@ -278,10 +288,7 @@ pub(super) fn fp8_quantize_piece(
     let sc = Typed::new::<f32>(scale, false, "scale")?;
     let dst = Typed::new::<u8>(out, true, "out")?;
     check(sc.len, rows, "scale")?;
-    check(dst.len, items(total, cols, "out")?, "out")?;
-    if first.checked_add(rows).is_none_or(|end| end > total) {
-        return Err(PyValueError::new_err(format!("rows {first}+{rows} of {total}")));
-    }
+    transposed_rows(dst.len, rows, cols, first, total)?;
     apart(&dst, dst.len, &src, src.len * 2, "source")?;
     apart(&dst, dst.len, &sc, sc.len * 4, "scale")?;
     let (s, c, d) = (src.ptr() as usize, sc.ptr() as usize, dst.ptr() as usize);
@@ -327,10 +334,7 @@ pub(super) fn fp8_amax_quantize_piece(
     let dst = Typed::new::<u8>(out, true, "out")?;
     check(am.len, rows, "amax")?;
     check(sc.len, rows, "scale")?;
-    check(dst.len, items(total, cols, "out")?, "out")?;
-    if first.checked_add(rows).is_none_or(|end| end > total) {
-        return Err(PyValueError::new_err(format!("rows {first}+{rows} of {total}")));
-    }
+    transposed_rows(dst.len, rows, cols, first, total)?;
     // Every output apart from the source and from one another.
     let buffers = [
         (&dst, dst.len, "out"),
