@@ -256,7 +256,10 @@ class DeferredWrites(TorchFunctionMode):
         if any(a.device.type == "cpu" and storage_address(a) in (None, self._base) for a in others):
             self.flush()  # reads the arena (a copy from another parameter): every byte in place first
             return False
-        if start not in self._real and dst.is_contiguous():
+        # A destination of whole rows (a column slice of a matrix: a padded
+        # row-parallel weight) is recorded row by row.
+        rows = [dst] if dst.is_contiguous() else _rows_of(dst)
+        if start not in self._real and rows is not None:
             if name == "copy_":
                 src = args[1] if len(args) > 1 else kwargs.get("src")
                 if (
@@ -267,13 +270,17 @@ class DeferredWrites(TorchFunctionMode):
                     and storage_address(src) in self._sources
                 ):
                     name = self._sources[storage_address(src)]  # type: ignore[index]
-                    piece = Piece(offset, dst.nbytes, dst.shape, dst.dtype, src, name)
-                    self.pending.setdefault(start, []).append(piece)
+                    pieces = self.pending.setdefault(start, [])
+                    for i, row in enumerate(rows):
+                        part = src if len(rows) == 1 else src[i]
+                        pieces.append(Piece(row.data_ptr() - self._base, row.nbytes, row.shape, row.dtype, part, name))
                     return True
             else:
                 value = args[1] if name == "fill_" and len(args) > 1 else kwargs.get("value", 0)
                 if name == "zero_" or _zero(value):
-                    self.pending.setdefault(start, []).append(Piece(offset, dst.nbytes, dst.shape, dst.dtype, None))
+                    pieces = self.pending.setdefault(start, [])
+                    for row in rows:
+                        pieces.append(Piece(row.data_ptr() - self._base, row.nbytes, row.shape, row.dtype, None))
                     return True
         self.replay(start)
         self._real.add(start)
@@ -289,6 +296,15 @@ class DeferredWrites(TorchFunctionMode):
                 return None
             at += piece.nbytes
         return pieces if pieces and at == start + nbytes else None
+
+    def tiles(self, param: Any) -> bool:
+        """Whether ``param``'s pending pieces cover it exactly once (all its bytes recorded, none written yet)."""
+        return self._in_arena(param) and self.tiled(param.data_ptr() - self._base, param.nbytes) is not None
+
+    def replay_param(self, param: Any) -> None:
+        """Writes ``param``'s pending pieces into the arena (where it is one of its parameters)."""
+        if self._in_arena(param):
+            self.replay(param.data_ptr() - self._base)
 
     def checksum(self, model: Any, prefix: str, later: PendingDigests) -> dict[str, str]:
         """:func:`weight_checker.checksum` of ``model`` as it would be had
@@ -337,6 +353,14 @@ class DeferredWrites(TorchFunctionMode):
         # mapping is released when the call ends, not at the next collection).
         self.release()
         return {prefix + names[i]: h for i, h in zip(now, hexes, strict=True)}
+
+
+def _rows_of(t: Any) -> list[Any] | None:
+    """The rows of a matrix view whose rows are each contiguous and apart
+    (a column slice), in order; ``None`` for any other layout."""
+    if t.dim() != 2 or t.stride(1) != 1 or t.stride(0) < t.shape[1]:
+        return None
+    return list(t.unbind(0))
 
 
 def rows_contiguous(t: Any) -> bool:
@@ -407,6 +431,11 @@ _CAPTURE = threading.local()
 #: What :class:`PendingDigests` gives, under :func:`capturing_pieces`, in
 #: place of a digest: this prefix and the index of the key's pieces.
 PLACEHOLDER = "pieces:"
+
+
+def capturing() -> bool:
+    """Whether this thread is inside :func:`capturing_pieces` (a layout: the weights are no bytes)."""
+    return getattr(_CAPTURE, "pieces", None) is not None
 
 
 @contextlib.contextmanager
