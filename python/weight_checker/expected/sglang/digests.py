@@ -38,8 +38,8 @@ from weight_checker.expected.manifest import ExpectedDigests
 from weight_checker.expected.recipe import pairs_for, read_again, remember
 from weight_checker.expected.sglang.server import SGLANG
 from weight_checker.expected.transforms import transformed
-from weight_checker.expected.vllm.rank_model import LOCK
-from weight_checker.expected.weights import weights_source
+from weight_checker.expected.vllm.rank_model import LOCK, Arena
+from weight_checker.expected.weights import Pass, Tracked, weights_source
 from weight_checker.hashing.digests import checksum_sized
 from weight_checker.integrations.sglang.plugin import KNOWN_VERSIONS
 from weight_checker.integrations.sglang.worker import walk
@@ -110,11 +110,23 @@ def refuse_repacking(device: str | None) -> None:
         )
 
 
-def build_rank(args: Any, tp_rank: int, tp: int, pairs: Any, cpu_engine: bool = False) -> tuple[Any, list[str]]:
-    """``(model, names of parameters the weights never wrote)`` of one rank.
-    ``cpu_engine``: the engine runs on the CPU, where SGLang's model runner
-    pads heads and MLP sizes to what its kernels need
-    (``adjust_config_with_unaligned_cpu_tp``, as the engine does)."""
+#: One rank's parameter memory, kept from call to call (as vLLM's ranks'):
+#: freed by :func:`weight_checker.expected.release_buffers`.
+SGLANG_ARENA = Arena()
+
+
+def build_rank(
+    args: Any, tp_rank: int, tp: int, pairs: Any, cpu_engine: bool = False, deferred_in: Arena | None = None
+) -> tuple[Any, list[str], Any]:
+    """``(model, names of parameters the weights never wrote, deferred)``
+    of one rank. ``cpu_engine``: the engine runs on the CPU, where SGLang's
+    model runner pads heads and MLP sizes to what its kernels need
+    (``adjust_config_with_unaligned_cpu_tp``, as the engine does).
+    ``deferred_in``: the parameters are bound to this arena and the loader's
+    plain copies of ``pairs`` (a :class:`~weight_checker.expected.weights.Pass`)
+    recorded, not made (:class:`~weight_checker.expected.vllm.deferred.DeferredWrites`,
+    returned: hash with its ``checksum``); else ``pairs`` are plain pairs,
+    loaded for real, and ``deferred`` is ``None``."""
     runtime_context = sys.modules["sglang.srt.runtime_context"]
     import torch
     from sglang.srt.configs.load_config import LoadConfig
@@ -122,11 +134,14 @@ def build_rank(args: Any, tp_rank: int, tp: int, pairs: Any, cpu_engine: bool = 
     from sglang.srt.model_loader.loader import _initialize_model
     from sglang.srt.model_loader.utils import set_default_torch_dtype
 
+    from weight_checker.expected.vllm.deferred import DeferredWrites, capturing
+
     ranks = runtime_context.SpawnRanks(
         world_rank=runtime_context.spawn_world_rank(args, tp_rank=tp_rank, pp_rank=0), dp_rank=None, gpu_id=0
     )
     context = runtime_context.create_context(args, role="scheduler", ranks=ranks)
     group = _Group(tp_rank, tp)
+    deferred = None
     with runtime_context.use_context(context):
         with runtime_context.get_parallel().override(
             pp_group=_Group(0, 1), tp_group=group, moe_tp_group=group, attn_tp_group=group
@@ -142,15 +157,40 @@ def build_rank(args: Any, tp_rank: int, tp: int, pairs: Any, cpu_engine: bool = 
                 raise ExpectedDigestsError(f"quantized model ({model_config.quantization}): {SGLANG_QUANTIZED}")
             with set_default_torch_dtype(model_config.dtype), torch.device("cpu"):
                 model = _initialize_model(model_config, LoadConfig(load_format="auto"), None)
+            if deferred_in is not None:
+                # Bound to the arena (what an earlier rank left there): what the
+                # build gave a parameter that is not NaN-filled below is kept.
+                built = {id(p): p.detach().clone() for p in model.parameters() if not p.is_floating_point()}
+                bound = deferred_in.bind(model, zero=False)
+                for p in bound:
+                    if id(p) in built:
+                        p.data.copy_(built[id(p)])
+                deferred = DeferredWrites(deferred_in.buffer, bound)
             params = dict(model.named_parameters())
-            for p in params.values():
-                if p.is_floating_point():
-                    p.data.fill_(float("nan"))
-            model.load_weights(iter(pairs))
+            # A layout's weights are address space, never bytes: its arena is
+            # left untouched (a key not tiled by pieces is named there anyway).
+            if deferred is None or not capturing():
+                for p in params.values():
+                    if p.is_floating_point():
+                        p.data.fill_(float("nan"))
+            if deferred is None:
+                model.load_weights(iter(pairs))
+            else:
+                tracked = Tracked(pairs.pairs, deferred.note_source if pairs.stable else None)
+                with deferred:
+                    model.load_weights(iter(tracked))
+    if deferred is not None:
+        # A parameter its recorded copies tile exactly is written in full; any
+        # other one is written into the arena now, to be looked at.
+        params = {n: p for n, p in params.items() if not deferred.tiles(p)}
+        if capturing():
+            return model, [], deferred
+        for p in params.values():
+            deferred.replay_param(p)
     # SGLang's loaders write through ``param.data``, which no version counter
     # sees: a row still NaN everywhere was never written.
     unwritten = [name for name, p in params.items() if _has_unwritten_row(p)]
-    return model, unwritten
+    return model, unwritten, deferred
 
 
 def _has_unwritten_row(p: Any) -> bool:
@@ -167,11 +207,13 @@ def _has_unwritten_row(p: Any) -> bool:
     return bool(rows.all(dim=1).any())
 
 
-def _built(args: Any, tp_rank: int, tp: int, pairs: Any, name: str, cpu_engine: bool) -> tuple[Any, list[str]]:
+def _built(
+    args: Any, tp_rank: int, tp: int, pairs: Any, name: str, cpu_engine: bool, deferred_in: Arena | None = None
+) -> tuple[Any, list[str], Any]:
     """:func:`build_rank`, SGLang's own errors (a shape that does not
     split, a weight of the wrong shape) named by rank."""
     try:
-        return build_rank(args, tp_rank, tp, pairs, cpu_engine)
+        return build_rank(args, tp_rank, tp, pairs, cpu_engine, deferred_in)
     except ExpectedDigestsError:
         raise
     except Exception as e:
@@ -222,7 +264,7 @@ class SGLangExpectedDigests(ExpectedDigests):
             for tp_rank, rank_keys in sorted(wanted.items()):
                 pairs = pairs_for(weights, None, rank_keys)
                 cpu_engine = settings.get("device") == "cpu"
-                model, _ = _built(args, tp_rank, settings["tp"], pairs, f"pp0:tp{tp_rank}", cpu_engine)
+                model, _, _ = _built(args, tp_rank, settings["tp"], pairs, f"pp0:tp{tp_rank}", cpu_engine)
                 held = dict(walk(_Checker(model)))
                 for key in rank_keys:
                     t = held[split_rank(key)[1]].detach()
@@ -293,15 +335,23 @@ def sglang_expected_digests(
 
     args = server_args(str(checkpoint), tp, dtype, arguments.get("revision"))
     out = SGLangExpectedDigests(weight_version=weight_version)
+    from weight_checker.expected.vllm.deferred import PendingDigests  # torch's: imported when a rank is built
+
+    # The loader's plain copies are hashed where the weights lie, every
+    # rank's in one run at the end (as vLLM's ranks: .vllm.deferred).
+    later = PendingDigests()
     start = time.perf_counter()
     for tp_rank in range(tp):
         name = f"pp0:tp{tp_rank}"
         if progress is not None:
             progress(name)
-        model_obj, unwritten = _built(args, tp_rank, tp, checked(source.read().pairs), name, cpu_engine)
+        read = source.read()
+        pairs = Pass(checked(read.pairs), read.stable)
+        model_obj, unwritten, deferred = _built(args, tp_rank, tp, pairs, name, cpu_engine, SGLANG_ARENA)
         loaded = time.perf_counter()
         out.seconds["load"] += loaded - start
         if unwritten and not allow_unwritten:
+            deferred.release()
             shown = ", ".join(unwritten[:5]) + (" ..." if len(unwritten) > 5 else "")
             raise ExpectedDigestsError(
                 f"the weights never wrote {len(unwritten)} parameter(s) of {name} (rows still NaN after loading: no "
@@ -309,14 +359,19 @@ def sglang_expected_digests(
             )
         skip = set(unwritten)
         held_dtype = str(next(model_obj.parameters()).dtype).removeprefix("torch.")
-        digests, _ = checksum_sized([(n, t) for n, t in walk(_Checker(model_obj)) if n not in skip], "")
-        for d in range(dp):
-            prefix = rank_prefix(d, 0, 0, tp_rank)
-            out.update({prefix + n: v for n, v in digests.items()})
-            out.unwritten += [prefix + n for n in unwritten]
-        del model_obj
+        prefix = rank_prefix(0, 0, 0, tp_rank)
+        hashed = [(n, t) for n, t in walk(_Checker(model_obj)) if n not in skip]
+        out.update(deferred.checksum(hashed, prefix, later))
+        out.unwritten += [prefix + n for n in unwritten]
+        del model_obj, hashed
         start = time.perf_counter()
         out.seconds["hash"] += start - loaded
+    out.update(later.finish())
+    out.seconds["hash"] += later.seconds
+    for d in range(1, dp):  # every data-parallel replica holds the same
+        for key in [k for k in out if k.startswith("dp0:")]:
+            out[f"dp{d}:" + key.removeprefix("dp0:")] = out[key]
+        out.unwritten += [f"dp{d}:" + k.removeprefix("dp0:") for k in out.unwritten if k.startswith("dp0:")]
     out.layout = {
         "tp": tp, "pp": 1, "dp": dp, "dtype": held_dtype, "engine": SGLANG, "sglang_version": sglang.__version__,
         "architecture": (config.get("architectures") or [None])[0],

@@ -132,6 +132,9 @@ def release_buffers() -> None:
     warm = sys.modules.get("weight_checker.expected.vllm.warm_memory")  # imported with torch, when a rank was built
     if warm is not None:
         warm.POOL.clear()
+    sglangs = sys.modules.get("weight_checker.expected.sglang.digests")  # imported for an SGLang engine's digests
+    if sglangs is not None:
+        sglangs.SGLANG_ARENA.buffer = None
     CACHE.key, CACHE.config, CACHE.models = None, None, {}
 
 
