@@ -6,7 +6,8 @@ collectively from its shards (no gather).
 
 Without ``--server``, rank 0 writes them, with the whole-tensor path's
 digests of the same weights (gathered here only to be the oracle), to the
-JSON file named on the command line. ``PERTURB_RANK``: that rank zeroes its
+JSON file named on the command line; ``--like URL``: both for the engine
+that server runs (an SGLang one too: then run in SGLang's environment). ``PERTURB_RANK``: that rank zeroes its
 first row of layer 0's ``down_proj`` after the oracle's gather.
 
 With ``--server URL WORKERS`` (a real vLLM server of this checkpoint with the
@@ -19,7 +20,7 @@ row of layer 0's ``down_proj`` and the same weights are sent and verified
 again. Rank 0 writes both verdicts, and the keys that a whole-tensor oracle
 (the gathered, perturbed weights) says differ.
 
-    python tests/fsdp_worker.py CHECKPOINT OUT.json TP STEPS [PERTURB_RANK] [--server URL WORKERS]
+    python tests/fsdp_worker.py CHECKPOINT OUT.json TP STEPS [PERTURB_RANK] [--server URL WORKERS | --like URL]
 """
 
 from __future__ import annotations
@@ -33,10 +34,13 @@ DOWN = "model.layers.0.mlp.down_proj.weight"
 
 def main() -> None:
     argv = sys.argv[1:]
-    server = None
+    server = like = None
     if "--server" in argv:
         at = argv.index("--server")
         server, argv = (argv[at + 1], int(argv[at + 2])), argv[:at] + argv[at + 3 :]
+    if "--like" in argv:
+        at = argv.index("--like")
+        like, argv = argv[at + 1], argv[:at] + argv[at + 2 :]
     ckpt, out, tp, steps = argv[0], argv[1], int(argv[2]), int(argv[3])
     perturb = int(argv[4]) if len(argv) > 4 else None
     import torch
@@ -60,7 +64,10 @@ def main() -> None:
         optimizer.step()
         optimizer.zero_grad()
     weights = model.state_dict()  # DTensors, Shard(0): fp32 masters
-    result = (against_server if server else against_oracle)(ckpt, weights, tp, perturb, rank, server)
+    if server:
+        result = against_server(ckpt, weights, tp, perturb, rank, server)
+    else:
+        result = against_oracle(ckpt, weights, tp, perturb, rank, like)
     if rank == 0:
         with open(out, "w") as f:
             json.dump(result, f)
@@ -75,7 +82,7 @@ def zero_first_row(weights: dict) -> None:
         weights[DOWN].to_local()[0].fill_(0)
 
 
-def against_oracle(ckpt: str, weights: dict, tp: int, perturb: int | None, rank: int, _server: None) -> dict:
+def against_oracle(ckpt: str, weights: dict, tp: int, perturb: int | None, rank: int, like: str | None) -> dict:
     import weight_checker
 
     # The oracle's gather, before any perturbation: what the engine must hold.
@@ -83,11 +90,13 @@ def against_oracle(ckpt: str, weights: dict, tp: int, perturb: int | None, rank:
     if perturb is not None and rank == perturb:
         zero_first_row(weights)
     # The public call: sharded weights make it collective; fp32 masters are
-    # cast to the engine's bf16 where each piece lies.
-    got = weight_checker.expected_digests(ckpt, weights, tp=tp)
+    # cast to the engine's bf16 where each piece lies. ``like``: the engine a
+    # server runs (vLLM or SGLang: its family, layout and dtype read from it).
+    layout = {"like": like} if like else {"tp": tp}
+    got = weight_checker.expected_digests(None if like else ckpt, weights, **layout)
     if rank != 0:
         return {}
-    oracle = weight_checker.expected_digests(ckpt, whole, tp=tp)
+    oracle = weight_checker.expected_digests(None if like else ckpt, whole, **layout)
     held = {n: t.to_local().shape[0] for n, t in weights.items()}
     return {"got": dict(got), "oracle": dict(oracle), "exchanged": got.bytes_exchanged, "rows": held}
 

@@ -29,12 +29,15 @@ def sha256(t: Any) -> str:
     return hashlib.sha256(t.detach().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
 
 
-def rank_tensors(checkpoint: Path, tp: int, rank: int, cpu_engine: bool = True) -> dict[str, Any]:
-    """``{SGLang module name: the tensor rank ``rank`` of ``tp`` holds}``."""
+def rank_tensors(
+    checkpoint: Path, tp: int, rank: int, cpu_engine: bool = True, weights: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """``{SGLang module name: the tensor rank ``rank`` of ``tp`` holds}``,
+    loaded with ``weights`` (default the checkpoint's own)."""
     import torch
     from safetensors.torch import load_file
 
-    sd = load_file(str(checkpoint / "model.safetensors"))
+    sd = weights if weights is not None else load_file(str(checkpoint / "model.safetensors"))
     cfg = json.loads((checkpoint / "config.json").read_text())
     kv_heads = cfg["num_key_value_heads"]
 
@@ -80,5 +83,8 @@ def rank_tensors(checkpoint: Path, tp: int, rank: int, cpu_engine: bool = True) 
         out[p + "mlp.down_proj.weight"] = cols(down, tp, rank)
         for norm in ("input_layernorm.weight", "post_attention_layernorm.weight"):
             out[p + norm] = sd[p + norm]
+        for norm in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):  # Qwen3's, whole on every rank
+            if p + norm in sd:
+                out[p + norm] = sd[p + norm]
     out["model.norm.weight"] = sd["model.norm.weight"]
     return out

@@ -442,3 +442,83 @@ def test_replicas_reads_every_rank_of_an_sglang_server(sglang):
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads(done.stdout)
     assert report["consistent"] is True and report["replicas"] == ["dp0"], report
+
+
+# --- Sharded trainers (issue 56): SGLang engines' digests from dim-0 shards, nothing gathered ----------------------
+
+
+@needs_sglang
+def test_every_sglang_key_from_shards_equals_the_whole_tensor_path_and_hashlib(tmp_path):
+    # tests/sglang_sharded.py: the layout from SGLang's own loaders fed with
+    # shapes only, each key hashed holder by holder; a Llama whose dims do
+    # not divide by the world, a Qwen2 whose MLP the CPU engine pads (zero
+    # columns of down_proj), a Qwen3 with q_norm and k_norm (given values of
+    # their own), a vocabulary padded from 1000 to 1024 rows; TP 1 and 2.
+    done = in_sglangs_env(str(ROOT / "tests" / "sglang_sharded.py"), str(tmp_path))
+    assert done.returncode == 0, done.stderr[-4000:]
+    cases = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(cases) == 5
+    for case, got in cases.items():
+        assert got["not_pieces"] == [], case
+        assert got["chained"] == got["whole"] == got["oracle"], case
+        assert got["spans_holders"], case  # the chain really is handed on
+
+
+def sglang_trainer(server, world: int, steps: int, perturb: int | None = None) -> dict:
+    """tests/fsdp_worker.py's ``world`` ranks (a real ``fully_shard`` trainer on
+    a gloo CPU mesh) in SGLang's environment, their digests collective from
+    their shards for the engine ``server`` runs (``--like``); rank 0's result."""
+    import socket
+    import tempfile
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = Path(tempfile.mkdtemp(prefix="fsdp-sglang-")) / "result.json"
+    args = [str(ROOT / "tests" / "fsdp_worker.py"), server.model, str(out), "1", str(steps)]
+    args += [str(perturb)] if perturb is not None else []
+    base = {k: v for k, v in sglang_env(1).items() if k != "WEIGHT_CHECKER_SGLANG_DEV_MODE"}
+    if server.api_key:
+        base["VLLM_API_KEY"] = server.api_key  # what like=URL's /server_info request sends
+    procs, logs = [], []
+    for rank in range(world):
+        env = {**base, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+               "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)}  # fmt: skip
+        log = tempfile.TemporaryFile("w+")  # files, not pipes: see in_sglangs_env
+        logs.append(log)
+        procs.append(subprocess.Popen([str(PYTHON), *args, "--like", server.url], env=env, stdout=log,
+                                      stderr=subprocess.STDOUT, cwd=ROOT))  # fmt: skip
+    try:
+        for p in procs:
+            p.wait(timeout=600)
+    finally:
+        for p in procs:
+            p.kill()
+    text = []
+    for log in logs:
+        log.seek(0)
+        text.append(log.read())
+        log.close()
+    assert all(p.returncode == 0 for p in procs), "\n".join(text)[-6000:]
+    return json.loads(out.read_text())
+
+
+@needs_sglang
+def test_fsdp2_shards_give_the_sglang_servers_own_digests_and_a_perturbed_row_exactly_its_keys(sglang):
+    # The trainer's fp32 masters, fully_shard'ed over 4 ranks (TP=1 server)
+    # or 2 (TP=2: padded MLP, padded vocabulary, biases), are the
+    # checkpoint's: the digests from its shards, the engine's layout read
+    # from the server, must be the server's own route's, key for key. At
+    # TP=2, trainer rank 1 zeroes its first row of layer 0's down_proj: a
+    # row that lies in both TP ranks' column slices, and nowhere else.
+    perturb = 1 if sglang.tp == 2 else None
+    result = sglang_trainer(sglang, 4 if sglang.tp == 1 else 2, steps=0, perturb=perturb)
+    engine = ours(sglang)
+    assert result["oracle"] == engine  # the gather, before the perturbation
+    assert result["exchanged"] > 0  # chain states were handed on
+    differ = sorted(k for k in engine if result["got"][k] != engine[k])
+    assert set(result["got"]) == set(engine)
+    if perturb is None:
+        assert differ == []
+    else:
+        assert differ == [f"dp0:pp0:pcp0:tp{r}:model.layers.0.mlp.down_proj.weight" for r in (0, 1)]

@@ -183,12 +183,14 @@ def sharded_call(
 ) -> Any:
     """``expected_digests`` (passed as ``expected``) with sharded weights:
     what it covers checked, then :func:`collective_digests`."""
-    if family != "vllm" or extra["loras"] or extra["draft"] is not None or extra["buffers"] or args.get("enable_lora"):
+    if extra["loras"] or extra["draft"] is not None or extra["buffers"] or args.get("enable_lora"):
         raise ExpectedDigestsError(
-            "sharded weights (DTensor / LocalShard) are covered for a vLLM target only: no SGLang engine, "
+            "sharded weights (DTensor / LocalShard) are covered for an engine's target model only: no "
             "LoRA adapters, draft model or buffers"
         )
     args = {k: v for k, v in args.items() if k not in ("enable_lora", "num_speculative_tokens", "draft")}
+    if family != "vllm":
+        args["engine"] = family  # the layout's load runs that engine's model classes
     out = collective_digests(
         model, weights, expected=expected, group=group, allow_unwritten=allow_unwritten,
         weight_version=extra["weight_version"], **layout, **args,

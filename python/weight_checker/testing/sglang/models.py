@@ -58,7 +58,10 @@ QWEN2_SPLIT = (
     r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
 
-Arch = Literal["llama", "qwen2"]
+Arch = Literal["llama", "qwen2", "qwen3"]
+
+#: What an architecture needs beyond TINY_SGLANG (Qwen3's head_dim is its own field, 128 by default).
+ARCH_CONFIG: dict[str, dict[str, Any]] = {"qwen3": {"head_dim": 16}}
 
 
 def _seed(model: Any, seed: int) -> None:
@@ -153,8 +156,9 @@ def write_tiny_sglang_model(
     cfg_cls, model_cls = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
     }[arch]
-    cfg = cfg_cls(**(TINY_SGLANG | config))
+    cfg = cfg_cls(**(TINY_SGLANG | ARCH_CONFIG.get(arch, {}) | config))
     model: Any = model_cls(cfg)
     _seed(model, seed)
     path.mkdir(parents=True, exist_ok=True)
