@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -28,11 +29,20 @@ WORKER = Path(__file__).with_name("fsdp_worker.py")
 
 
 def trainer(
-    checkpoint: Path, world: int, tp: int, steps: int, perturb: int | None = None, server: tuple | None = None
+    checkpoint: Path,
+    world: int,
+    tp: int,
+    steps: int,
+    perturb: int | None = None,
+    server: tuple | None = None,
+    pin: bool = False,
 ) -> tuple[dict, str]:
     """Runs the ``world`` ranks of tests/fsdp_worker.py (torchrun's
     environment); rank 0's result and the logs. ``server``: ``(url, workers)``
-    of a real vLLM server the trainer updates and verifies."""
+    of a real vLLM server the trainer updates and verifies. ``pin``: rank
+    ``r`` on core ``r`` alone (ranks with cores of their own hash each round
+    in batches, handing states on between them: expected/collective.py)."""
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -43,7 +53,9 @@ def trainer(
     for rank in range(world):
         env = vllm_env(env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                             "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)})  # fmt: skip
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), *args], env=env, stdout=subprocess.PIPE,
+        cores = sorted(os.sched_getaffinity(0))
+        taskset = ["taskset", "-c", str(cores[rank % len(cores)])] if pin else []
+        procs.append(subprocess.Popen([*taskset, sys.executable, str(WORKER), *args], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))  # fmt: skip
     logs = []
     for p in procs:
@@ -62,7 +74,8 @@ def background_jobs(env) -> dict[str, functools.partial]:
     """The trainers, in the background from the session's start (tests/jobs.py)."""
     odd = env.models.path("odd")  # written here, in the main thread (transformers' lazy imports are not thread-safe)
     return {
-        "fsdp-world2-tp2": functools.partial(trainer, odd, 2, 2, 1),
+        # Two ranks on cores of their own (where the host has two): the rounds in batches.
+        "fsdp-world2-tp2": functools.partial(trainer, odd, 2, 2, 1, pin=True),
         "fsdp-world4-tp1-perturbed": functools.partial(trainer, odd, 4, 1, 1, 1),
     }
 
@@ -71,6 +84,8 @@ def background_jobs(env) -> dict[str, functools.partial]:
 def test_fsdp2_shards_after_a_training_step_give_the_whole_tensor_paths_digests(jobs):
     result, log = jobs.result("fsdp-world2-tp2")
     assert result["got"] == result["oracle"], log[-3000:]
+    # A core a rank: each round hashed in batches, states handed on between them.
+    assert result["sharing_cores"] is (len(os.sched_getaffinity(0)) < 2)
     assert len(result["got"]) == 30  # 15 parameters on each of 2 TP ranks
     # Uneven shards: vocabulary 502 and intermediate 250 split 251/251 and 125/125, gate 250 rows.
     assert result["rows"]["model.embed_tokens.weight"] == 251
@@ -82,6 +97,7 @@ def test_fsdp2_shards_after_a_training_step_give_the_whole_tensor_paths_digests(
 @pytest.mark.uses_jobs("fsdp-world4-tp1-perturbed")
 def test_one_ranks_perturbed_shard_changes_exactly_the_keys_holding_its_rows(jobs):
     result, log = jobs.result("fsdp-world4-tp1-perturbed")
+    assert result["sharing_cores"] is True  # four ranks on this host's cores: each round in one run
     differ = sorted(k for k in result["oracle"] if result["got"][k] != result["oracle"][k])
     assert differ == ["dp0:pp0:pcp0:tp0:model.layers.0.mlp.down_proj.weight"], log[-3000:]
     assert set(result["got"]) == set(result["oracle"])
