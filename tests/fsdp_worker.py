@@ -94,15 +94,12 @@ def against_oracle(ckpt: str, weights: dict, tp: int, perturb: int | None, rank:
     # server runs (vLLM or SGLang: its family, layout and dtype read from it).
     layout = {"like": like} if like else {"tp": tp}
     got = weight_checker.expected_digests(None if like else ckpt, weights, **layout)
-    from weight_checker.expected.collective import _sharing_cores
-
-    sharing = _sharing_cores(None)  # collective: whether the rounds ran whole (shared cores) or in batches
     if rank != 0:
         return {}
     oracle = weight_checker.expected_digests(None if like else ckpt, whole, **layout)
     held = {n: t.to_local().shape[0] for n, t in weights.items()}
     return {"got": dict(got), "oracle": dict(oracle), "exchanged": got.bytes_exchanged, "rows": held,
-            "sharing_cores": sharing}  # fmt: skip
+            "batches": got.batches}  # fmt: skip
 
 
 def against_server(ckpt: str, weights: dict, _tp: int, perturb: int | None, rank: int, server: tuple) -> dict:

@@ -11,7 +11,9 @@ engine="sglang")``); each key is hashed from the shards of ``torch.chunk``
 Printed, one JSON object: case -> the chained digests, the whole-tensor
 path's, the independent oracle's (tests/sglang_oracle.py: hashlib over the
 tensors SGLang's layout gives each rank, no code of this package), the keys
-that are not pieces, and whether some key's bytes span two holders.
+that are not pieces, and whether some key's bytes span two holders; and
+``refused``: the errors of the layout and of the whole-tensor path for
+weights missing a ``k_proj`` and the final norm.
 """
 
 from __future__ import annotations
@@ -82,6 +84,25 @@ def main() -> None:
                 len({s.rank for s in segments(k.runs, shards) if s.rank is not None}) > 1 for k in pieces.values()
             ),
         }
+    # A weight the trainer left out: the layout refuses it as the
+    # whole-tensor path does, naming the parameter it never wrote.
+    checkpoint = write_tiny_sglang_model(root / "llama-", "llama")
+    weights = load_file(str(checkpoint / "model.safetensors"))
+    del weights["model.layers.0.self_attn.k_proj.weight"], weights["model.norm.weight"]
+    refused = {}
+    for how, call in {
+        "layout": lambda: engine_layout(
+            str(checkpoint), {n: t.to("meta") for n, t in weights.items()}, expected=weight_checker.expected_digests,
+            tp=2, engine="sglang", device="cpu",
+        ),
+        "whole": lambda: weight_checker.expected_digests(str(checkpoint), weights, tp=2, engine="sglang", device="cpu"),
+    }.items():  # fmt: skip
+        try:
+            call()
+            refused[how] = None
+        except weight_checker.ExpectedDigestsError as e:
+            refused[how] = str(e)
+    out["refused"] = refused
     print(json.dumps(out))
 
 

@@ -19,7 +19,15 @@ from pathlib import Path
 import pytest
 import torch
 from weight_checker.errors import ExpectedDigestsError
-from weight_checker.expected.collective import LocalShard, _check_agreement, _legs, _local, is_sharded
+from weight_checker.expected.collective import (
+    PIPELINED_BATCHES,
+    LocalShard,
+    _check_agreement,
+    _legs,
+    _local,
+    is_sharded,
+    sharing_cores,
+)
 from weight_checker.expected.sharded import Segment, check_shards
 from weight_checker.testing.launch import vllm_available, vllm_env
 
@@ -85,7 +93,7 @@ def test_fsdp2_shards_after_a_training_step_give_the_whole_tensor_paths_digests(
     result, log = jobs.result("fsdp-world2-tp2")
     assert result["got"] == result["oracle"], log[-3000:]
     # A core a rank: each round hashed in batches, states handed on between them.
-    assert result["sharing_cores"] is (len(os.sched_getaffinity(0)) < 2)
+    assert result["batches"] == (1 if len(os.sched_getaffinity(0)) < 2 else PIPELINED_BATCHES)
     assert len(result["got"]) == 30  # 15 parameters on each of 2 TP ranks
     # Uneven shards: vocabulary 502 and intermediate 250 split 251/251 and 125/125, gate 250 rows.
     assert result["rows"]["model.embed_tokens.weight"] == 251
@@ -97,7 +105,7 @@ def test_fsdp2_shards_after_a_training_step_give_the_whole_tensor_paths_digests(
 @pytest.mark.uses_jobs("fsdp-world4-tp1-perturbed")
 def test_one_ranks_perturbed_shard_changes_exactly_the_keys_holding_its_rows(jobs):
     result, log = jobs.result("fsdp-world4-tp1-perturbed")
-    assert result["sharing_cores"] is True  # four ranks on this host's cores: each round in one run
+    assert result["batches"] == 1  # four ranks on this host's cores: each round in one run
     differ = sorted(k for k in result["oracle"] if result["got"][k] != result["oracle"][k])
     assert differ == ["dp0:pp0:pcp0:tp0:model.layers.0.mlp.down_proj.weight"], log[-3000:]
     assert set(result["got"]) == set(result["oracle"])
@@ -212,3 +220,10 @@ def test_shards_given_as_items_or_a_generator_are_seen_and_whole_tensors_stay_a_
 
     with pytest.raises(ExpectedDigestsError, match=r"the weights: reading the first pair failed: OSError: disk gone"):
         sharded_weights(failing())
+
+
+def test_ranks_share_cores_only_on_one_host_with_overlapping_affinities():
+    assert sharing_cores([("a", [0]), ("a", [0, 1])]) is True
+    assert sharing_cores([("a", [0]), ("a", [1])]) is False
+    assert sharing_cores([("a", [0, 1]), ("b", [0, 1])]) is False
+    assert sharing_cores([("a", None), ("a", [3])]) is True  # unknown affinity: assume shared

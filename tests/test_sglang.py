@@ -457,6 +457,10 @@ def test_every_sglang_key_from_shards_equals_the_whole_tensor_path_and_hashlib(t
     done = in_sglangs_env(str(ROOT / "tests" / "sglang_sharded.py"), str(tmp_path))
     assert done.returncode == 0, done.stderr[-4000:]
     cases = json.loads(done.stdout.strip().splitlines()[-1])
+    refused = cases.pop("refused")
+    for how in ("layout", "whole"):  # a missing weight: refused alike, naming what it never wrote
+        assert refused[how] and "never wrote 2 parameter(s) of pp0:tp0" in refused[how], refused
+        assert "qkv_proj.weight" in refused[how] and "model.norm.weight" in refused[how], refused
     assert len(cases) == 5
     for case, got in cases.items():
         assert got["not_pieces"] == [], case

@@ -240,7 +240,11 @@ def collective_digests(
     except ExpectedDigestsError as e:  # told to every rank at the first exchange: none waits on this one
         mine, described = {}, {_FAILED: str(e)}
     every: list[Any] = [None] * world
-    dist.all_gather_object(every, described, group=group)
+    # Where this rank runs goes with its shards: the one exchange before the
+    # chain's, whose receives name a rank that does not answer in time.
+    dist.all_gather_object(every, (_whereabouts(), described), group=group)
+    places = [where for where, _ in every]
+    every = [theirs for _, theirs in every]
     for rank, theirs in enumerate(every):
         if _FAILED in theirs:
             raise ExpectedDigestsError(theirs[_FAILED] if rank == me else f"rank {rank} failed: {theirs[_FAILED]}")
@@ -267,7 +271,7 @@ def collective_digests(
     legs: list[list[_Leg]] = []
     for index, key in enumerate(keys):
         legs.append(_legs(index, segments(layout[key].runs or (), held)))
-    batches = 1 if _sharing_cores(group) else PIPELINED_BATCHES
+    batches = 1 if sharing_cores(places) else PIPELINED_BATCHES
     digests, exchanged = _hash_in_rounds(keys, legs, layout, mine, me, group, timeout, batches)
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, digests, group=group)
@@ -279,6 +283,7 @@ def collective_digests(
         raise ExpectedDigestsError(f"{missing[0]}: no rank finished its digest")
     shell.seconds["hash"] = time.perf_counter() - started
     shell.bytes_exchanged = exchanged
+    shell.batches = batches
     return shell
 
 
@@ -359,9 +364,11 @@ def _hash_in_rounds(
     done: dict[str, str] = {}
     exchanged = 0
     rounds = max((len(k) for k in legs), default=0)
+    itemsize = {i: torch.empty((), dtype=layout[key].dtype).element_size() for i, key in enumerate(keys)}
     for j in range(rounds):
         todo = [(i, k[j]) for i, k in enumerate(legs) if j < len(k) and k[j].rank == me]
-        for batch in _batches(todo, batches):
+        sizes = [sum(s.length * (1 if s.source is None else itemsize[i]) for s in leg.segments) for i, leg in todo]
+        for batch in _batches(todo, sizes, batches):
             states = [None if j == 0 else _received(keys, legs, i, j, group, wait, timeout) for i, _ in batch]
             hasher = _core.MultiHasher.resume(states)
             hasher.update(
@@ -393,11 +400,10 @@ def _hash_in_rounds(
 PIPELINED_BATCHES = 4
 
 
-def _batches(todo: list[tuple[int, _Leg]], batches: int) -> list[list[tuple[int, _Leg]]]:
-    """``todo`` in order, cut into ``batches`` runs of about equal bytes."""
+def _batches(todo: list[tuple[int, _Leg]], sizes: list[int], batches: int) -> list[list[tuple[int, _Leg]]]:
+    """``todo`` (legs of ``sizes`` bytes) in order, cut into ``batches`` runs of about equal bytes."""
     if batches <= 1:
         return [todo] if todo else []
-    sizes = [sum(seg.length for seg in leg.segments) for _, leg in todo]
     target = sum(sizes) / batches
     out: list[list[tuple[int, _Leg]]] = []
     current: list[tuple[int, _Leg]] = []
@@ -430,19 +436,21 @@ def _received(keys: list[str], legs: list[list[_Leg]], i: int, j: int, group: An
     return bytes(wire[1 : 1 + int(wire[0])].tolist())
 
 
-def _sharing_cores(group: Any) -> bool:
-    """Whether some ranks of ``group`` run on one host with CPU affinities
-    that overlap (then they share cores, and a round is best hashed at once)."""
+def _whereabouts() -> tuple[str, list[int] | None]:
+    """This process's host and the cores it may run on."""
     import os
     import socket
 
-    import torch.distributed as dist
-
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
-    where: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(where, (socket.gethostname(), cores), group=group)
-    for a, (host, mine) in enumerate(where):
-        for other_host, theirs in where[a + 1 :]:
+    return socket.gethostname(), cores
+
+
+def sharing_cores(places: list[tuple[str, list[int] | None]]) -> bool:
+    """Whether some ranks (each's :func:`_whereabouts`) run on one host with
+    CPU affinities that overlap: then they share cores, and a round is best
+    hashed at once. Every rank decides from the same gathered list."""
+    for a, (host, mine) in enumerate(places):
+        for other_host, theirs in places[a + 1 :]:
             if host == other_host and (mine is None or theirs is None or set(mine) & set(theirs)):
                 return True
     return False

@@ -51,6 +51,8 @@ class ExpectedDigests(dict[str, str]):
         #: Bytes of SHA-256 chain state this rank sent to others, in a
         #: sharded trainer's collective call (:mod:`weight_checker.expected.collective`).
         self.bytes_exchanged = 0
+        #: A sharded call's batches a round (1 where ranks share a host's cores: expected/collective.py).
+        self.batches = 0
         #: What :func:`weight_checker.expected.recompute.expected_tensors` needs
         #: to recompute the tensors (weak references to the weights); ``None``
         #: for digests read back from a manifest.

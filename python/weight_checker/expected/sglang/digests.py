@@ -167,8 +167,9 @@ def build_rank(
                         p.data.copy_(built[id(p)])
                 deferred = DeferredWrites(deferred_in.buffer, bound)
             params = dict(model.named_parameters())
-            # A layout's weights are address space, never bytes: its arena is
-            # left untouched (a key not tiled by pieces is named there anyway).
+            # A layout's weights are address space, never bytes: no NaN fill
+            # there (its unwritten parameters are those no write reached, and
+            # a key its pieces do not tile is named by the layout anyway).
             if deferred is None or not capturing():
                 for p in params.values():
                     if p.is_floating_point():
@@ -184,7 +185,7 @@ def build_rank(
         # other one is written into the arena now, to be looked at.
         params = {n: p for n, p in params.items() if not deferred.tiles(p)}
         if capturing():
-            return model, [], deferred
+            return model, [n for n, p in params.items() if deferred.left_unwritten(p)], deferred
         for p in params.values():
             deferred.replay_param(p)
     # SGLang's loaders write through ``param.data``, which no version counter
@@ -340,33 +341,38 @@ def sglang_expected_digests(
     # The loader's plain copies are hashed where the weights lie, every
     # rank's in one run at the end (as vLLM's ranks: .vllm.deferred).
     later = PendingDigests()
-    start = time.perf_counter()
-    for tp_rank in range(tp):
-        name = f"pp0:tp{tp_rank}"
-        if progress is not None:
-            progress(name)
-        read = source.read()
-        pairs = Pass(checked(read.pairs), read.stable)
-        model_obj, unwritten, deferred = _built(args, tp_rank, tp, pairs, name, cpu_engine, SGLANG_ARENA)
-        loaded = time.perf_counter()
-        out.seconds["load"] += loaded - start
-        if unwritten and not allow_unwritten:
-            deferred.release()
-            shown = ", ".join(unwritten[:5]) + (" ..." if len(unwritten) > 5 else "")
-            raise ExpectedDigestsError(
-                f"the weights never wrote {len(unwritten)} parameter(s) of {name} (rows still NaN after loading: no "
-                f"weight fed them, or the weights hold NaN there): {shown}"
-            )
-        skip = set(unwritten)
-        held_dtype = str(next(model_obj.parameters()).dtype).removeprefix("torch.")
-        prefix = rank_prefix(0, 0, 0, tp_rank)
-        hashed = [(n, t) for n, t in walk(_Checker(model_obj)) if n not in skip]
-        out.update(deferred.checksum(hashed, prefix, later))
-        out.unwritten += [prefix + n for n in unwritten]
-        del model_obj, hashed
+    try:
         start = time.perf_counter()
-        out.seconds["hash"] += start - loaded
-    out.update(later.finish())
+        for tp_rank in range(tp):
+            name = f"pp0:tp{tp_rank}"
+            if progress is not None:
+                progress(name)
+            read = source.read()
+            pairs = Pass(checked(read.pairs), read.stable)
+            model_obj, unwritten, deferred = _built(args, tp_rank, tp, pairs, name, cpu_engine, SGLANG_ARENA)
+            try:
+                loaded = time.perf_counter()
+                out.seconds["load"] += loaded - start
+                if unwritten and not allow_unwritten:
+                    shown = ", ".join(unwritten[:5]) + (" ..." if len(unwritten) > 5 else "")
+                    raise ExpectedDigestsError(
+                        f"the weights never wrote {len(unwritten)} parameter(s) of {name} (rows still NaN after "
+                        f"loading: no weight fed them, or the weights hold NaN there): {shown}"
+                    )
+                skip = set(unwritten)
+                held_dtype = str(next(model_obj.parameters()).dtype).removeprefix("torch.")
+                prefix = rank_prefix(0, 0, 0, tp_rank)
+                hashed = [(n, t) for n, t in walk(_Checker(model_obj)) if n not in skip]
+                out.update(deferred.checksum(hashed, prefix, later))
+                out.unwritten += [prefix + n for n in unwritten]
+            finally:
+                deferred.release()  # its pieces are in ``later`` now, or dropped with it
+            del model_obj
+            start = time.perf_counter()
+            out.seconds["hash"] += start - loaded
+        out.update(later.finish())
+    finally:
+        later.drop()
     out.seconds["hash"] += later.seconds
     for d in range(1, dp):  # every data-parallel replica holds the same
         for key in [k for k in out if k.startswith("dp0:")]:

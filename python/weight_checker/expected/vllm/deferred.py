@@ -248,7 +248,12 @@ class DeferredWrites(TorchFunctionMode):
         if dst.numel() == 0:
             return False  # writes nothing (an embedding with no padding rows)
         offset = dst.data_ptr() - self._base
-        start = self._param_of(offset, dst.nbytes)
+        # A destination of whole rows (a column slice of a matrix: a padded
+        # row-parallel weight) is recorded row by row; it spans from its
+        # first row's start to its last row's end.
+        rows = [dst] if dst.is_contiguous() else _rows_of(dst)
+        span = dst.nbytes if rows is None or len(rows) == 1 else rows[-1].data_ptr() + rows[-1].nbytes - dst.data_ptr()
+        start = self._param_of(offset, span)
         if start is None:
             self.flush()  # a write across parameters: no longer ours to track
             return False
@@ -256,9 +261,6 @@ class DeferredWrites(TorchFunctionMode):
         if any(a.device.type == "cpu" and storage_address(a) in (None, self._base) for a in others):
             self.flush()  # reads the arena (a copy from another parameter): every byte in place first
             return False
-        # A destination of whole rows (a column slice of a matrix: a padded
-        # row-parallel weight) is recorded row by row.
-        rows = [dst] if dst.is_contiguous() else _rows_of(dst)
         if start not in self._real and rows is not None:
             if name == "copy_":
                 src = args[1] if len(args) > 1 else kwargs.get("src")
@@ -300,6 +302,22 @@ class DeferredWrites(TorchFunctionMode):
     def tiles(self, param: Any) -> bool:
         """Whether ``param``'s pending pieces cover it exactly once (all its bytes recorded, none written yet)."""
         return self._in_arena(param) and self.tiled(param.data_ptr() - self._base, param.nbytes) is not None
+
+    def left_unwritten(self, param: Any) -> bool:
+        """Whether this load left bytes of ``param`` unwritten, as far as the
+        mode saw: no real write to it, and its recorded pieces (none, or with
+        a gap) do not cover it (``False`` once writes pass through: unknown)."""
+        if self._passthrough or not self._in_arena(param):
+            return False
+        start = param.data_ptr() - self._base
+        if start in self._real:
+            return False
+        at = start
+        for piece in sorted(self.pending.get(start, ()), key=lambda p: p.offset):
+            if piece.offset > at:
+                return True
+            at = max(at, piece.offset + piece.nbytes)
+        return at < start + param.nbytes
 
     def replay_param(self, param: Any) -> None:
         """Writes ``param``'s pending pieces into the arena (where it is one of its parameters)."""
@@ -389,6 +407,10 @@ class PendingDigests:
     def add(self, key: str, pieces: list[Piece]) -> None:
         self._keys.append(key)
         self._pieces.append(pieces)
+
+    def drop(self) -> None:
+        """Forgets every piece not hashed yet (a call that failed): the weights are no longer held here."""
+        self._keys, self._pieces = [], []
 
     def finish(self) -> dict[str, str]:
         """``{key: hex}`` of everything added (by earlier calls too)."""

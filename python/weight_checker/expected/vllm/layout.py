@@ -23,7 +23,7 @@ from typing import Any
 from weight_checker.errors import ExpectedDigestsError
 
 #: Why a key has no runs.
-NOT_PIECES = "not a sequence of pieces of the weights: vLLM's loader computes or casts it"
+NOT_PIECES = "not a sequence of pieces of the weights: the engine's loader computes or casts it"
 
 
 @dataclass(frozen=True)
