@@ -317,7 +317,7 @@ class DeferredWrites(TorchFunctionMode):
             if piece.offset > at:
                 return True
             at = max(at, piece.offset + piece.nbytes)
-        return at < start + param.nbytes
+        return bool(at < start + param.nbytes)
 
     def replay_param(self, param: Any) -> None:
         """Writes ``param``'s pending pieces into the arena (where it is one of its parameters)."""
