@@ -13,7 +13,9 @@ path's, the independent oracle's (tests/sglang_oracle.py: hashlib over the
 tensors SGLang's layout gives each rank, no code of this package), the keys
 that are not pieces, and whether some key's bytes span two holders; and
 ``refused``: the errors of the layout and of the whole-tensor path for
-weights missing a ``k_proj`` and the final norm.
+weights missing a ``k_proj`` and the final norm; ``staged``: whether a
+callable refilling the same staging buffers for each rank gives the
+oracle's digests.
 """
 
 from __future__ import annotations
@@ -103,6 +105,23 @@ def main() -> None:
         except weight_checker.ExpectedDigestsError as e:
             refused[how] = str(e)
     out["refused"] = refused
+    # The whole-tensor path from a callable that refills the same staging
+    # buffers for each rank: each rank hashed before the next call.
+    checkpoint = write_tiny_sglang_model(root / "qwen2-intermediate_size80", "qwen2", intermediate_size=80)
+    weights = load_file(str(checkpoint / "model.safetensors"))
+    staging = {n: torch.empty_like(t) for n, t in weights.items()}
+
+    def staged() -> dict[str, torch.Tensor]:
+        for n, t in weights.items():
+            staging[n].copy_(t)
+        return staging
+
+    got = weight_checker.expected_digests(str(checkpoint), staged, tp=2, engine="sglang", device="cpu")
+    oracle = {}
+    for rank in range(2):
+        held = rank_tensors(checkpoint, 2, rank, cpu_engine=True)
+        oracle.update({f"dp0:pp0:pcp0:tp{rank}:{n}": sha256(t) for n, t in held.items()})
+    out["staged"] = dict(got) == oracle
     print(json.dumps(out))
 
 

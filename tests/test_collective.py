@@ -26,9 +26,8 @@ from weight_checker.expected.collective import (
     _legs,
     _local,
     is_sharded,
-    sharing_cores,
 )
-from weight_checker.expected.sharded import Segment, check_shards
+from weight_checker.expected.sharded import Segment, check_shards, sharing_cores
 from weight_checker.testing.launch import vllm_available, vllm_env
 
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed")]

@@ -458,6 +458,7 @@ def test_every_sglang_key_from_shards_equals_the_whole_tensor_path_and_hashlib(t
     assert done.returncode == 0, done.stderr[-4000:]
     cases = json.loads(done.stdout.strip().splitlines()[-1])
     refused = cases.pop("refused")
+    assert cases.pop("staged") is True  # a callable refilling its buffers for each rank
     for how in ("layout", "whole"):  # a missing weight: refused alike, naming what it never wrote
         assert refused[how] and "never wrote 2 parameter(s) of pp0:tp0" in refused[how], refused
         assert "qkv_proj.weight" in refused[how] and "model.norm.weight" in refused[how], refused

@@ -23,6 +23,7 @@ named, never waited on for ever.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import itertools
 import time
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from weight_checker.errors import ExpectedDigestsError
+from weight_checker.expected.sharded import batches_of, sharing_cores, whereabouts
 from weight_checker.expected.weights import HELD
 
 #: Bytes of a chain state on the wire: its length, then its bytes (at most 109).
@@ -55,9 +57,10 @@ _FAILED = "\x00failed"
 _SIDE: dict[Any, Any] = {}
 
 
-def _side_group(group: Any) -> Any:
+def _side_group(group: Any, timeout: float) -> Any:
     """A gloo group over ``group``'s ranks (the world's by default), made
-    once, by every rank of ``group`` (each calls expected_digests)."""
+    once, by every rank of ``group`` (each calls expected_digests); its
+    exchanges wait at most ``timeout`` seconds (the first call's)."""
     import torch.distributed as dist
 
     key = id(group) if group is not None else None
@@ -65,8 +68,25 @@ def _side_group(group: Any) -> Any:
         ranks = None if group is None else dist.get_process_group_ranks(group)
         # A subgroup's twin is made by its members alone (the other ranks
         # of the world never call expected_digests for it).
-        _SIDE[key] = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=ranks is not None)
+        with _within(timeout, "make the chain's gloo group"):
+            _SIDE[key] = dist.new_group(
+                ranks=ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout),
+                use_local_synchronization=ranks is not None,
+            )  # fmt: skip
     return _SIDE[key]
+
+
+@contextlib.contextmanager
+def _within(timeout: float, what: str) -> Iterator[None]:
+    """A collective step every rank must reach: one that fails or times out
+    (a rank that never called, or failed and left) is said in one line."""
+    try:
+        yield
+    except RuntimeError as e:
+        raise ExpectedDigestsError(
+            f"not every rank of the trainer's group took part within {timeout:g} s to {what} (every rank calls "
+            f"expected_digests with its shards): {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+        ) from e
 
 
 class _Held(NamedTuple):
@@ -228,7 +248,7 @@ def collective_digests(
     from weight_checker.expected.vllm.layout import layout_and_shell
 
     started = time.perf_counter()
-    group = _side_group(group)
+    group = _side_group(group, timeout)
     me, world = dist.get_rank(group), dist.get_world_size(group)
     items = list(weights.items() if isinstance(weights, Mapping) else weights)
     described: dict[str, Any]
@@ -242,7 +262,8 @@ def collective_digests(
     every: list[Any] = [None] * world
     # Where this rank runs goes with its shards: the one exchange before the
     # chain's, whose receives name a rank that does not answer in time.
-    dist.all_gather_object(every, (_whereabouts(), described), group=group)
+    with _within(timeout, "exchange the shards' shapes"):
+        dist.all_gather_object(every, (whereabouts(), described), group=group)
     places = [where for where, _ in every]
     every = [theirs for _, theirs in every]
     for rank, theirs in enumerate(every):
@@ -274,7 +295,8 @@ def collective_digests(
     batches = 1 if sharing_cores(places) else PIPELINED_BATCHES
     digests, exchanged = _hash_in_rounds(keys, legs, layout, mine, me, group, timeout, batches)
     gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, digests, group=group)
+    with _within(timeout, "gather the digests"):
+        dist.all_gather_object(gathered, digests, group=group)
     for part in gathered:
         for key, hex_digest in part.items():
             shell[key] = hex_digest
@@ -368,7 +390,7 @@ def _hash_in_rounds(
     for j in range(rounds):
         todo = [(i, k[j]) for i, k in enumerate(legs) if j < len(k) and k[j].rank == me]
         sizes = [sum(s.length * (1 if s.source is None else itemsize[i]) for s in leg.segments) for i, leg in todo]
-        for batch in _batches(todo, sizes, batches):
+        for batch in batches_of(todo, sizes, batches):
             states = [None if j == 0 else _received(keys, legs, i, j, group, wait, timeout) for i, _ in batch]
             hasher = _core.MultiHasher.resume(states)
             hasher.update(
@@ -400,25 +422,6 @@ def _hash_in_rounds(
 PIPELINED_BATCHES = 4
 
 
-def _batches(todo: list[tuple[int, _Leg]], sizes: list[int], batches: int) -> list[list[tuple[int, _Leg]]]:
-    """``todo`` (legs of ``sizes`` bytes) in order, cut into ``batches`` runs of about equal bytes."""
-    if batches <= 1:
-        return [todo] if todo else []
-    target = sum(sizes) / batches
-    out: list[list[tuple[int, _Leg]]] = []
-    current: list[tuple[int, _Leg]] = []
-    held = 0
-    for item, size in zip(todo, sizes, strict=True):
-        current.append(item)
-        held += size
-        if held >= target:
-            out.append(current)
-            current, held = [], 0
-    if current:
-        out.append(current)
-    return out
-
-
 def _received(keys: list[str], legs: list[list[_Leg]], i: int, j: int, group: Any, wait: Any, timeout: float) -> bytes:
     """The chain state of key ``i`` that the holder of its leg ``j - 1`` hands on."""
     import torch
@@ -434,26 +437,6 @@ def _received(keys: list[str], legs: list[list[_Leg]], i: int, j: int, group: An
             f"{keys[i]}: rank {source} did not hand on its chain state within {timeout:g} s ({e})"
         ) from e
     return bytes(wire[1 : 1 + int(wire[0])].tolist())
-
-
-def _whereabouts() -> tuple[str, list[int] | None]:
-    """This process's host and the cores it may run on."""
-    import os
-    import socket
-
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
-    return socket.gethostname(), cores
-
-
-def sharing_cores(places: list[tuple[str, list[int] | None]]) -> bool:
-    """Whether some ranks (each's :func:`_whereabouts`) run on one host with
-    CPU affinities that overlap: then they share cores, and a round is best
-    hashed at once. Every rank decides from the same gathered list."""
-    for a, (host, mine) in enumerate(places):
-        for other_host, theirs in places[a + 1 :]:
-            if host == other_host and (mine is None or theirs is None or set(mine) & set(theirs)):
-                return True
-    return False
 
 
 def _tag(round_: int, key: int, keys: int) -> int:

@@ -162,3 +162,42 @@ def chained_digests(layout: Mapping[str, Any], shards: Mapping[str, Sequence[Sha
             hasher = _core.MultiHasher(1)
         out[key] = hasher.finish()[0][0]
     return out
+
+
+def batches_of(todo: list[Any], sizes: list[int], batches: int) -> list[list[Any]]:
+    """``todo`` (items of ``sizes`` bytes) in order, cut into ``batches`` runs of about equal bytes."""
+    if batches <= 1:
+        return [todo] if todo else []
+    target = sum(sizes) / batches
+    out: list[list[Any]] = []
+    current: list[Any] = []
+    held = 0
+    for item, size in zip(todo, sizes, strict=True):
+        current.append(item)
+        held += size
+        if held >= target:
+            out.append(current)
+            current, held = [], 0
+    if current:
+        out.append(current)
+    return out
+
+
+def whereabouts() -> tuple[str, list[int] | None]:
+    """This process's host and the cores it may run on."""
+    import os
+    import socket
+
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    return socket.gethostname(), cores
+
+
+def sharing_cores(places: list[tuple[str, list[int] | None]]) -> bool:
+    """Whether some ranks (each's :func:`whereabouts`) run on one host with
+    CPU affinities that overlap: then they share cores, and a round is best
+    hashed at once. Every rank decides from the same gathered list."""
+    for a, (host, mine) in enumerate(places):
+        for other_host, theirs in places[a + 1 :]:
+            if host == other_host and (mine is None or theirs is None or set(mine) & set(theirs)):
+                return True
+    return False

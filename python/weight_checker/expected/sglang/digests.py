@@ -364,6 +364,10 @@ def sglang_expected_digests(
                 prefix = rank_prefix(0, 0, 0, tp_rank)
                 hashed = [(n, t) for n, t in walk(_Checker(model_obj)) if n not in skip]
                 out.update(deferred.checksum(hashed, prefix, later))
+                if source.fresh_per_rank:
+                    # Weights a callable makes anew for each rank (a reused
+                    # staging buffer) are hashed before it is called again.
+                    out.update(later.finish())
                 out.unwritten += [prefix + n for n in unwritten]
             finally:
                 deferred.release()  # its pieces are in ``later`` now, or dropped with it
