@@ -110,16 +110,14 @@ class Model:
         return {**self.new, **{k: faulty(kind, k) for k, kind in self.faults(scenario).items()}}
 
 
-def answer(held: dict, keys: list[str], block_bytes: int) -> dict:
-    """The engine's answer to a ``block_digests`` request (the worker's function)."""
-    from weight_checker.hashing.blocks import block_digests
+def answer(held: dict, keys: list[str], block_bytes: int, chain: dict | None = None) -> dict:
+    """The engine's answer to a ``block_digests`` request, chained or not (the worker's function)."""
+    from weight_checker.hashing.block_states import worker_answer
 
-    digests = block_digests([held[k] for k in keys], [block_bytes] * len(keys), keys)
-    return {
-        k: {"digests": d, "block_bytes": block_bytes, "nbytes": held[k].nbytes, "shape": list(held[k].shape),
-            "dtype": "bfloat16"}
-        for k, d in zip(keys, digests, strict=True)
-    }  # fmt: skip
+    got = worker_answer([(k, held[k]) for k in keys], block_bytes, "engine", chain)
+    if got["errors"]:
+        raise RuntimeError(got["errors"])
+    return got["blocks"]
 
 
 def engine_process(conn, core: int) -> None:
@@ -153,7 +151,7 @@ def serve(conn, held_for) -> None:
             held = held_for(msg[1])
             conn.send("ok")
         else:
-            conn.send(answer(held, msg[1], msg[2]))
+            conn.send(answer(held, msg[1], msg[2], *msg[3:]))
 
 
 def run(hosts: str, repeat: int) -> None:

@@ -201,13 +201,18 @@ def explain_through_recompute(expected: Any, every: list[str], tensors: dict, re
             conn.send(("scenario", str(path)))
             assert conn.recv() == "ok"
 
-            def fetch(ks: list[str], block_bytes: int, conn: Any = conn) -> dict:
-                conn.send(("fetch", ks, block_bytes))
+            def fetch(ks: list[str], block_bytes: int, chain: Any = None, conn: Any = conn) -> dict:
+                conn.send(("fetch", ks, block_bytes, chain))
                 return conn.recv()
         else:
 
-            def fetch(ks: list[str], block_bytes: int, held: dict = held) -> dict:
-                return answer(held, ks, block_bytes)
+            def fetch(ks: list[str], block_bytes: int, chain: Any = None, held: dict = held) -> dict:
+                return answer(held, ks, block_bytes, chain)
+
+        def chained(ks: list[str], block_bytes: int, chain: Any = None, fetch: Any = fetch) -> dict:
+            return fetch(ks, block_bytes, chain)
+
+        chained.chains = True  # type: ignore[attr-defined]
 
         got = measure(
             {
@@ -216,6 +221,9 @@ def explain_through_recompute(expected: Any, every: list[str], tensors: dict, re
                     m, c, expected, f, TensorMap(given)
                 ),
                 "recomputed (verify)": lambda m=mismatches, c=current, f=fetch: explain(
+                    m, c, expected, f, ExpectedSource(expected)
+                ),
+                "chain states (verify)": lambda m=mismatches, c=current, f=chained: explain(
                     m, c, expected, f, ExpectedSource(expected)
                 ),
             },

@@ -272,6 +272,12 @@ class MultiHasher:
     def export_states(self) -> list[bytes]:
         """Every digest's chain state (at most 109 bytes: the state words, the
         length, the pending tail), without finishing it."""
+    def mark(self, index: int, at: Sequence[int]) -> None:
+        """Record digest ``index``'s chain state when its message reaches
+        each length of ``at`` (increasing, none behind the bytes fed; one at
+        them is recorded now), replacing marks not reached yet."""
+    def marked(self, index: int) -> list[bytes]:
+        """The chain states recorded so far for digest ``index``, in mark order."""
     def __len__(self) -> int: ...
     def bytes_fed(self, index: int) -> int: ...
     def update(self, feeds: Iterable[tuple[int, Any]]) -> None:

@@ -67,6 +67,34 @@ impl MultiHasher {
         Ok(self.open()?.export().iter().map(|s| PyBytes::new(py, s)).collect())
     }
 
+    /// Records digest `index`'s chain state when its message reaches each
+    /// length of `at` (increasing; none below the bytes fed so far, one
+    /// equal to them recorded now), replacing marks not reached yet: the
+    /// states at a tensor's block boundaries, taken by the one pass that
+    /// gives its digest. Read them with `marked`. Raises `ValueError` for
+    /// marks out of order or behind, `IndexError` for no such digest.
+    fn mark(&mut self, index: usize, at: Vec<u64>) -> PyResult<()> {
+        let n = self.__len__();
+        let inner = self.open()?;
+        if index >= n {
+            return Err(to_py_err(Error::DigestIndex { index, len: n }));
+        }
+        inner
+            .mark(index, &at)
+            .map_err(|why| PyValueError::new_err(format!("digest #{index}: {why}")))
+    }
+
+    /// The chain states recorded so far for digest `index` (as
+    /// `export_states` gives them), in mark order.
+    fn marked<'py>(&mut self, py: Python<'py>, index: usize) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+        let n = self.__len__();
+        let states = self
+            .open()?
+            .marked(index)
+            .ok_or_else(|| to_py_err(Error::DigestIndex { index, len: n }))?;
+        Ok(states.iter().map(|s| PyBytes::new(py, s)).collect())
+    }
+
     fn __len__(&self) -> usize {
         self.inner.as_ref().map_or(0, |m| m.len())
     }

@@ -266,6 +266,7 @@ impl Scheduler {
                 state,
                 source,
                 digest_out: Some(out),
+                marks: None,
             })
             .collect();
         let (result, shape) = self.run(tasks, progress);

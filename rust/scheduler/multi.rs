@@ -1,6 +1,6 @@
 //! Digests fed over many calls: a tensor hashed one staged chunk at a time.
 
-use super::worker::Task;
+use super::worker::{Marks, Task};
 use super::{ChunkSource, Scheduler, Slices};
 use crate::error::Error;
 use crate::sha256::{Digest, Sha256};
@@ -11,6 +11,8 @@ use crate::sha256::{Digest, Sha256};
 pub struct MultiHasher {
     scheduler: Scheduler,
     states: Vec<Sha256>,
+    /// Per digest, where to record its chain state ([`MultiHasher::mark`]).
+    marks: Vec<Marks>,
 }
 
 impl MultiHasher {
@@ -18,6 +20,7 @@ impl MultiHasher {
         MultiHasher {
             scheduler,
             states: vec![Sha256::new(); n],
+            marks: (0..n).map(|_| Marks::default()).collect(),
         }
     }
 
@@ -32,7 +35,38 @@ impl MultiHasher {
     /// A hasher whose digests continue the given chain states
     /// ([`Sha256::import`]ed): each fed bytes continue its message.
     pub(super) fn resume(scheduler: Scheduler, states: Vec<Sha256>) -> MultiHasher {
-        MultiHasher { scheduler, states }
+        let marks = (0..states.len()).map(|_| Marks::default()).collect();
+        MultiHasher {
+            scheduler,
+            states,
+            marks,
+        }
+    }
+
+    /// Records digest `index`'s chain state ([`Sha256::export`]) when its
+    /// message reaches each length of `at` (increasing, none below the
+    /// bytes fed so far; one equal to them is recorded now), replacing any
+    /// marks not reached yet. The states are read with [`MultiHasher::marked`].
+    pub fn mark(&mut self, index: usize, at: &[u64]) -> Result<(), String> {
+        let len = self.states.len();
+        let (Some(state), Some(marks)) = (self.states.get(index), self.marks.get_mut(index)) else {
+            return Err(format!("no digest #{index} (of {len})"));
+        };
+        if let Some(w) = at.windows(2).find(|w| w[1] <= w[0]) {
+            return Err(format!("marks must increase: {} then {}", w[0], w[1]));
+        }
+        if let Some(&first) = at.first().filter(|&&first| first < state.len()) {
+            return Err(format!("mark {first} is behind the {} bytes already fed", state.len()));
+        }
+        marks.at.truncate(marks.next);
+        marks.at.extend_from_slice(at);
+        marks.record(state);
+        Ok(())
+    }
+
+    /// The chain states recorded so far for digest `index`, in mark order.
+    pub fn marked(&self, index: usize) -> Option<&[Vec<u8>]> {
+        self.marks.get(index).map(|m| m.states.as_slice())
     }
 
     /// The chain states of every digest, in index order ([`Sha256::export`]):
@@ -59,25 +93,50 @@ impl MultiHasher {
         }
         let mut order: Vec<usize> = (0..feeds.len()).collect();
         order.sort_by_key(|&i| feeds[i].0); // stable: keeps each digest's order
-        let chunks: Vec<&[u8]> = order.iter().map(|&i| feeds[i].1).collect();
-        let mut tasks = Vec::new();
-        let mut start = 0;
-        let mut states = self.states.iter_mut().enumerate();
-        while start < order.len() {
-            let index = feeds[order[start]].0;
-            let mut end = start;
-            while end < order.len() && feeds[order[end]].0 == index {
-                end += 1;
+                                            // Each digest's chunks, cut where a mark falls inside one: a lane
+                                            // passes a mark between two chunks, where its state is recorded.
+        let mut chunks: Vec<&[u8]> = Vec::with_capacity(order.len());
+        let mut spans: Vec<(usize, usize, usize)> = Vec::new(); // (index, start, end) in chunks
+        let mut at = 0u64; // the current digest's length once the chunks so far are hashed
+        for &i in &order {
+            let (index, bytes) = feeds[i];
+            if spans.last().is_none_or(|s| s.0 != index) {
+                spans.push((index, chunks.len(), chunks.len()));
+                at = self.states[index].len();
             }
-            let state = states.find(|(i, _)| *i == index).unwrap().1;
+            let marks = &self.marks[index];
+            let end = at + bytes.len() as u64;
+            let mut rest = bytes;
+            for &mark in &marks.at[marks.next..] {
+                if mark <= at {
+                    continue;
+                }
+                let cut = mark - at;
+                if cut >= rest.len() as u64 {
+                    break;
+                }
+                let (head, tail) = rest.split_at(cut as usize);
+                chunks.push(head);
+                at = mark;
+                rest = tail;
+            }
+            chunks.push(rest);
+            at = end;
+            spans.last_mut().unwrap().2 = chunks.len();
+        }
+        let mut tasks = Vec::new();
+        let mut states = self.states.iter_mut().zip(self.marks.iter_mut()).enumerate();
+        for &(index, start, end) in &spans {
+            let (state, marks) = states.find(|(i, _)| *i == index).unwrap().1;
             let source = Slices::new(&chunks[start..end]);
+            let marked = marks.next < marks.at.len();
             tasks.push(Task {
                 bytes: source.total_bytes(),
                 state,
                 source,
                 digest_out: None,
+                marks: marked.then_some(marks),
             });
-            start = end;
         }
         let (outcome, shape) = self.scheduler.run(tasks, None);
         super::report::record(shape);
@@ -200,5 +259,91 @@ mod strided_tests {
                 );
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod mark_tests {
+    use super::*;
+    use sha2::Digest as _;
+
+    fn message(n: usize, seed: u32) -> Vec<u8> {
+        (0..n as u32)
+            .map(|i| (i.wrapping_add(seed).wrapping_mul(2654435761) >> 13) as u8)
+            .collect()
+    }
+
+    /// The state recorded at each mark is the chain after exactly that many
+    /// bytes: finished, it is sha2's digest of the prefix; continued over
+    /// the next block, it is the next mark's state. Marks fall anywhere
+    /// (mid-feed, on a feed's end, off the 64-byte grid), feeds of several
+    /// digests interleave, messages run over several updates, on every lane
+    /// count and the wide kernel.
+    #[test]
+    fn marked_states_are_the_chain_at_each_mark() {
+        let sizes = [0usize, 1, 63, 64, 65, 1000, 100_003, 3 << 20];
+        let data: Vec<Vec<u8>> = sizes.iter().enumerate().map(|(i, &n)| message(n, i as u32)).collect();
+        for lanes in [1, 2, 4, 16] {
+            let scheduler = Scheduler {
+                lanes,
+                threads: 2,
+                ..Scheduler::default()
+            };
+            let mut multi = scheduler.multi(data.len());
+            let mut marks: Vec<Vec<u64>> = Vec::new();
+            for (i, d) in data.iter().enumerate() {
+                let block = (d.len() / 7).max(1) as u64 + (i as u64 % 3);
+                let mut at: Vec<u64> = (0..=d.len() as u64).step_by(block as usize).collect();
+                if at.last() != Some(&(d.len() as u64)) {
+                    at.push(d.len() as u64);
+                }
+                multi.mark(i, &at).unwrap();
+                marks.push(at);
+            }
+            // Two updates, each feeding every message in three uneven pieces.
+            let half: Vec<usize> = data.iter().map(|d| d.len() * 2 / 5).collect();
+            for (lo, hi) in [(0usize, 0usize), (1, 1)] {
+                let mut feeds: Vec<(usize, &[u8])> = Vec::new();
+                for (i, d) in data.iter().enumerate() {
+                    let (start, end) = if lo == 0 { (0, half[i]) } else { (half[i], d.len()) };
+                    let third = start + (end - start) / 3 + hi;
+                    let third = third.min(end);
+                    feeds.push((i, &d[start..third]));
+                    feeds.push((i, &d[third..end]));
+                }
+                let mid = feeds.len() / 2;
+                feeds.rotate_left(mid); // digests out of index order; each one's pieces in order
+                multi.update(&feeds).unwrap();
+            }
+            for (i, d) in data.iter().enumerate() {
+                let states = multi.marked(i).unwrap();
+                assert_eq!(states.len(), marks[i].len(), "message {i}, {lanes} lanes");
+                for (at, state) in marks[i].iter().zip(states) {
+                    let s = Sha256::import(state).unwrap();
+                    assert_eq!(s.len(), *at);
+                    let digest = s.finalize_with(scheduler.kernel);
+                    assert_eq!(
+                        digest.bytes[..],
+                        sha2::Sha256::digest(&d[..*at as usize])[..],
+                        "message {i} at {at}, {lanes} lanes"
+                    );
+                }
+            }
+        }
+    }
+
+    /// Marks out of order, or behind the bytes fed, are refused; a mark at
+    /// the bytes fed is recorded at once.
+    #[test]
+    fn bad_marks_are_refused() {
+        let mut multi = Scheduler::default().multi(1);
+        assert!(multi.mark(0, &[5, 5]).unwrap_err().contains("increase"));
+        assert!(multi.mark(1, &[5]).unwrap_err().contains("no digest #1"));
+        multi.update(&[(0, &[1u8; 10][..])]).unwrap();
+        assert!(multi.mark(0, &[9]).unwrap_err().contains("behind"));
+        multi.mark(0, &[10, 20]).unwrap();
+        assert_eq!(multi.marked(0).unwrap().len(), 1);
+        multi.update(&[(0, &[2u8; 10][..])]).unwrap();
+        assert_eq!(multi.marked(0).unwrap().len(), 2);
     }
 }

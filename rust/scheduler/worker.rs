@@ -19,6 +19,37 @@ pub(super) struct Task<'a, S> {
     /// the state open for further updates.
     pub(super) digest_out: Option<&'a mut Digest>,
     pub(super) bytes: u64,
+    /// Chain states to record on the way (the source's chunks end at each
+    /// mark, so a lane's state passes through it between two chunks).
+    pub(super) marks: Option<&'a mut Marks>,
+}
+
+/// Where in a message to record its chain state, and the states recorded:
+/// a whole-tensor digest that also gives the state at each block boundary,
+/// so that another copy's block can later be checked against it by
+/// continuing that state over the block (`MultiHasher.mark`).
+#[derive(Default)]
+pub struct Marks {
+    /// Message lengths at which to record, increasing.
+    pub(super) at: Vec<u64>,
+    /// How many of `at` are recorded.
+    pub(super) next: usize,
+    /// The states recorded ([`Sha256::export`]), one per reached mark.
+    pub(super) states: Vec<Vec<u8>>,
+}
+
+impl Marks {
+    /// Records `state` for every mark it stands at.
+    pub(super) fn record(&mut self, state: &Sha256) {
+        debug_assert!(
+            self.at.get(self.next).is_none_or(|&mark| mark >= state.len()),
+            "a chunk ended past a mark"
+        );
+        while self.at.get(self.next) == Some(&state.len()) {
+            self.states.push(state.export());
+            self.next += 1;
+        }
+    }
 }
 
 pub(super) struct Lane<'a, S> {
@@ -187,6 +218,9 @@ fn prepare<'a, S: ChunkSource>(shared: &Shared<'a, S>, w: usize, deal: &mut Deal
         };
         let pending = l.pending_len();
         if pending == 0 {
+            if let Some(marks) = l.task.marks.as_deref_mut() {
+                marks.record(l.task.state);
+            }
             match l.task.source.next_chunk() {
                 Ok(true) => l.pos = 0,
                 Ok(false) => {

@@ -59,6 +59,7 @@ fn hash_and_check(
                 state,
                 source,
                 digest_out: Some(out),
+                marks: None,
             }
         })
         .collect();
@@ -204,6 +205,7 @@ fn a_lone_worker_takes_the_tasks_dealt_to_others() {
                     state,
                     source: Slices::new(c),
                     digest_out: Some(out),
+                    marks: None,
                 })
                 .collect();
             let workers = 3;

@@ -50,9 +50,14 @@ def rank_blocks(ranks: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     return [json.loads(rank["checksums"][BLOCKS_ENTRY]) for rank in ranks]
 
 
-def block_request(keys: Sequence[str], block_bytes: int) -> list[str]:
-    """A block-digest request's arguments as SGLang carries them (its one list of strings)."""
-    return [str(int(block_bytes)), *keys]
+#: Marks the element of a block request that carries its ``chain`` (as JSON).
+CHAIN_ARG = "@chain:"
+
+
+def block_request(keys: Sequence[str], block_bytes: int, chain: Mapping[str, Any] | None = None) -> list[str]:
+    """A block-digest request's arguments as SGLang carries them (its one
+    list of strings): the block size, the keys, and the ``chain`` where one is given."""
+    return [str(int(block_bytes)), *keys, *([CHAIN_ARG + json.dumps(chain)] if chain else [])]
 
 
 #: This package's pause modes in SGLang's words.

@@ -272,35 +272,38 @@ def _expected_digests(
         out.layout["buffers"] = True
     # torch: deferred.py imports it; loaded only when expected digests are computed
     from weight_checker.expected.vllm.deferred import PendingDigests
+    from weight_checker.hashing.block_states import recording
 
     later = PendingDigests()
     # Weights from a callable may be made anew for each load (a reused
     # staging buffer): hashed as soon as each model is loaded.
     eager = source.fresh_per_rank or (draft_source is not None and draft_source.fresh_per_rank)
     ranks = []
-    for dp_rank in range(dp) if moe_dp else [None]:
-        for pp_rank in range(pp):
-            for tp_rank in range(tp):
-                rank = Rank(pp_rank, tp_rank, dp_rank)
-                if progress is not None:
-                    progress(rank.name)
-                _target_rank(
-                    config, source, rank, tp, pp, dp, adapters, enable_lora, allow_unwritten, out, later, buffers
-                )
-                if eager:
-                    later.finish()
-                if draft_source is not None:
-                    _draft_rank(config, draft_source, rank, tp, pp, dp, allow_unwritten, out, later)
+    with recording() as states:  # each key's chain at its block boundaries, for explanations
+        for dp_rank in range(dp) if moe_dp else [None]:
+            for pp_rank in range(pp):
+                for tp_rank in range(tp):
+                    rank = Rank(pp_rank, tp_rank, dp_rank)
+                    if progress is not None:
+                        progress(rank.name)
+                    _target_rank(
+                        config, source, rank, tp, pp, dp, adapters, enable_lora, allow_unwritten, out, later, buffers
+                    )
                     if eager:
                         later.finish()
-                ranks.append(rank)
-    done = later.finish()  # every rank's parameters hashed where the weights lie, in one run
+                    if draft_source is not None:
+                        _draft_rank(config, draft_source, rank, tp, pp, dp, allow_unwritten, out, later)
+                        if eager:
+                            later.finish()
+                    ranks.append(rank)
+        done = later.finish()  # every rank's parameters hashed where the weights lie, in one run
     out.seconds["hash"] += later.seconds
     for rank in ranks:
         rank.put(done)
         for d in [rank.dp_rank] if moe_dp else range(dp):
             replica = rank_prefix(d, rank.pp_rank, 0, rank.tp_rank)
             out.update({replica + k[len(rank.prefix) :]: v for k, v in rank.digests.items()})
+            out.block_states.update({replica + k[len(rank.prefix) :]: states[k] for k in rank.digests if k in states})
             out.unwritten += [replica + k[len(rank.prefix) :] for k in rank.unwritten]
     # What expected_tensors needs to recompute these tensors: weak references to the weights, never the weights.
     out._recompute = remember(

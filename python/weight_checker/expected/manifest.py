@@ -53,6 +53,11 @@ class ExpectedDigests(dict[str, str]):
         self.bytes_exchanged = 0
         #: A sharded call's batches a round (1 where ranks share a host's cores: expected/collective.py).
         self.batches = 0
+        #: Each key's SHA-256 chain at its block boundaries, where the one pass
+        #: that hashed it recorded them (:mod:`weight_checker.hashing.block_states`):
+        #: an explanation locates the blocks that differ with them, without
+        #: the tensors. Not in a manifest: a manifest read back has none.
+        self.block_states: dict[str, Any] = {}
         #: What :func:`weight_checker.expected.recompute.expected_tensors` needs
         #: to recompute the tensors (weak references to the weights); ``None``
         #: for digests read back from a manifest.

@@ -129,6 +129,7 @@ def _rank_tensors(
     copy: bool = True,
     lazy: bool = False,
     defer: bool = False,
+    check: bool = True,
 ) -> dict[str, dict[str | None, Any]]:
     s = recipe.settings
     rank = Rank(wanted.pp_rank, wanted.tp_rank, wanted.dp_rank)
@@ -162,6 +163,9 @@ def _rank_tensors(
             for where in located.values():  # several strided pieces: hashed from the parameter
                 if where.pieces and not where.hashable_in_place() and len(where.pieces) > 1:
                     locate.replay_into(where)
+            if not check:  # the caller checks what it reads (by the recorded chain states)
+                copies = {name: _untransformed(where, copy, lazy) for name, where in located.items()}
+                break
             hashing = locate.Beside(lambda located=located: locate.digests_of(located))
             try:
                 copies = {name: _untransformed(where, copy, lazy) for name, where in located.items()}
@@ -279,6 +283,7 @@ def expected_tensors(
     copy: bool = True,
     lazy: bool = False,
     defer: bool = False,
+    check: bool = True,
 ) -> dict[str, dict[str | None, Any]]:
     """For each key, ``{None: the tensor that rank must hold}`` (a CPU
     tensor of its own, whose SHA-256 is ``expected[key]``), and for each of
@@ -319,6 +324,12 @@ def expected_tensors(
     where it is still wanted. What an explanation asks with the expected
     tensors, when no cause is known yet.
 
+    ``check=False``: the tensors are not hashed against their digests (nor
+    is the rank loaded from all the weights where the weights that feed the
+    keys fall short): the caller checks every byte it reads, as an
+    explanation does block by block against the chain states the digests
+    recorded (:mod:`weight_checker.hashing.block_states`). Exact only so.
+
     Raises :class:`ExpectedDigestsError`: for keys of the ``lora``, ``draft``
     and ``buffers`` scopes (not supported yet), keys not in ``expected``,
     weights that cannot be read again as they were (a one-shot iterator, a
@@ -351,7 +362,9 @@ def expected_tensors(
                 config, cached = in_a_clean_thread(_private_config, recipe), False
             for rank in wanted:
                 model = CACHE.models[_rank_name(rank)][0] if cached else None
-                out.update(_rank_tensors(recipe, config, model, rank, weights, transforms, expected, copy, lazy, defer))
+                out.update(
+                    _rank_tensors(recipe, config, model, rank, weights, transforms, expected, copy, lazy, defer, check)
+                )
         finally:
             weights.close()
     return out

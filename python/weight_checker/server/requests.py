@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from http import HTTPStatus
+from typing import Any
 
 from fastapi.responses import JSONResponse
 
@@ -57,6 +58,10 @@ class WeightCheckerRequest:
     #: tensors are hashed in blocks of ``block_bytes``.
     keys: tuple[str, ...] = ()
     block_bytes: int = 0
+    #: ``block_digests`` with ``chain``: for the keys it names, ``[[block,
+    #: state_hex], ...]`` to continue over those blocks
+    #: (:mod:`weight_checker.hashing.block_states`) instead of block digests.
+    chain: dict[str, list[list[Any]]] | None = None
 
 
 def parse_request(content_type: str | None, raw: bytes) -> WeightCheckerRequest:
@@ -111,9 +116,38 @@ def parse_request(content_type: str | None, raw: bytes) -> WeightCheckerRequest:
             ) from e
     keys: tuple[str, ...] = ()
     block_bytes = 0
+    chain = None
     if action == "block_digests":
         keys, block_bytes = _block_request(body)
-    return WeightCheckerRequest(action, baseline, include, keys, block_bytes)
+        chain = _chain_request(body, keys)
+    return WeightCheckerRequest(action, baseline, include, keys, block_bytes, chain)
+
+
+def _chain_request(body: dict[str, object], keys: tuple[str, ...]) -> dict[str, list[list[Any]]] | None:
+    """``chain`` of a ``block_digests`` request, where given: an object
+    whose keys are among ``keys``, each ``[[block, state_hex], ...]`` (at
+    most :data:`MAX_BLOCKS` pairs, the states at most 109 bytes each)."""
+    from weight_checker.hashing.blocks import MAX_BLOCKS
+
+    if "chain" not in body:
+        return None
+    chain = body["chain"]
+    if not isinstance(chain, dict):
+        raise BadRequest(f"'chain' must be an object of key -> [[block, state], ...], got {chain!r:.80}", "body.chain")
+    for key, pairs in chain.items():
+        if key not in keys:
+            raise BadRequest(f"'chain' names {key!r:.80}, which 'keys' does not", "body.chain")
+        ok = isinstance(pairs, list) and 0 < len(pairs) <= MAX_BLOCKS
+        ok = ok and all(
+            isinstance(p, list) and len(p) == 2 and type(p[0]) is int and p[0] >= 0
+            and isinstance(p[1], str) and 0 < len(p[1]) <= 218
+            for p in pairs
+        )  # fmt: skip
+        if not ok:
+            raise BadRequest(
+                f"'chain' for {key!r:.80} must list 1 to {MAX_BLOCKS} [block, state_hex] pairs", "body.chain"
+            )
+    return chain
 
 
 def _block_request(body: dict[str, object]) -> tuple[tuple[str, ...], int]:

@@ -4,6 +4,7 @@ package docstring for the contract)."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -81,10 +82,12 @@ class EngineAdapter:
     reset: Callable[[], Awaitable[None]]
     scoped_checksums: Callable[[list[str]], Awaitable[list[dict[str, Any]]]] | None = None
     scoped_reset: Callable[[list[str]], Awaitable[None]] | None = None
-    #: ``block_digests(keys, block_bytes)``: one answer per worker,
+    #: ``block_digests(keys, block_bytes, chain)``: one answer per worker,
     #: ``{"blocks": {key: {...}}, "errors": {key: message}}`` for the keys it
-    #: holds (see ``weight_checker_block_digests``); ``None``: not offered.
-    block_digests: Callable[[list[str], int], Awaitable[list[dict[str, Any]]]] | None = None
+    #: holds (see ``weight_checker_block_digests``; ``chain``: ``None``, or
+    #: the states to continue, :mod:`weight_checker.hashing.block_states`);
+    #: ``None``: not offered.
+    block_digests: Callable[..., Awaitable[list[dict[str, Any]]]] | None = None
     lock: _SharedExclusiveLock = field(default_factory=_SharedExclusiveLock, repr=False)
 
 
@@ -145,14 +148,28 @@ def create_router(get_adapter: Callable[[Request], EngineAdapter]) -> APIRouter:
     return router
 
 
+def _takes_chain(block_digests: Callable[..., Any]) -> bool:
+    """Whether an adapter's ``block_digests`` takes the third argument, ``chain``."""
+    try:
+        params = list(inspect.signature(block_digests).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    return len(params) >= 3 or any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params)
+
+
 async def _block_digests(adapter: EngineAdapter, req: Any) -> JSONResponse:
     """Every named key's block digests, from the worker that holds it; a key
     no worker holds, or a block size above a tensor's size, is a 400 naming
     it (nothing else is answered)."""
     if adapter.block_digests is None:
         return error_response(HTTPStatus.BAD_REQUEST, "this engine cannot give block digests", "body.action")
+    if req.chain is not None and not _takes_chain(adapter.block_digests):
+        return error_response(HTTPStatus.BAD_REQUEST, "this engine cannot continue chain states", "body.chain")
     async with adapter.lock.shared():
-        answers = await adapter.block_digests(list(req.keys), req.block_bytes)
+        if req.chain is None:  # an adapter of two arguments (before chain states) still serves block digests
+            answers = await adapter.block_digests(list(req.keys), req.block_bytes)
+        else:
+            answers = await adapter.block_digests(list(req.keys), req.block_bytes, req.chain)
     blocks: dict[str, Any] = {}
     for answer in answers:
         errors = answer.get("errors") or {}

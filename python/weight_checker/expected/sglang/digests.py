@@ -337,50 +337,55 @@ def sglang_expected_digests(
     args = server_args(str(checkpoint), tp, dtype, arguments.get("revision"))
     out = SGLangExpectedDigests(weight_version=weight_version)
     from weight_checker.expected.vllm.deferred import PendingDigests  # torch's: imported when a rank is built
+    from weight_checker.hashing.block_states import recording
 
     # The loader's plain copies are hashed where the weights lie, every
     # rank's in one run at the end (as vLLM's ranks: .vllm.deferred).
     later = PendingDigests()
-    try:
-        start = time.perf_counter()
-        for tp_rank in range(tp):
-            name = f"pp0:tp{tp_rank}"
-            if progress is not None:
-                progress(name)
-            read = source.read()
-            pairs = Pass(checked(read.pairs), read.stable)
-            model_obj, unwritten, deferred = _built(args, tp_rank, tp, pairs, name, cpu_engine, SGLANG_ARENA)
-            try:
-                loaded = time.perf_counter()
-                out.seconds["load"] += loaded - start
-                if unwritten and not allow_unwritten:
-                    shown = ", ".join(unwritten[:5]) + (" ..." if len(unwritten) > 5 else "")
-                    raise ExpectedDigestsError(
-                        f"the weights never wrote {len(unwritten)} parameter(s) of {name} (rows still NaN after "
-                        f"loading: no weight fed them, or the weights hold NaN there): {shown}"
-                    )
-                skip = set(unwritten)
-                held_dtype = str(next(model_obj.parameters()).dtype).removeprefix("torch.")
-                prefix = rank_prefix(0, 0, 0, tp_rank)
-                hashed = [(n, t) for n, t in walk(_Checker(model_obj)) if n not in skip]
-                out.update(deferred.checksum(hashed, prefix, later))
-                if source.fresh_per_rank:
-                    # Weights a callable makes anew for each rank (a reused
-                    # staging buffer) are hashed before it is called again.
-                    out.update(later.finish())
-                out.unwritten += [prefix + n for n in unwritten]
-            finally:
-                deferred.release()  # its pieces are in ``later`` now, or dropped with it
-            del model_obj
+    with recording() as states:  # each key's chain at its block boundaries, for explanations
+        try:
             start = time.perf_counter()
-            out.seconds["hash"] += start - loaded
-        out.update(later.finish())
-    finally:
-        later.drop()
+            for tp_rank in range(tp):
+                name = f"pp0:tp{tp_rank}"
+                if progress is not None:
+                    progress(name)
+                read = source.read()
+                pairs = Pass(checked(read.pairs), read.stable)
+                model_obj, unwritten, deferred = _built(args, tp_rank, tp, pairs, name, cpu_engine, SGLANG_ARENA)
+                try:
+                    loaded = time.perf_counter()
+                    out.seconds["load"] += loaded - start
+                    if unwritten and not allow_unwritten:
+                        shown = ", ".join(unwritten[:5]) + (" ..." if len(unwritten) > 5 else "")
+                        raise ExpectedDigestsError(
+                            f"the weights never wrote {len(unwritten)} parameter(s) of {name} (rows still NaN after "
+                            f"loading: no weight fed them, or the weights hold NaN there): {shown}"
+                        )
+                    skip = set(unwritten)
+                    held_dtype = str(next(model_obj.parameters()).dtype).removeprefix("torch.")
+                    prefix = rank_prefix(0, 0, 0, tp_rank)
+                    hashed = [(n, t) for n, t in walk(_Checker(model_obj)) if n not in skip]
+                    out.update(deferred.checksum(hashed, prefix, later))
+                    if source.fresh_per_rank:
+                        # Weights a callable makes anew for each rank (a reused
+                        # staging buffer) are hashed before it is called again.
+                        out.update(later.finish())
+                    out.unwritten += [prefix + n for n in unwritten]
+                finally:
+                    deferred.release()  # its pieces are in ``later`` now, or dropped with it
+                del model_obj
+                start = time.perf_counter()
+                out.seconds["hash"] += start - loaded
+            out.update(later.finish())
+        finally:
+            later.drop()
     out.seconds["hash"] += later.seconds
+    out.block_states.update(states)
     for d in range(1, dp):  # every data-parallel replica holds the same
         for key in [k for k in out if k.startswith("dp0:")]:
             out[f"dp{d}:" + key.removeprefix("dp0:")] = out[key]
+            if key in states:
+                out.block_states[f"dp{d}:" + key.removeprefix("dp0:")] = states[key]
         out.unwritten += [f"dp{d}:" + k.removeprefix("dp0:") for k in out.unwritten if k.startswith("dp0:")]
     out.layout = {
         "tp": tp, "pp": 1, "dp": dp, "dtype": held_dtype, "engine": SGLANG, "sglang_version": sglang.__version__,

@@ -329,7 +329,7 @@ class DeferredWrites(TorchFunctionMode):
         every write been done. Parameters tiled by pieces are left to
         ``later`` (their bytes are the weights', which stay put; the arena
         is the next rank's); the rest are hashed now, from the arena."""
-        from weight_checker.hashing.digests import digest_tensors
+        from weight_checker.hashing.block_states import digests_marked
         from weight_checker.hashing.walk import collect
 
         names, tensors = collect(model)
@@ -364,9 +364,11 @@ class DeferredWrites(TorchFunctionMode):
                 now.append(i)
                 sources.append(pieces[0].source)
             else:
-                later.add(prefix + names[i], pieces)
+                later.add(prefix + names[i], pieces, like=tensors[i])
                 self.in_place_bytes += sum(p.nbytes for p in pieces)
-        hexes, _ = digest_tensors([names[i] for i in now], sources)
+        hexes = digests_marked(
+            [prefix + names[i] for i in now], [names[i] for i in now], sources, [tensors[i] for i in now]
+        )
         # Nothing here keeps the weights alive any longer (a checkpoint's
         # mapping is released when the call ends, not at the next collection).
         self.release()
@@ -400,17 +402,24 @@ class PendingDigests:
     def __init__(self) -> None:
         self._keys: list[str] = []
         self._pieces: list[list[Piece]] = []
+        self._markings: list[Any] = []
         self._done: dict[str, str] = {}
         #: Seconds spent hashing.
         self.seconds = 0.0
 
-    def add(self, key: str, pieces: list[Piece]) -> None:
+    def add(self, key: str, pieces: list[Piece], like: Any = None) -> None:
+        """``key``'s bytes are ``pieces``, in order; ``like``: the parameter
+        they make (its block states are recorded where that is asked:
+        :mod:`weight_checker.hashing.block_states`)."""
+        from weight_checker.hashing import block_states
+
         self._keys.append(key)
         self._pieces.append(pieces)
+        self._markings.append(block_states.marks_for(key, like) if like is not None else None)
 
     def drop(self) -> None:
         """Forgets every piece not hashed yet (a call that failed): the weights are no longer held here."""
-        self._keys, self._pieces = [], []
+        self._keys, self._pieces, self._markings = [], [], []
 
     def finish(self) -> dict[str, str]:
         """``{key: hex}`` of everything added (by earlier calls too)."""
@@ -423,6 +432,7 @@ class PendingDigests:
         import torch
 
         from weight_checker import _core
+        from weight_checker.hashing import block_states
 
         if not self._keys:
             return {}
@@ -432,7 +442,7 @@ class PendingDigests:
             for key, pieces in zip(self._keys, self._pieces, strict=True):
                 out[key] = f"{PLACEHOLDER}{len(captured)}"
                 captured.append(pieces)
-            self._keys, self._pieces = [], []
+            self._keys, self._pieces, self._markings = [], [], []
             return out
         for pieces in self._pieces:
             for piece in pieces:
@@ -440,12 +450,15 @@ class PendingDigests:
         gap = max((p.nbytes for ps in self._pieces for p in ps if p.source is None), default=0)
         zeros = torch.zeros(gap, dtype=torch.uint8)
         multi = _core.MultiHasher(len(self._keys))
+        for i, marking in enumerate(self._markings):
+            block_states.mark(multi, i, marking)
         multi.update(
             [(i, zeros[: p.nbytes] if p.source is None else p.source) for i, ps in enumerate(self._pieces) for p in ps]
         )
+        block_states.collect(multi, list(enumerate(self._markings)))
         hexes, _ = multi.finish()
         out = dict(zip(self._keys, hexes, strict=True))
-        self._keys, self._pieces = [], []
+        self._keys, self._pieces, self._markings = [], [], []
         return out
 
 

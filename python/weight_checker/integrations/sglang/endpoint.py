@@ -42,8 +42,8 @@ def adapter_for(check_weights: Callable[[Any], Any]) -> EngineAdapter:
     async def reset() -> None:
         await ask(RESET)
 
-    async def block_digests(keys: list[str], block_bytes: int) -> list[dict[str, Any]]:
-        return rank_blocks(await ask(BLOCKS, block_request(keys, block_bytes)))
+    async def block_digests(keys: list[str], block_bytes: int, chain: Any = None) -> list[dict[str, Any]]:
+        return rank_blocks(await ask(BLOCKS, block_request(keys, block_bytes, chain)))
 
     return EngineAdapter(checksums=checksums, reset=reset, block_digests=block_digests)
 

@@ -22,8 +22,8 @@ import json
 import time
 from typing import Any
 
-from weight_checker.engines.sglang import BLOCKS, BLOCKS_ENTRY, CHECKSUM, RESET
-from weight_checker.hashing.blocks import worker_blocks
+from weight_checker.engines.sglang import BLOCKS, BLOCKS_ENTRY, CHAIN_ARG, CHECKSUM, RESET
+from weight_checker.hashing.block_states import worker_answer
 from weight_checker.hashing.digests import checksum_sized, reset
 from weight_checker.integrations.sglang import logger
 from weight_checker.keys import rank_prefix
@@ -105,6 +105,13 @@ def blocks(checker: Any, role: str, request: list[str]) -> dict[str, Any]:
     for good."""
     prefix = prefix_of(checker) + ("" if role == "target" else "draft:")
     size, keys = (request[0], request[1:]) if request else ("", [])
+    chain: Any = None
+    if keys and isinstance(keys[-1], str) and keys[-1].startswith(CHAIN_ARG):
+        try:
+            chain = json.loads(keys[-1][len(CHAIN_ARG) :])
+        except ValueError:
+            chain = "not JSON"
+        keys = keys[:-1]
     try:
         block_bytes = int(size)
     except ValueError:
@@ -118,7 +125,11 @@ def blocks(checker: Any, role: str, request: list[str]) -> dict[str, Any]:
     else:
         held = dict(walk(checker)) if wanted else {}
         named = [(k, held[k[len(prefix) :]]) for k in wanted if k[len(prefix) :] in held]
-        answer = worker_blocks(named, block_bytes, prefix.rstrip(":"))
+        if chain is not None and not isinstance(chain, dict):
+            errors = {k: "chain is not a JSON object" for k, _ in named}
+            answer = {"rank": prefix.rstrip(":"), "blocks": {}, "errors": errors}
+        else:
+            answer = worker_answer(named, block_bytes, prefix.rstrip(":"), chain)
     return {
         "checksums": {BLOCKS_ENTRY: json.dumps(answer)},
         "per_gpu_checksum": "",

@@ -50,8 +50,9 @@ def adapter_for(engine_client: Any) -> EngineAdapter:
     async def scoped_reset(include: list[str]) -> None:
         await all_engines(engine_client, "weight_checker_reset", (include,))
 
-    async def block_digests(keys: list[str], block_bytes: int) -> list[dict[str, Any]]:
-        return await all_engines(engine_client, "weight_checker_block_digests", (keys, block_bytes))
+    async def block_digests(keys: list[str], block_bytes: int, chain: Any = None) -> list[dict[str, Any]]:
+        args = (keys, block_bytes) if chain is None else (keys, block_bytes, chain)
+        return await all_engines(engine_client, "weight_checker_block_digests", args)
 
     return EngineAdapter(
         checksums=checksums,

@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from weight_checker._core import __version__, kernel, last_run, set_threads
-from weight_checker.hashing.blocks import worker_blocks
+from weight_checker.hashing.block_states import worker_answer
 from weight_checker.hashing.digests import checksum_sized, digest_tensors, reset
 from weight_checker.hashing.unseen import unseen, unseen_keys
 from weight_checker.hashing.walk import collect
@@ -281,22 +281,27 @@ def weight_checker_dp_sharded(self: Any) -> list[str]:
     return sorted(names)
 
 
-def weight_checker_block_digests(self: Any, keys: Any, block_bytes: Any) -> dict[str, Any]:
+def weight_checker_block_digests(self: Any, keys: Any, block_bytes: Any, chain: Any = None) -> dict[str, Any]:
     """Block digests (:mod:`weight_checker.hashing.blocks`) of the named keys
     this worker holds, each tensor cut in blocks of ``block_bytes``:
     ``{"rank": ..., "blocks": {key: {"digests", "block_bytes", "nbytes",
     "shape", "dtype"}}, "errors": {key: why}}``. Only the named tensors are
     read; keys of other ranks are left to their workers. A block size above
-    a tensor's size is an error for that key (nothing is hashed then)."""
+    a tensor's size is an error for that key (nothing is hashed then).
+    ``chain`` (``{key: [[block, state_hex], ...]}``): those keys' answers
+    are the states continued over those blocks instead
+    (:func:`weight_checker.hashing.block_states.worker_answer`)."""
     prefix = worker_prefix(self)
     wanted = [k for k in keys if isinstance(k, str) and k.startswith(prefix)]
     if not wanted:
-        return worker_blocks([], block_bytes, prefix.rstrip(":"))
+        return worker_answer([], block_bytes, prefix.rstrip(":"))
     _set_thread_budget(self)
     scope = sorted({scope_of(k) for k in wanted})
     pairs, _ = scoped_pairs(self, scope, prefix)
     held = dict(pairs)
-    return worker_blocks([(k, held[k]) for k in wanted if k in held], int(block_bytes), prefix.rstrip(":"))
+    named = [(k, held[k]) for k in wanted if k in held]
+    chain = {k: v for k, v in chain.items() if k in held} if isinstance(chain, dict) else None
+    return worker_answer(named, int(block_bytes), prefix.rstrip(":"), chain)
 
 
 def patch_worker_class(worker_cls: type) -> None:

@@ -37,11 +37,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 
+from weight_checker.hashing.block_states import states_of
 from weight_checker.verify.explain.blocks import GROUP_BYTES, NOT_HASHED, compare_blocks
 from weight_checker.verify.explain.candidates import PROBE_RUNS, Shards, match_candidates, whole_cause
+from weight_checker.verify.explain.chained import compare_chained
 from weight_checker.verify.explain.fetchers import (
     NO_BLOCK_ROUTE,
     BlockFetcher,
+    chains,
     fetcher_for,
     http_fetcher,
     llm_fetcher,
@@ -125,8 +128,18 @@ def explain(
             e.cause, e.whole = cause, True
         else:
             pending.append(e)
-    if pending:
-        differing = compare_blocks(pending, fetch, tensors, out)
+    # Keys whose chain states the expected digests recorded: the engine
+    # tells which blocks differ from them, no expected tensor is read.
+    recorded = states_of(expected) if chains(fetch) else {}
+    chained = [e for e in pending if e.key in recorded]
+    if chained:
+        assert fetch is not None
+        found = compare_chained(chained, fetch, recorded, tensors, out)
+        if found is not None:
+            match_candidates(found._replace(fetch=fetch), history, shards, out)
+    rest = [e for e in pending if e.key not in recorded]
+    if rest:
+        differing = compare_blocks(rest, fetch, tensors, out)
         if differing is not None:
             match_candidates(differing, history, shards, out)
     quantized_pairs(out, mismatches, current, expected)

@@ -128,6 +128,12 @@ class Differing(NamedTuple):
     given: Table | None
     #: Where the expected tensors came from (asked for the candidates it has not given).
     source: ExpectedTensors
+    #: Where the differing blocks were told by chain states (:mod:`.chained`):
+    #: every recorded state by key; the engine's ``digests`` are then the
+    #: states it continued, and ``zeros`` says which of its blocks are zero.
+    chained: Mapping[str, Any] | None = None
+    #: How the engine is asked (the chained candidates ask it again).
+    fetch: Any = None
 
 
 def compare_blocks(
@@ -224,6 +230,7 @@ def compare_blocks(
         if theirs.get("dtype") not in (None, e.dtype):
             e.note = f"the engine holds {theirs.get('dtype')}, expected {e.dtype}"
         differ = [i for i, (a, x) in enumerate(zip(theirs["digests"], mine[key], strict=False)) if a != x]
+        e.located_by = "block digests"
         e.ranges = merge_ranges([b.ranges[i] for i in differ])
         e.where = rows_text(e.ranges, e.shape or [], b.nbytes // max(1, _numel(e.shape)))
         if not differ:

@@ -7,10 +7,12 @@ from typing import Any
 
 from weight_checker.errors import WeightCheckerError
 from weight_checker.expected.transforms import DEFERRED, TRANSFORMS, LazyPieces
+from weight_checker.hashing.block_states import states_of
 from weight_checker.hashing.blocks import flat_bytes
 from weight_checker.keys import split_rank
 from weight_checker.verify.explain.blocks import Differing, candidate_digests, merge_ranges, zero_digests
-from weight_checker.verify.explain.model import ExpectedTensors, Explanation, Version
+from weight_checker.verify.explain.chained import candidate_states, state_matcher, tensor_matcher
+from weight_checker.verify.explain.model import Explanation, Version
 
 #: Runs of differing blocks of a key a candidate is tried on before its
 #: later runs (all of them, once one of these matched).
@@ -81,7 +83,7 @@ def _resolve_deferred(
     table: dict[str, dict[str | None, Any]],
     keys: list[str],
     transforms: Sequence[str],
-    source: ExpectedTensors,
+    ask: Callable[[list[str], list[str]], Mapping[str, Mapping[str | None, Any]]],
     out: Explanation,
 ) -> None:
     """Where the first of ``transforms`` was left to a later call for one of
@@ -93,7 +95,7 @@ def _resolve_deferred(
         return
     names = [t for t in transforms if any(table[k].get(t) is DEFERRED for k in wanted)]
     try:
-        more = source.tensors(wanted, names)
+        more = ask(wanted, names)
     except WeightCheckerError as err:
         more = {}
         out.notes.append(f"{', '.join(names)}: not computed ({err})")
@@ -105,6 +107,14 @@ def _resolve_deferred(
                     del table[k][t]
                 else:
                     table[k][t] = got
+
+
+def _try_states(try_candidate: Callable[..., None], name: str, states: Mapping[str, Any], out: Explanation) -> None:
+    """``try_candidate(name, states=states)``, an engine that refuses named in the notes."""
+    try:
+        try_candidate(name, states=states)
+    except WeightCheckerError as err:
+        out.notes.append(f"{name}: not tried from its recorded states ({err})")
 
 
 def match_candidates(differing: Differing, history: Sequence[Version], shards_of: Shards, out: Explanation) -> None:
@@ -122,7 +132,23 @@ def match_candidates(differing: Differing, history: Sequence[Version], shards_of
     def remaining() -> dict[str, list[int]]:
         return {k: [i for i in idx if i not in found[k]] for k, idx in unexplained.items() if len(found[k]) < len(idx)}
 
-    def try_candidate(name: str, tensor_of: Callable[[str], Any]) -> None:
+    chained = differing.chained
+
+    def match_tensors(
+        flats: Mapping[str, Any], base: Mapping[str, Any] | None
+    ) -> Callable[[Sequence[tuple[str, int]]], list[bool]]:
+        if chained is not None:  # each block continued from the expected state before it, as the engine did
+            return tensor_matcher(differing, flats, base)
+        return lambda at: [
+            d == engine[key]["digests"][i] for d, (key, i) in zip(candidate_digests(flats, blocks, at), at, strict=True)
+        ]
+
+    def try_candidate(
+        name: str,
+        tensor_of: Callable[[str], Any] | None = None,
+        states: Mapping[str, Any] | None = None,
+        base: Mapping[str, Any] | None = None,
+    ) -> None:
         # The first unexplained block of each run of them is hashed; the rest
         # of a run only where that one matched (a dropped bucket, a stale
         # half: a cause holds for a run). A run a candidate matches only past
@@ -134,26 +160,34 @@ def match_candidates(differing: Differing, history: Sequence[Version], shards_of
         later: dict[str, list[list[int]]] = {}
         runs: list[tuple[str, list[int]]] = []
         for key, idx in remaining().items():
-            t = tensor_of(key)
-            if t is None:
-                continue
-            lazy = hasattr(t, "block")  # computed a block at a time (LazyTransform, the recompute's LazyPieces)
-            flat = t if lazy else flat_bytes(t)
-            if (int(flat.nbytes) if lazy else int(flat.numel())) != blocks[key].nbytes:
-                continue
-            flats[key] = flat
+            if states is not None:  # known by its recorded states: the engine continues them
+                if key not in states:
+                    continue
+            else:
+                assert tensor_of is not None
+                t = tensor_of(key)
+                if t is None:
+                    continue
+                lazy = hasattr(t, "block")  # computed a block at a time (LazyTransform, the recompute's LazyPieces)
+                flat = t if lazy else flat_bytes(t)
+                if (int(flat.nbytes) if lazy else int(flat.numel())) != blocks[key].nbytes:
+                    continue
+                flats[key] = flat
             cut = _runs(idx)
             runs += [(key, run) for run in cut[:PROBE_RUNS]]
             later[key] = cut[PROBE_RUNS:]
+        if not runs:
+            return
+        match = state_matcher(differing.fetch, states) if states is not None else match_tensors(flats, base)
         try:  # a candidate computed a block at a time reads its weights now: they may have changed
             rest: list[tuple[str, int]] = []
 
             def probe(runs: list[tuple[str, list[int]]]) -> set[str]:
                 hit: set[str] = set()
-                for (key, run), digest in zip(
-                    runs, candidate_digests(flats, blocks, [(key, run[0]) for key, run in runs]), strict=True
-                ):
-                    if digest == engine[key]["digests"][run[0]]:
+                if not runs:
+                    return hit
+                for (key, run), same in zip(runs, match([(key, run[0]) for key, run in runs]), strict=True):
+                    if same:
                         found[key][run[0]] = name
                         rest.extend((key, i) for i in run[1:])
                         hit.add(key)
@@ -161,8 +195,8 @@ def match_candidates(differing: Differing, history: Sequence[Version], shards_of
 
             hit = probe(runs)
             probe([(key, run) for key in sorted(hit) for run in later[key]])
-            for (key, i), digest in zip(rest, candidate_digests(flats, blocks, rest), strict=True):
-                if digest == engine[key]["digests"][i]:
+            for (key, i), same in zip(rest, match(rest) if rest else [], strict=True):
+                if same:
                     found[key][i] = name
         except WeightCheckerError as err:
             for hits in found.values():  # nothing of this candidate is kept
@@ -170,10 +204,15 @@ def match_candidates(differing: Differing, history: Sequence[Version], shards_of
                     del hits[i]
             out.notes.append(f"{name}: not tried: the weights changed while explaining ({err})")
             return
-        read_late.update(k for k, f in flats.items() if isinstance(f, LazyPieces) and name in found[k].values())
+        # Matched from the weights read late, or from expected tensors never hashed whole: checked at the end.
+        late = [k for k, f in flats.items() if base is not None or isinstance(f, LazyPieces)]
+        read_late.update(k for k in late if name in found[k].values())
 
-    # All zeros: one digest per block size, no tensor.
+    # All zeros: one digest per block size, no tensor (chained: the engine said which of its blocks are zero).
     for key, idx in remaining().items():
+        if chained is not None:
+            found[key].update({i: "zeros" for i in idx if engine[key]["zeros"][i]})
+            continue
         sizes = {b - a for a, b in (blocks[key].ranges[i] for i in idx)}
         zero = zero_digests(sizes)
         for i in idx:
@@ -181,10 +220,17 @@ def match_candidates(differing: Differing, history: Sequence[Version], shards_of
             if engine[key]["digests"][i] == zero[b - a]:
                 found[key][i] = "zeros"
     for version in history:
-        if not remaining() or version.tensors is None:
+        with_states: Mapping[str, Any] = {}
+        if chained is not None and remaining():  # its recorded states, where it has them: nothing recomputed
+            recorded = states_of(version.digests)
+            with_states = candidate_states(sorted(remaining()), blocks, recorded.get)
+            if with_states:
+                _try_states(try_candidate, f"version:{version.label}", with_states, out)
+        untried = [k for k in remaining() if k not in with_states]
+        if not untried or version.tensors is None:
             continue
         try:
-            theirs = version.tensors.tensors(list(remaining()), ())
+            theirs = version.tensors.tensors(untried, ())
         except WeightCheckerError as err:
             out.notes.append(f"version {version.label}: its tensors are not available ({err})")
             continue
@@ -196,6 +242,14 @@ def match_candidates(differing: Differing, history: Sequence[Version], shards_of
         wanted = {k: other for k in remaining() for t, other in shards[k] if t == tp}
         if not wanted:
             continue
+        if chained is not None:  # the other rank's recorded states: nothing recomputed
+            other_states = {k: chained.get(o) for k, o in wanted.items()}
+            with_states = candidate_states(sorted(wanted), blocks, other_states.get)
+            if with_states:
+                _try_states(try_candidate, f"shard-of:{tp}", with_states, out)
+            wanted = {k: o for k, o in wanted.items() if k in remaining() and k not in with_states}
+            if not wanted:
+                continue
         try:
             others = {k: v.get(None) for k, v in source.tensors(sorted(set(wanted.values())), ()).items()}
         except WeightCheckerError as err:
@@ -204,18 +258,24 @@ def match_candidates(differing: Differing, history: Sequence[Version], shards_of
         try_candidate(f"shard-of:{tp}", _pick({k: {None: others.get(o)} for k, o in wanted.items()}, None))
     if remaining():
         transformed: dict[str, dict[str | None, Any]] = {}
+        # Chained, the expected tensors need no hash of their own: each block
+        # a candidate is tried on is checked against the recorded states.
+        unchecked = getattr(source, "unchecked", None) if chained is not None else None
+        ask = unchecked if callable(unchecked) else source.tensors
+        resolve = (lambda keys, names: unchecked(keys, names, defer=False)) if callable(unchecked) else source.tensors
         if given is not None:
             transformed = {k: dict(v) for k, v in given.items()}
         else:
             try:  # computed only now, for the keys still unexplained: one call (each checks its tensors once)
-                transformed = {k: dict(v) for k, v in source.tensors(sorted(remaining()), TRANSFORMS).items()}
+                transformed = {k: dict(v) for k, v in ask(sorted(remaining()), TRANSFORMS).items()}
             except WeightCheckerError as err:
                 out.notes.append(f"the transformed candidates were not computed ({err})")
         for at, name in enumerate(TRANSFORMS):
             if not remaining():
                 break
-            _resolve_deferred(transformed, sorted(remaining()), TRANSFORMS[at:], source, out)
-            try_candidate(name, _pick(transformed, name))
+            _resolve_deferred(transformed, sorted(remaining()), TRANSFORMS[at:], resolve, out)
+            base = {k: v.get(None) for k, v in transformed.items()} if callable(unchecked) else None
+            try_candidate(name, _pick(transformed, name), base=base)
         del transformed
     if read_late and callable(getattr(source, "confirm", None)):
         try:  # the weights still give the expected digests: the bytes read in between were theirs

@@ -16,22 +16,42 @@ from weight_checker.verify.targets.sglang_engines import SGLangEngineTarget
 
 #: ``fetch(keys, block_bytes)`` -> ``{key: {"digests", "nbytes", "shape",
 #: "dtype", "block_bytes"}}``: the engine's block digests of those keys.
-BlockFetcher = Callable[[list[str], int], Mapping[str, Mapping[str, Any]]]
+#: The fetchers made here also take ``chain`` (``{key: [[block, state_hex],
+#: ...]}``: those keys' answers are ``{"blocks", "states", "zeros", ...}``,
+#: :mod:`weight_checker.hashing.block_states`) and say so (:func:`chains`).
+BlockFetcher = Callable[..., Mapping[str, Mapping[str, Any]]]
+
+
+def chains(fetch: BlockFetcher | None) -> bool:
+    """Whether ``fetch`` continues chain states (one of this module's fetchers)."""
+    return bool(getattr(fetch, "chains", False))
+
+
+def _chaining(fetch: Any) -> BlockFetcher:
+    fetch.chains = True
+    return fetch  # type: ignore[no-any-return]
 
 
 def fetch_all(
-    fetch: BlockFetcher, keys: list[str], block_bytes: int
+    fetch: BlockFetcher, keys: list[str], block_bytes: int, chain: Mapping[str, Any] | None = None
 ) -> tuple[dict[str, Mapping[str, Any]], dict[str, str]]:
-    """The engine's block digests of ``keys``, asked :data:`MAX_KEYS` at a
+    """The engine's block digests of ``keys`` (with ``chain``: the states it
+    names continued, see :data:`BlockFetcher`), asked :data:`MAX_KEYS` at a
     time (what the route takes); a request refused is asked again key by
     key, so that one key (a tensor smaller than expected) hides no other.
     ``(answers, key -> why refused)``."""
     answers: dict[str, Mapping[str, Any]] = {}
     refused: dict[str, str] = {}
+
+    def ask(chunk: list[str]) -> Mapping[str, Mapping[str, Any]]:
+        if chain is None:
+            return fetch(chunk, block_bytes)
+        return fetch(chunk, block_bytes, {k: chain[k] for k in chunk if k in chain})
+
     for at in range(0, len(keys), MAX_KEYS):
         chunk = keys[at : at + MAX_KEYS]
         try:
-            answers.update(fetch(chunk, block_bytes))
+            answers.update(ask(chunk))
             continue
         except WeightCheckerError as err:
             if len(chunk) == 1:
@@ -39,7 +59,7 @@ def fetch_all(
                 continue
         for key in chunk:
             try:
-                answers.update(fetch([key], block_bytes))
+                answers.update(ask([key]))
             except WeightCheckerError as err:
                 refused[key] = str(err)
     return answers, refused
@@ -64,14 +84,19 @@ def llm_fetcher(engine: Any) -> BlockFetcher:
     """Block digests from an in-process ``vllm.LLM`` (every worker, through
     ``collective_rpc``; this package's plugin gives the worker method)."""
 
-    def fetch(keys: list[str], block_bytes: int) -> dict[str, Mapping[str, Any]]:
+    def fetch(keys: list[str], block_bytes: int, chain: Any = None) -> dict[str, Mapping[str, Any]]:
         try:
-            answers = engine.collective_rpc("weight_checker_block_digests", args=(keys, block_bytes))
+            answers = engine.collective_rpc("weight_checker_block_digests", args=_args(keys, block_bytes, chain))
         except Exception as e:  # an engine without the plugin's method, or a worker that failed
             raise VerifyError("block digests", "in-process engine", f"collective_rpc failed: {e}") from e
         return _merge_answers(answers, "in-process engine")
 
-    return fetch
+    return _chaining(fetch)
+
+
+def _args(keys: list[str], block_bytes: int, chain: Any) -> tuple[Any, ...]:
+    """The worker method's arguments (``chain`` only where given: a plugin that predates it takes two)."""
+    return (keys, block_bytes) if chain is None else (keys, block_bytes, chain)
 
 
 #: Why a server gives no block digests (vLLM's own route knows only its three actions).
@@ -85,8 +110,10 @@ def http_fetcher(url: str, *, api_key: str | None = None, timeout: float = 600.0
     """Block digests from a server through this package's route
     (``{"action": "block_digests", "keys": [...], "block_bytes": B}``)."""
 
-    def fetch(keys: list[str], block_bytes: int) -> dict[str, Mapping[str, Any]]:
-        body = {"action": "block_digests", "keys": keys, "block_bytes": block_bytes}
+    def fetch(keys: list[str], block_bytes: int, chain: Any = None) -> dict[str, Mapping[str, Any]]:
+        body: dict[str, Any] = {"action": "block_digests", "keys": keys, "block_bytes": block_bytes}
+        if chain is not None:
+            body["chain"] = chain
         try:
             answer = post_json(url, "/weight_checker", body, timeout=timeout, api_key=api_key_from_env(api_key))
         except HttpError as e:
@@ -99,7 +126,7 @@ def http_fetcher(url: str, *, api_key: str | None = None, timeout: float = 600.0
             raise VerifyError("block digests", url, f"unexpected answer {str(answer)[:200]}")
         return blocks
 
-    return fetch
+    return _chaining(fetch)
 
 
 def fetcher_for(target: Any, engine: str) -> BlockFetcher | None:
@@ -113,23 +140,24 @@ def fetcher_for(target: Any, engine: str) -> BlockFetcher | None:
     if isinstance(target, RpcTarget):
         handle = target.engines[engine]
 
-        def fetch(keys: list[str], block_bytes: int) -> dict[str, Mapping[str, Any]]:
-            answers = handle.rpc("weight_checker_block_digests", (keys, block_bytes), "block digests")
+        def fetch(keys: list[str], block_bytes: int, chain: Any = None) -> dict[str, Mapping[str, Any]]:
+            answers = handle.rpc("weight_checker_block_digests", _args(keys, block_bytes, chain), "block digests")
             return _merge_answers(answers, engine)
 
-        return fetch
+        return _chaining(fetch)
     if isinstance(target, AsyncLLMTarget):
 
-        def fetch_async(keys: list[str], block_bytes: int) -> dict[str, Mapping[str, Any]]:
-            answers = target.rpc(engine, "weight_checker_block_digests", (keys, block_bytes), "block digests")
+        def fetch_async(keys: list[str], block_bytes: int, chain: Any = None) -> dict[str, Mapping[str, Any]]:
+            args = _args(keys, block_bytes, chain)
+            answers = target.rpc(engine, "weight_checker_block_digests", args, "block digests")
             return _merge_answers(answers, engine)
 
-        return fetch_async
+        return _chaining(fetch_async)
     if isinstance(target, SGLangEngineTarget):
 
-        def fetch_sglang(keys: list[str], block_bytes: int) -> dict[str, Mapping[str, Any]]:
-            ranks = target.ask(engine, BLOCKS, block_request(keys, block_bytes), "block digests")
+        def fetch_sglang(keys: list[str], block_bytes: int, chain: Any = None) -> dict[str, Mapping[str, Any]]:
+            ranks = target.ask(engine, BLOCKS, block_request(keys, block_bytes, chain), "block digests")
             return _merge_answers(rank_blocks(ranks), engine)
 
-        return fetch_sglang
+        return _chaining(fetch_sglang)
     return None

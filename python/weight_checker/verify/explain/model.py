@@ -52,6 +52,10 @@ class KeyExplanation:
     block_causes: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     #: Why something could not be told (no expected tensor...).
     note: str | None = None
+    #: How the differing blocks were found: ``"chain states"`` (the engine
+    #: continued the states the expected digests recorded: no expected
+    #: tensor read) or ``"block digests"`` (both sides hashed the blocks).
+    located_by: str | None = None
 
     def line(self) -> str:
         """One line: the key, its class and cause, where in the tensor."""
@@ -83,6 +87,7 @@ class KeyExplanation:
             "where": self.where,
             "block_causes": {c: [list(r) for r in rs] for c, rs in self.block_causes.items()},
             "note": self.note,
+            "located_by": self.located_by,
         }
 
 

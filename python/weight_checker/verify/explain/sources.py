@@ -120,11 +120,23 @@ class ExpectedSource:
         if blocks are still unexplained when it is tried."""
         return self._each(keys, TRANSFORMS, copy=True, defer=True)
 
-    def _each(self, keys: Sequence[str], transforms: Sequence[str], copy: bool, defer: bool = False) -> Table:
+    def unchecked(self, keys: Sequence[str], transforms: Sequence[str], defer: bool = True) -> Table:
+        """The expected tensors (views, or read a block at a time) and the
+        transformed candidates, from one load of the weights and no hash of
+        them: the caller checks each block it reads against the chain
+        states the expected digests recorded (an explanation that found the
+        differing blocks from those states: :mod:`.chained`). ``defer``: as
+        :meth:`with_candidates` leaves what needs the weights loaded again."""
+        return self._each(keys, transforms, copy=False, defer=defer, check=False)
+
+    def _each(
+        self, keys: Sequence[str], transforms: Sequence[str], copy: bool, defer: bool = False, check: bool = True
+    ) -> Table:
         for key in keys:
             self.refused.pop(key, None)
+        kw = {"copy": copy, "lazy": True, "defer": defer, "check": check}
         try:
-            return recompute.expected_tensors(self.expected, list(keys), transforms, copy=copy, lazy=True, defer=defer)
+            return recompute.expected_tensors(self.expected, list(keys), transforms, **kw)
         except WeightCheckerError as e:
             if len(keys) == 1:
                 self.refused[keys[0]] = str(e)
@@ -134,9 +146,7 @@ class ExpectedSource:
         first: WeightCheckerError | None = None
         for key in keys:
             try:
-                out.update(
-                    recompute.expected_tensors(self.expected, [key], transforms, copy=copy, lazy=True, defer=defer)
-                )
+                out.update(recompute.expected_tensors(self.expected, [key], transforms, **kw))
             except WeightCheckerError as e:
                 self.refused[key] = str(e)
                 first = first or e
