@@ -348,3 +348,61 @@ def test_an_adapter_that_predates_chains_refuses_them_and_still_gives_block_dige
     assert "cannot continue chain states" in r.json()["error"]["message"]
     r = client.post("/weight_checker", json={"action": "block_digests", "keys": [K], "block_bytes": 96})
     assert r.status_code == 200 and "digests" in r.json()["block_digests"][K]
+
+
+# --- expected_digests records the states; a one-shot stream is explained without being read again ---
+
+
+@pytest.mark.skipif(not __import__("weight_checker.testing.launch").testing.launch.vllm_available(),
+                    reason="vLLM is not installed")  # fmt: skip
+def test_an_update_stream_is_explained_from_its_states_without_being_read_again(tmp_path):
+    """An update stream (weights from a callable) cannot be read again by
+    the recompute, yet the recorded states still locate every differing
+    block and name zeros and a previous step's rows (from that step's
+    states), on both tensor-parallel ranks."""
+    import weight_checker
+    from safetensors.torch import load_file
+    from weight_checker.expected.recompute import can_recompute, expected_tensors
+    from weight_checker.verify.explain import ExpectedSource
+
+    from .models import write_model
+
+    path = write_model(tmp_path / "llama", "llama")
+    state = load_file(str(path / "model.safetensors"))
+    old = {k: v.clone() for k, v in state.items()}
+    new = {k: (v.float() + 0.01).to(v.dtype) for k, v in state.items()}
+    # Weights from a callable (a fresh stream each rank, as a trainer's update stream): never read again.
+    previous = weight_checker.expected_digests(path, lambda: iter(list(old.items())), tp=2)
+    expected = weight_checker.expected_digests(path, lambda: iter(list(new.items())), tp=2)
+    assert set(expected.block_states) == set(expected)
+    assert not can_recompute(expected) and not can_recompute(previous)
+    # The engine's tensors: what a correct load of the new weights holds (a dict can be recomputed), then faults.
+    held = {
+        k: v[None]
+        for k, v in expected_tensors(weight_checker.expected_digests(path, new, tp=2), list(expected)).items()
+    }
+    held_old = {
+        k: v[None]
+        for k, v in expected_tensors(weight_checker.expected_digests(path, old, tp=2), list(expected)).items()
+    }
+    down = [k for k in expected if k.endswith("layers.1.mlp.down_proj.weight")]
+    gate = [k for k in expected if k.endswith("layers.0.mlp.gate_up_proj.weight")]
+    for k in down:
+        held[k] = held[k].clone()
+        held[k][:4] = 0
+    for k in gate:
+        rows = held[k].shape[0]
+        held[k] = torch.cat([held[k][: rows // 2], held_old[k][rows // 2 :]])
+    wrong = down + gate
+    current = {k: sha(v) for k, v in held.items()}
+    assert all(current[k] != expected[k] for k in wrong)
+    got = explain(dict.fromkeys(wrong, "changed"), current, expected, engine(held), ExpectedSource(expected),
+                  history=[Version("step-11", previous, ExpectedSource(previous))])  # fmt: skip
+    for k in down:
+        e = got.keys[k]
+        row = e.nbytes // e.shape[0]
+        assert (e.located_by, e.block_causes) == ("chain states", {"zeros": [(0, 4 * row)]}), e
+    for k in gate:
+        e = got.keys[k]
+        assert (e.located_by, e.cause) == ("chain states", "version:step-11"), e
+        assert e.where == f"rows {e.shape[0] // 2}-{e.shape[0] - 1} of {e.shape[0]}"
