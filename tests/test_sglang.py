@@ -359,6 +359,7 @@ def test_zeroed_rows_are_named_zeros_with_their_rows(sglang, updates):
     (explained,) = result["explanation"]["keys"]
     assert explained["cause"] == "zeros", explained
     assert "rows 96-223" in explained["where"], explained["where"]
+    assert explained["located_by"] == "chain states", explained  # issue 56: the ranks continued the recorded states
 
 
 @needs_sglang
@@ -370,6 +371,7 @@ def test_tp1_given_tp0s_shard_is_wrong_shard(sglang, updates):
     assert result["classes"]["wrong-shard"] == [key]
     (explained,) = result["explanation"]["keys"]
     assert explained["cause"] == "shard-of:tp0", explained
+    assert explained["located_by"] in (None, "chain states"), explained  # None: told by whole digests
 
 
 @needs_sglang
@@ -431,6 +433,7 @@ def test_an_in_process_sglang_engine_is_verified_paused_and_explained(tmp_path_f
     assert zeros["mismatches"] == ["dp0:pp0:pcp0:tp0:model.embed_tokens.weight"], zeros["mismatches"]
     (explained,) = zeros["explanation"]["keys"]
     assert explained["cause"] == "zeros" and "rows 96-223" in explained["where"], explained
+    assert explained["located_by"] == "chain states", explained
     assert out["short"] and "q_proj.weight' has shape [32, 64]" in out["short"], out["short"]
     assert len(out["generated"]) == 4
 
