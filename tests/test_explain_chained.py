@@ -16,7 +16,7 @@ import hashlib
 import pytest
 import torch
 from weight_checker import _core
-from weight_checker.errors import WeightCheckerError
+from weight_checker.errors import SettingsError, WeightCheckerError
 from weight_checker.expected.manifest import ExpectedDigests
 from weight_checker.hashing.block_states import (
     boundaries,
@@ -24,7 +24,7 @@ from weight_checker.hashing.block_states import (
     digests_with_states,
     worker_answer,
 )
-from weight_checker.hashing.blocks import block_bytes_for, block_ranges
+from weight_checker.hashing.blocks import block_bytes_for, block_ranges, flat_bytes
 from weight_checker.verify.explain import TensorMap, Version, explain
 
 TP0, TP1 = "dp0:pp0:pcp0:tp0:", "dp0:pp0:pcp0:tp1:"
@@ -109,8 +109,9 @@ def test_the_engine_continues_each_state_over_its_own_block_equal_only_where_the
     states = digests_with_states({"k": want})[1]["k"]
     held = want.clone()
     held[20:23] += 1  # rows 20-22: block 20-22 of 64 (one row a block)
-    starts = [(i, states.states[i]) for i in range(states.blocks)]
-    got, zeros = continue_blocks(held, states.block_bytes, starts)
+    blocks = list(range(states.blocks))
+    job = (flat_bytes(held), states.block_bytes, blocks, list(states.states[:-1]))
+    ((got, zeros),) = continue_blocks([job])
     differ = [i for i in range(states.blocks) if got[i] != states.states[i + 1]]
     assert differ == [20, 21, 22]
     assert zeros == [False] * states.blocks
@@ -120,7 +121,7 @@ def test_the_engine_continues_each_state_over_its_own_block_equal_only_where_the
         assert finished(got[i]) == hashlib.sha256(data[:a] + mine[a:b]).hexdigest()
     zeroed = held.clone()
     zeroed[5] = 0
-    assert continue_blocks(zeroed, states.block_bytes, starts)[1][5] is True
+    assert continue_blocks([(flat_bytes(zeroed), states.block_bytes, blocks, list(states.states[:-1]))])[0][1][5]
 
 
 def test_a_bad_chain_request_is_an_error_naming_the_key_and_hashes_nothing():
@@ -132,6 +133,7 @@ def test_a_bad_chain_request_is_an_error_naming_the_key_and_hashes_nothing():
         "not hex": [[0, "zz"]],
         "not a state": [[0, "00" * 8]],
         "outside": [[64, state]],
+        "twice": [[0, state], [0, state]],
     }
     for why, asked in cases.items():
         answer = worker_answer([("k", t)], block, "r", {"k": asked})
@@ -139,6 +141,34 @@ def test_a_bad_chain_request_is_an_error_naming_the_key_and_hashes_nothing():
     outside = worker_answer([("k", t)], block, "r", {"k": [[64, state]]})["errors"]["k"]
     assert "outside the tensor held: shape [64, 48]" in outside
     assert worker_answer([("k", t)], 10**9, "r", {"k": [[0, state]]})["errors"]["k"].startswith("block_bytes")
+
+
+def test_by_default_a_tensor_under_one_mib_records_no_states_and_the_setting_says_which(monkeypatch):
+    small, big = torch.zeros(4096, dtype=torch.bfloat16), torch.ones(1024, 512, dtype=torch.bfloat16)  # 8 KB, 1 MiB
+    monkeypatch.delenv("WEIGHT_CHECKER_BLOCK_STATES_MIN_MB", raising=False)
+    digests, states = digests_with_states({"small": small, "big": big})
+    assert set(states) == {"big"} and digests == {"small": sha(small), "big": sha(big)}
+    monkeypatch.setenv("WEIGHT_CHECKER_BLOCK_STATES_MIN_MB", "2")
+    assert digests_with_states({"small": small, "big": big})[1] == {}
+    monkeypatch.setenv("WEIGHT_CHECKER_BLOCK_STATES_MIN_MB", "0")
+    assert set(digests_with_states({"small": small, "big": big})[1]) == {"small", "big"}
+    monkeypatch.setenv("WEIGHT_CHECKER_BLOCK_STATES_MIN_MB", "-1")
+    with pytest.raises(SettingsError, match="WEIGHT_CHECKER_BLOCK_STATES_MIN_MB"):
+        digests_with_states({"big": big})
+
+
+def test_states_that_do_not_finish_to_the_expected_digest_are_not_used():
+    """Expected digests edited since they were computed (a key's digest
+    replaced, or merged from elsewhere) have no states for that key: its
+    blocks are told by block digests."""
+    want = weights(60)
+    held = want.clone()
+    held[3] = 0
+    expected = recorded({KEY: want})
+    other = weights(61)
+    expected[KEY] = sha(other)  # the digest now describes another tensor; the states still the old one
+    got = explain({KEY: "changed"}, {KEY: sha(held)}, expected, engine({KEY: held}), TensorMap({KEY: other}))
+    assert got.keys[KEY].located_by == "block digests"
 
 
 # --- the explanation: every cause as the block digests name it, without the expected tensors -----
@@ -316,6 +346,7 @@ BAD_CHAINS = [
     ({K: [[-1, "00"]]}, "must list 1 to"),
     ({K: [[True, "00"]]}, "must list 1 to"),
     ({K: [[0, "00" * 200]]}, "must list 1 to"),
+    ({K: [[0, "00"], [0, "00"]]}, "names a block twice"),
     ([K], "must be an object"),
 ]
 
@@ -406,3 +437,37 @@ def test_an_update_stream_is_explained_from_its_states_without_being_read_again(
         e = got.keys[k]
         assert (e.located_by, e.cause) == ("chain states", "version:step-11"), e
         assert e.where == f"rows {e.shape[0] // 2}-{e.shape[0] - 1} of {e.shape[0]}"
+
+
+@pytest.mark.skipif(not __import__("weight_checker.testing.launch").testing.launch.vllm_available(),
+                    reason="vLLM is not installed")  # fmt: skip
+def test_a_moe_models_experts_sent_through_fp16_are_named_from_states_as_from_block_digests(tmp_path):
+    """The transforms' expected tensors come from an unchecked recompute
+    (each block tried is checked against the recorded states instead): it
+    loads the rank from all the weights, or a MoE's stacked experts would
+    be left zero by the weights that feed them alone (a skeptical review
+    found the candidate then never tried, and a false 'weights changed')."""
+    import weight_checker
+    from safetensors.torch import load_file
+    from weight_checker.expected.recompute import expected_tensors
+    from weight_checker.verify.explain import ExpectedSource
+
+    from .models import write_model
+
+    path = write_model(tmp_path / "mixtral", "mixtral")
+    w = {k: (v.float() * 1e7).to(torch.bfloat16) for k, v in load_file(str(path / "model.safetensors")).items()}
+    expected = weight_checker.expected_digests(path, w, tp=1)
+    keys = [k for k in expected if "layers.0." in k and ("w13" in k or "qkv" in k)]
+    assert len(keys) == 2
+    through_fp16 = {k: v.float().half().to(torch.bfloat16) for k, v in w.items()}  # values fp16 cannot hold
+    held = {k: v[None] for k, v in expected_tensors(weight_checker.expected_digests(path, through_fp16), keys).items()}
+    current = {k: sha(v) for k, v in held.items()}
+    both = [
+        explain(dict.fromkeys(keys, "changed"), current, expected, engine(held, chains=c), ExpectedSource(expected))
+        for c in (True, False)
+    ]
+    for got, how in zip(both, ("chain states", "block digests"), strict=True):
+        assert {k: (e.cause, e.located_by) for k, e in got.keys.items()} == {
+            k: ("dtype-roundtrip:float16", how) for k in keys
+        }, got.notes
+        assert got.notes == []

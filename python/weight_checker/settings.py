@@ -38,6 +38,13 @@ def _positive_number(raw: str) -> float:
     return value
 
 
+def _non_negative_number(raw: str) -> float:
+    value = float(raw)
+    if not value >= 0 or value == float("inf"):
+        raise ValueError
+    return value
+
+
 def _text(raw: str) -> str:
     return raw
 
@@ -88,6 +95,16 @@ SETTINGS: tuple[Setting, ...] = (
         "Pinned host memory the device-to-host staging pipeline may hold, all slots together.",
         "python",
         _positive_number,
+    ),
+    Setting(
+        "WEIGHT_CHECKER_BLOCK_STATES_MIN_MB",
+        "a number >= 0 (MiB)",
+        "1",
+        "Tensors smaller than this record no SHA-256 chain states at their block boundaries in "
+        "`expected_digests` (an explanation then hashes their blocks on both sides); 0: every tensor. "
+        "Recording costs a small tensor more than it saves.",
+        "python",
+        _non_negative_number,
     ),
     Setting(
         "WEIGHT_CHECKER_VLLM_PLUGIN",

@@ -37,6 +37,19 @@ from weight_checker.hashing.blocks import MAX_BLOCKS, block_bytes_for, flat_byte
 #: Bytes of a device tensor's blocks brought to the host at a time to be continued.
 HOST_GROUP_BYTES = 256 << 20
 
+#: Tensors smaller than this record no states (``WEIGHT_CHECKER_BLOCK_STATES_MIN_MB``
+#: sets it): 65 marks cut a small tensor's stream into pieces too short for
+#: the lanes (2,000 tensors of 8 KB hashed 12x slower), while its blocks cost
+#: little to hash on both sides, as an explanation without states does.
+STATE_MIN_BYTES = 1 << 20
+
+
+def _min_bytes() -> int:
+    from weight_checker import settings
+
+    mb = settings.get("WEIGHT_CHECKER_BLOCK_STATES_MIN_MB")
+    return STATE_MIN_BYTES if mb is None else int(mb * (1 << 20))
+
 
 class BlockStates(NamedTuple):
     """One tensor's chain states at its block boundaries."""
@@ -48,7 +61,8 @@ class BlockStates(NamedTuple):
     shape: tuple[int, ...]
     #: torch's name for its dtype, without ``torch.``.
     dtype: str
-    #: ``blocks + 1`` exported states: at 0, ``block_bytes``, ... and ``nbytes``.
+    #: ``blocks + 1`` exported states (up to 109 bytes each): at 0,
+    #: ``block_bytes``, ... and ``nbytes``.
     states: tuple[bytes, ...]
 
     @property
@@ -101,7 +115,7 @@ def marks_for(key: str, like: Any) -> Marking | None:
     itemsize = like.element_size()
     nbytes = itemsize * int(like.numel())
     size = block_bytes_for(shape, itemsize)
-    if size == 0 or -(-nbytes // size) > MAX_BLOCKS:
+    if nbytes < _min_bytes() or size == 0 or -(-nbytes // size) > MAX_BLOCKS:
         return None
     return Marking(key, size, nbytes, shape, str(like.dtype).removeprefix("torch."))
 
@@ -168,67 +182,69 @@ def _bytes_of(t: Any) -> Any:
     return t
 
 
-def continue_blocks(
-    tensor: Any, block_bytes: int, starts: Sequence[tuple[int, bytes]]
-) -> tuple[list[bytes], list[bool]]:
-    """The engine's side: for each ``(i, state)``, ``state`` continued over
-    block ``i`` of ``tensor`` (blocks of ``block_bytes``), all in parallel
-    runs, and whether that block is all zero. ``ValueError`` names a state
-    that is not one, or a block outside the tensor."""
-    from weight_checker import _core
-
-    flat = flat_bytes(tensor)
-    nbytes = int(flat.numel())
-    ranges = []
-    for i, _ in starts:
-        start, end = i * block_bytes, min((i + 1) * block_bytes, nbytes)
-        if i < 0 or start >= nbytes:
-            raise ValueError(
-                f"block {i} is outside the tensor held: shape {list(tensor.shape)}, {nbytes} bytes in blocks of "
-                f"{block_bytes}"
-            )
-        ranges.append((start, end))
-    zeros = zero_blocks(flat, ranges)
-    multi = _core.MultiHasher.resume([s for _, s in starts])
-    if flat.device.type == "cpu":
-        multi.update_at(flat, [(j, a, b - a) for j, (a, b) in enumerate(ranges)])
-    else:  # a device tensor: its blocks come to the host a group at a time
-        group: list[int] = []
-        size = 0
-        for j, (a, b) in enumerate([*ranges, (0, 0)]):
-            if group and (j == len(ranges) or size + b - a > HOST_GROUP_BYTES):
-                host = [(g, flat[ranges[g][0] : ranges[g][1]].cpu()) for g in group]
-                multi.update(host)
-                group, size = [], 0
-            if j < len(ranges):
-                group.append(j)
-                size += b - a
-    return list(multi.export_states()), zeros
-
-
-def chain_answer(key: str, tensor: Any, block_bytes: int, asked: Any) -> dict[str, Any]:
-    """One key's answer to a chained block request (``asked``: ``[[i,
-    state_hex], ...]``): the states continued over those blocks, in order
-    (hex), whether each block is all zero, and the tensor's size, shape and
-    dtype. ``ValueError`` says what is wrong with the request."""
+def _asked(key: str, tensor: Any, block_bytes: int, asked: Any) -> tuple[Any, list[int], list[bytes]]:
+    """A chained request for one key, checked: the tensor's flat bytes, the
+    blocks and the states to continue. ``ValueError`` says what is wrong: not
+    ``[block, state_hex]`` pairs, a block outside the tensor or asked twice
+    (each block costs a hash of it: at most every block once), not hex."""
     if not isinstance(asked, list) or not all(
-        isinstance(a, list | tuple) and len(a) == 2 and isinstance(a[0], int) and isinstance(a[1], str) for a in asked
+        isinstance(a, list | tuple) and len(a) == 2 and type(a[0]) is int and isinstance(a[1], str) for a in asked
     ):
         raise ValueError(f"{key}: a chained request lists [block, state] pairs, got {str(asked)[:80]}")
+    flat = flat_bytes(tensor)
+    nbytes = int(flat.numel())
+    blocks = [int(i) for i, _ in asked]
+    outside = [i for i in blocks if i < 0 or i * block_bytes >= nbytes]
+    if outside:
+        raise ValueError(
+            f"{key}: block {outside[0]} is outside the tensor held: shape {list(tensor.shape)}, {nbytes} bytes in "
+            f"blocks of {block_bytes}"
+        )
+    if len(set(blocks)) != len(blocks):
+        raise ValueError(f"{key}: a block is asked twice")
     try:
-        starts = [(int(i), bytes.fromhex(h)) for i, h in asked]
+        states = [bytes.fromhex(h) for _, h in asked]
     except ValueError as e:
         raise ValueError(f"{key}: a state is not hex ({e})") from None
-    states, zeros = continue_blocks(tensor, block_bytes, starts)
-    return {
-        "blocks": [i for i, _ in starts],
-        "states": [s.hex() for s in states],
-        "zeros": zeros,
-        "block_bytes": int(block_bytes),
-        "nbytes": int(tensor.numel()) * tensor.element_size(),
-        "shape": list(tensor.shape),
-        "dtype": str(tensor.dtype).removeprefix("torch."),
-    }
+    return flat, blocks, states
+
+
+def continue_blocks(
+    jobs: Sequence[tuple[Any, int, Sequence[int], Sequence[bytes]]],
+) -> list[tuple[list[bytes], list[bool]]]:
+    """The engine's side: for each ``(flat bytes, block_bytes, blocks,
+    states)``, each state continued over its block of that tensor, every
+    block of every tensor in one parallel run, and whether each block is all
+    zero. ``ValueError`` names a state that is not one."""
+    from weight_checker import _core
+
+    ranges = [[(i * size, min((i + 1) * size, int(flat.numel()))) for i in blocks] for flat, size, blocks, _ in jobs]
+    try:
+        multi = _core.MultiHasher.resume([s for _, _, _, states in jobs for s in states])
+    except ValueError as e:
+        raise ValueError(f"a chain state is not one ({e})") from None
+    feeds: list[tuple[int, Any]] = []
+    size = 0
+    for (flat, _, _, _), cut in zip(jobs, ranges, strict=True):
+        for a, b in cut:
+            if flat.device.type == "cpu":
+                feeds.append((len(feeds), flat[a:b]))
+                continue
+            # A device tensor's blocks come to the host a bounded group at a time.
+            if size + b - a > HOST_GROUP_BYTES and feeds:
+                multi.update([f for f in feeds if f[1] is not None])
+                feeds = [(j, None) for j, _ in feeds]
+                size = 0
+            feeds.append((len(feeds), flat[a:b].cpu()))
+            size += b - a
+    multi.update([f for f in feeds if f[1] is not None])
+    states = multi.export_states()
+    out = []
+    at = 0
+    for (flat, _, _, _), cut in zip(jobs, ranges, strict=True):
+        out.append((list(states[at : at + len(cut)]), zero_blocks(flat, cut)))
+        at += len(cut)
+    return out
 
 
 def continue_many(items: Sequence[tuple[bytes, Any]]) -> list[str]:
@@ -244,10 +260,27 @@ def continue_many(items: Sequence[tuple[bytes, Any]]) -> list[str]:
     return [s.hex() for s in multi.export_states()]
 
 
-def states_of(expected: Any) -> Mapping[str, BlockStates]:
-    """The block states ``expected`` (expected digests) carries, by key; empty where it has none."""
+def states_of(expected: Any) -> dict[str, BlockStates]:
+    """The block states ``expected`` (expected digests) carries, by key,
+    each only where its last state finishes to the key's digest in
+    ``expected`` (a digest replaced since, or merged from elsewhere, has no
+    states of its own); empty where it has none."""
     got = getattr(expected, "block_states", None)
-    return got if isinstance(got, Mapping) else {}
+    if not isinstance(got, Mapping) or not got:
+        return {}
+    keys = [k for k, s in got.items() if isinstance(s, BlockStates) and s.states and k in expected]
+    finished = _finished([got[k].states[-1] for k in keys])
+    return {k: got[k] for k, digest in zip(keys, finished, strict=True) if digest == expected[k]}
+
+
+def _finished(states: Sequence[bytes]) -> list[str]:
+    """Each state finished (its digest; ``""`` for a state that is not one)."""
+    from weight_checker import _core
+
+    try:
+        return list(_core.MultiHasher.resume(list(states)).finish()[0]) if states else []
+    except ValueError:
+        return [_finished([s])[0] if len(states) > 1 else "" for s in states]
 
 
 def worker_answer(
@@ -255,11 +288,14 @@ def worker_answer(
 ) -> dict[str, Any]:
     """One worker's answer to a block request, whatever the engine:
     :func:`~weight_checker.hashing.blocks.worker_blocks`' answer for the
-    keys ``chain`` does not name, and for each key it names (``{key: [[i,
-    state_hex], ...]}``) :func:`chain_answer`'s. What is wrong with a key's
-    request is an error for that key."""
+    keys ``chain`` does not name; for each key it names (``{key: [[i,
+    state_hex], ...]}``) the states continued over those blocks, in order
+    (hex), whether each block is all zero, and the tensor's size, shape and
+    dtype, every key's blocks in one run. What is wrong with a key's
+    request is an error for that key, and then nothing is hashed."""
     chain = chain or {}
     answer = worker_blocks([(k, t) for k, t in named if k not in chain], block_bytes, rank)
+    jobs: list[tuple[str, Any, Any, list[int], list[bytes]]] = []
     for key, tensor in named:
         if key not in chain:
             continue
@@ -268,15 +304,34 @@ def worker_answer(
             answer["errors"][key] = f"block_bytes {block_bytes} is not within the tensor's {nbytes} bytes"
             continue
         try:
-            answer["blocks"][key] = chain_answer(key, tensor, block_bytes, chain[key])
+            jobs.append((key, tensor, *_asked(key, tensor, block_bytes, chain[key])))
         except ValueError as e:
             answer["errors"][key] = str(e)
+    if answer["errors"] or not jobs:
+        return answer
+    try:
+        done = continue_blocks([(flat, block_bytes, blocks, states) for _, _, flat, blocks, states in jobs])
+    except ValueError as e:  # a state that is not one: named for the keys it may be of
+        for key, *_ in jobs:
+            answer["errors"][key] = str(e)
+        return answer
+    for (key, tensor, _, blocks, _), (states, zeros) in zip(jobs, done, strict=True):
+        answer["blocks"][key] = {
+            "blocks": blocks,
+            "states": [x.hex() for x in states],
+            "zeros": zeros,
+            "block_bytes": int(block_bytes),
+            "nbytes": int(tensor.numel()) * tensor.element_size(),
+            "shape": list(tensor.shape),
+            "dtype": str(tensor.dtype).removeprefix("torch."),
+        }
     return answer
 
 
 def digests_with_states(named: Mapping[str, Any]) -> tuple[dict[str, str], dict[str, BlockStates]]:
     """``({key: hex}, {key: BlockStates})`` of tensors held here (CPU, rows
-    contiguous: the others get a digest and no states), from one pass."""
+    contiguous, at least ``WEIGHT_CHECKER_BLOCK_STATES_MIN_MB``: the others
+    get a digest and no states), from one pass."""
     keys = list(named)
     tensors = [named[k] for k in keys]
     with recording() as got:

@@ -147,6 +147,8 @@ def _chain_request(body: dict[str, object], keys: tuple[str, ...]) -> dict[str, 
             raise BadRequest(
                 f"'chain' for {key!r:.80} must list 1 to {MAX_BLOCKS} [block, state_hex] pairs", "body.chain"
             )
+        if len({p[0] for p in pairs}) != len(pairs):  # each block costs a hash of it: at most once
+            raise BadRequest(f"'chain' for {key!r:.80} names a block twice", "body.chain")
     return chain
 
 

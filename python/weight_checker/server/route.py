@@ -175,7 +175,8 @@ async def _block_digests(adapter: EngineAdapter, req: Any) -> JSONResponse:
         errors = answer.get("errors") or {}
         if errors:
             key = min(errors)
-            return error_response(HTTPStatus.BAD_REQUEST, f"{key}: {errors[key]}", "body.block_bytes")
+            param = "body.chain" if req.chain is not None and key in req.chain else "body.block_bytes"
+            return error_response(HTTPStatus.BAD_REQUEST, f"{key}: {errors[key]}", param)
         for key, value in (answer.get("blocks") or {}).items():
             if key in blocks:
                 return error_response(HTTPStatus.INTERNAL_SERVER_ERROR, f"Duplicate weight checksum keys: [{key!r}]")

@@ -141,6 +141,7 @@ def layout_and_shell(
                     continue
             out[key] = KeyLayout(None, None, NOT_PIECES)
         digests._recompute = None  # its weights are address space, never bytes to recompute from
+        digests.block_states.clear()  # states of that address space: nothing to explain with
         for key in digests:
             digests[key] = ""
         return out, digests

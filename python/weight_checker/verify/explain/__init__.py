@@ -132,12 +132,13 @@ def explain(
     # tells which blocks differ from them, no expected tensor is read.
     recorded = states_of(expected) if chains(fetch) else {}
     chained = [e for e in pending if e.key in recorded]
+    rest = [e for e in pending if e.key not in recorded]
     if chained:
         assert fetch is not None
-        found = compare_chained(chained, fetch, recorded, tensors, out)
-        if found is not None:
-            match_candidates(found._replace(fetch=fetch), history, shards, out)
-    rest = [e for e in pending if e.key not in recorded]
+        found, refused = compare_chained(chained, fetch, recorded, tensors, out)
+        if found is not None and found.unexplained:
+            match_candidates(found, history, shards, out)
+        rest += refused  # no states from the engine for these: their block digests, as before
     if rest:
         differing = compare_blocks(rest, fetch, tensors, out)
         if differing is not None:

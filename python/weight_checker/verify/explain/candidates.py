@@ -114,7 +114,7 @@ def _try_states(try_candidate: Callable[..., None], name: str, states: Mapping[s
     try:
         try_candidate(name, states=states)
     except WeightCheckerError as err:
-        out.notes.append(f"{name}: not tried from its recorded states ({err})")
+        out.notes.append(f"{name}: not tried from its recorded states: the engine refused ({err})")
 
 
 def match_candidates(differing: Differing, history: Sequence[Version], shards_of: Shards, out: Explanation) -> None:
@@ -135,10 +135,10 @@ def match_candidates(differing: Differing, history: Sequence[Version], shards_of
     chained = differing.chained
 
     def match_tensors(
-        flats: Mapping[str, Any], base: Mapping[str, Any] | None
+        flats: Mapping[str, Any], base: Mapping[str, Any] | None, failed: set[str]
     ) -> Callable[[Sequence[tuple[str, int]]], list[bool]]:
         if chained is not None:  # each block continued from the expected state before it, as the engine did
-            return tensor_matcher(differing, flats, base)
+            return tensor_matcher(differing, flats, base, failed)
         return lambda at: [
             d == engine[key]["digests"][i] for d, (key, i) in zip(candidate_digests(flats, blocks, at), at, strict=True)
         ]
@@ -178,7 +178,8 @@ def match_candidates(differing: Differing, history: Sequence[Version], shards_of
             later[key] = cut[PROBE_RUNS:]
         if not runs:
             return
-        match = state_matcher(differing.fetch, states) if states is not None else match_tensors(flats, base)
+        failed: set[str] = set()  # keys whose unchecked expected bytes did not check: not tried
+        match = state_matcher(differing.fetch, states) if states is not None else match_tensors(flats, base, failed)
         try:  # a candidate computed a block at a time reads its weights now: they may have changed
             rest: list[tuple[str, int]] = []
 
@@ -202,8 +203,15 @@ def match_candidates(differing: Differing, history: Sequence[Version], shards_of
             for hits in found.values():  # nothing of this candidate is kept
                 for i in [i for i, c in hits.items() if c == name]:
                     del hits[i]
+            if states is not None:
+                raise  # the engine refused: said as such by the caller
             out.notes.append(f"{name}: not tried: the weights changed while explaining ({err})")
             return
+        for key in sorted(failed):  # nothing of this candidate is kept there, nor said of it
+            for i in [i for i, c in found[key].items() if c == name]:
+                del found[key][i]
+            note = f"{name}: not tried on {key}: the bytes it would be computed from no longer give the expected ones"
+            out.notes.append(note)
         # Matched from the weights read late, or from expected tensors never hashed whole: checked at the end.
         late = [k for k, f in flats.items() if base is not None or isinstance(f, LazyPieces)]
         read_late.update(k for k in late if name in found[k].values())

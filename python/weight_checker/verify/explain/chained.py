@@ -76,11 +76,13 @@ def compare_chained(
     states: Mapping[str, BlockStates],
     tensors: ExpectedTensors | None,
     out: Explanation,
-) -> Differing | None:
+) -> tuple[Differing | None, list[KeyExplanation]]:
     """The blocks of ``pending``'s keys (each with recorded ``states``) that
     differ on the engine, into each key's explanation: the engine continues
     every recorded state over its block, nothing is read here. ``tensors``:
-    where the candidates that need the expected tensors come from."""
+    where the candidates that need the expected tensors come from. Also
+    the keys the engine gave no states for (it refused them, or predates
+    chain states): the caller asks for their block digests instead."""
     started = time.perf_counter()
     blocks = {e.key: StateBlocks(states[e.key]) for e in pending}
     for e in pending:
@@ -89,24 +91,16 @@ def compare_chained(
         e.nbytes, e.blocks = s.nbytes, s.blocks
     try:
         answers, refused = _answers(fetch, {k: (states[k], range(states[k].blocks)) for k in blocks})
-    except WeightCheckerError as err:
-        for e in pending:
-            e.note = f"no block states from the engine ({err})"
-        out.notes.append(f"where in each tensor: not told ({err})")
-        return None
+    except WeightCheckerError:  # an engine that takes no chain at all: its block digests, as before
+        return None, pending
     out.seconds["blocks"] = time.perf_counter() - started
-    for why in sorted(set(refused.values())):
-        if f"where in each tensor: not told ({why})" not in out.notes:
-            out.notes.append(f"where in each tensor: not told ({why})")
     unexplained: dict[str, list[int]] = {}
     engine: dict[str, Mapping[str, Any]] = {}
+    fallback: list[KeyExplanation] = []
     for e in pending:
         s, theirs = states[e.key], answers.get(e.key)
-        if e.key in refused:
-            e.note = f"no block states from the engine ({refused[e.key]})"
-            continue
-        if theirs is None:
-            e.note = "the engine did not answer for this key"
+        if e.key in refused or theirs is None or "states" not in theirs:
+            fallback.append(e)  # refused, or answered with block digests (a route that predates chains)
             continue
         if int(theirs.get("nbytes", -1)) != s.nbytes or list(theirs.get("shape") or []) != e.shape:
             e.note = f"the engine holds shape {theirs.get('shape')} ({theirs.get('nbytes')} bytes), expected {e.shape}"
@@ -129,7 +123,8 @@ def compare_chained(
             continue
         unexplained[e.key] = differ
     source = tensors if tensors is not None else _NoTensors()
-    return Differing(unexplained, blocks, engine, None, source, dict(states))  # type: ignore[arg-type]
+    found = Differing(unexplained, blocks, engine, None, source, dict(states), fetch)  # type: ignore[arg-type]
+    return found, fallback
 
 
 class _NoTensors:
@@ -153,25 +148,40 @@ def _block(flat: Any, a: int, b: int) -> Any:
     return flat.block(a, b) if hasattr(flat, "block") else flat[a:b]
 
 
-def tensor_matcher(differing: Differing, flats: Mapping[str, Any], base: Mapping[str, Any] | None = None) -> Matcher:
+def tensor_matcher(
+    differing: Differing,
+    flats: Mapping[str, Any],
+    base: Mapping[str, Any] | None = None,
+    failed: set[str] | None = None,
+) -> Matcher:
     """Blocks of candidate tensors (``flats``: flat bytes, or objects with
     ``block(start, end)``) against the engine's: each continued from the
     expected state before it, as the engine continued its own block.
     ``base``: the expected tensors the candidates were computed beside,
     unchecked; each block tried is checked with them (continued to the next
-    recorded state), or ``WeightCheckerError`` names the key."""
+    recorded state). A key whose block fails that check matches nowhere
+    and goes into ``failed``."""
     chained, blocks, engine = differing.chained or {}, differing.blocks, differing.engine
+    flat_base: dict[str, Any] = {}
+
+    def base_of(key: str) -> Any:
+        if key not in flat_base:
+            t = (base or {}).get(key)
+            flat_base[key] = t if t is None or hasattr(t, "block") else flat_bytes(t)
+        return flat_base[key]
 
     def match(at: Sequence[tuple[str, int]]) -> list[bool]:
-        bases = {k: t if t is None or hasattr(t, "block") else flat_bytes(t) for k, t in (base or {}).items()}
-        checked = [(key, i) for key, i in at if bases.get(key) is not None]
+        checked = [(key, i) for key, i in at if base_of(key) is not None]
         items = [(chained[key].states[i], _block(flats[key], *blocks[key].ranges[i])) for key, i in at]
-        items += [(chained[key].states[i], _block(bases[key], *blocks[key].ranges[i])) for key, i in checked]
+        items += [(chained[key].states[i], _block(base_of(key), *blocks[key].ranges[i])) for key, i in checked]
         got = continue_many(items)
-        for (key, i), g in zip(checked, got[len(at) :], strict=True):
-            if g != chained[key].states[i + 1].hex():
-                raise WeightCheckerError(f"{key}: block {i} of the weights no longer gives the expected bytes")
-        return [g == engine[key]["digests"][i] for g, (key, i) in zip(got[: len(at)], at, strict=True)]
+        tried = zip(checked, got[len(at) :], strict=True)
+        bad = {key for (key, i), g in tried if g != chained[key].states[i + 1].hex()}
+        if failed is not None:
+            failed.update(bad)
+        return [
+            key not in bad and g == engine[key]["digests"][i] for g, (key, i) in zip(got[: len(at)], at, strict=True)
+        ]
 
     return match
 
