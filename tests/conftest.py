@@ -23,12 +23,6 @@ settings.register_profile("fast", max_examples=60, deadline=None, suppress_healt
 settings.register_profile("slow", max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "fast"))
 
-# The test models' tensors are kilobytes: by default they would record no chain
-# states (issue 56; tensors under 1 MiB do not), so explanations would never be
-# located from states here. Every tensor records them in this process and in the
-# servers and CLIs it starts; tests/test_explain_chained.py checks the default.
-os.environ.setdefault("WEIGHT_CHECKER_BLOCK_STATES_MIN_MB", "0")
-
 
 def vllm_digest(t) -> str:
     """The digest vLLM 0.32's built-in checker computes for one tensor

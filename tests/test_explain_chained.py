@@ -143,15 +143,15 @@ def test_a_bad_chain_request_is_an_error_naming_the_key_and_hashes_nothing():
     assert worker_answer([("k", t)], 10**9, "r", {"k": [[0, state]]})["errors"]["k"].startswith("block_bytes")
 
 
-def test_by_default_a_tensor_under_one_mib_records_no_states_and_the_setting_says_which(monkeypatch):
+def test_every_tensor_records_states_by_default_and_the_setting_leaves_small_ones_out(monkeypatch):
     small, big = torch.zeros(4096, dtype=torch.bfloat16), torch.ones(1024, 512, dtype=torch.bfloat16)  # 8 KB, 1 MiB
     monkeypatch.delenv("WEIGHT_CHECKER_BLOCK_STATES_MIN_MB", raising=False)
+    assert set(digests_with_states({"small": small, "big": big})[1]) == {"small", "big"}
+    monkeypatch.setenv("WEIGHT_CHECKER_BLOCK_STATES_MIN_MB", "1")
     digests, states = digests_with_states({"small": small, "big": big})
     assert set(states) == {"big"} and digests == {"small": sha(small), "big": sha(big)}
     monkeypatch.setenv("WEIGHT_CHECKER_BLOCK_STATES_MIN_MB", "2")
     assert digests_with_states({"small": small, "big": big})[1] == {}
-    monkeypatch.setenv("WEIGHT_CHECKER_BLOCK_STATES_MIN_MB", "0")
-    assert set(digests_with_states({"small": small, "big": big})[1]) == {"small", "big"}
     monkeypatch.setenv("WEIGHT_CHECKER_BLOCK_STATES_MIN_MB", "-1")
     with pytest.raises(SettingsError, match="WEIGHT_CHECKER_BLOCK_STATES_MIN_MB"):
         digests_with_states({"big": big})
