@@ -195,7 +195,12 @@ def _rank_tensors(
             if defer and rest:  # what needs the transformed weights loaded again: left to a later call
                 found.update(dict.fromkeys(reload_needed(transform, located, rest, pairs), DEFERRED))
                 rest = {}
-            made = [(n, transformed(transform, t)) for n, t in pairs] if rest else []
+            # Unchecked and read a block at a time (an explanation from chain states): a transposed
+            # weight is its view, and the parameters it feeds are read from it block by block, no copy.
+            as_view = transform == "transposed" and lazy and not copy and not check
+            made = (
+                [(n, _transposed_view(t) if as_view else transformed(transform, t)) for n, t in pairs] if rest else []
+            )
             if any(t is not None for _, t in made):
                 owned = {at for _, t in made if t is not None and (at := locate.storage_of(t)) is not None}
                 # Storages of the weights the transform left as they were.
@@ -212,6 +217,9 @@ def _rank_tensors(
                         p.source is None or locate.storage_of(p.source) in kept for p in where.pieces
                     ):
                         continue  # every piece from a weight left as it was: as it was (no copy to compare)
+                    if as_view and where.pieces is not None:
+                        found[name] = LazyPieces(None, where)
+                        continue
                     if where.pieces and not where.hashable_in_place() and len(where.pieces) > 1:
                         locate.replay_into(where)
                     found[name] = where.copy(owned, view=not copy)
@@ -230,6 +238,11 @@ def _rank_tensors(
                     out[k][transform] = tensor
         pairs_for(weights, levels[level], every_key)  # nothing written while this ran
     return out
+
+
+def _transposed_view(t: Any) -> Any:
+    """A square weight transposed, as a view (``None`` for any other weight)."""
+    return t.t() if applies("transposed", t) else None
 
 
 def _untransformed(where: locate.Located, copy: bool, lazy: bool) -> Any:

@@ -215,9 +215,9 @@ def continue_blocks(
     jobs: Sequence[tuple[Any, int, Sequence[int], Sequence[bytes]]],
 ) -> list[tuple[list[bytes], list[bool]]]:
     """The engine's side: for each ``(flat bytes, block_bytes, blocks,
-    states)``, each state continued over its block of that tensor, every
-    block of every tensor in one parallel run, and whether each block is all
-    zero. ``ValueError`` names a state that is not one."""
+    states)``, each state continued over its block of that tensor (a host
+    tensor's blocks in one parallel run, read where they lie), and whether
+    each block is all zero. ``ValueError`` names a state that is not one."""
     from weight_checker import _core
 
     ranges = [[(i * size, min((i + 1) * size, int(flat.numel()))) for i in blocks] for flat, size, blocks, _ in jobs]
@@ -225,21 +225,23 @@ def continue_blocks(
         multi = _core.MultiHasher.resume([s for _, _, _, states in jobs for s in states])
     except ValueError as e:
         raise ValueError(f"a chain state is not one ({e})") from None
-    feeds: list[tuple[int, Any]] = []
+    feeds: list[tuple[int, Any]] = []  # device blocks brought to the host, not hashed yet
     size = 0
+    at = 0
     for (flat, _, _, _), cut in zip(jobs, ranges, strict=True):
-        for a, b in cut:
-            if flat.device.type == "cpu":
-                feeds.append((len(feeds), flat[a:b]))
-                continue
-            # A device tensor's blocks come to the host a bounded group at a time.
+        if flat.device.type == "cpu":  # one buffer and its offsets: a run of every block of the tensor
+            multi.update_at(flat, [(at + j, a, b - a) for j, (a, b) in enumerate(cut)])
+            at += len(cut)
+            continue
+        for a, b in cut:  # a device tensor's blocks come to the host a bounded group at a time
             if size + b - a > HOST_GROUP_BYTES and feeds:
-                multi.update([f for f in feeds if f[1] is not None])
-                feeds = [(j, None) for j, _ in feeds]
-                size = 0
-            feeds.append((len(feeds), flat[a:b].cpu()))
+                multi.update(feeds)
+                feeds, size = [], 0
+            feeds.append((at, flat[a:b].cpu()))
             size += b - a
-    multi.update([f for f in feeds if f[1] is not None])
+            at += 1
+    if feeds:
+        multi.update(feeds)
     states = multi.export_states()
     out = []
     at = 0
@@ -293,7 +295,7 @@ def worker_answer(
     keys ``chain`` does not name; for each key it names (``{key: [[i,
     state_hex], ...]}``) the states continued over those blocks, in order
     (hex), whether each block is all zero, and the tensor's size, shape and
-    dtype, every key's blocks in one run. What is wrong with a key's
+    dtype, every key's states in one hasher. What is wrong with a key's
     request is an error for that key, and then nothing is hashed."""
     chain = chain or {}
     answer = worker_blocks([(k, t) for k, t in named if k not in chain], block_bytes, rank)
