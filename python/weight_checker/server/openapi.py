@@ -64,6 +64,24 @@ OPENAPI: dict[str, Any] = {
                                     "uniqueItems": True,
                                 },
                                 "block_bytes": {"type": "integer", "minimum": 1},
+                                "chain": {
+                                    "description": "for the keys it names, SHA-256 chain states to continue over "
+                                    "those blocks (answered as 'states' and 'zeros' instead of 'digests')",
+                                    "type": "object",
+                                    "additionalProperties": {
+                                        "type": "array",
+                                        "minItems": 1,
+                                        "items": {
+                                            "type": "array",
+                                            "prefixItems": [
+                                                {"type": "integer", "minimum": 0},
+                                                {"type": "string", "maxLength": 218},
+                                            ],
+                                            "minItems": 2,
+                                            "maxItems": 2,
+                                        },
+                                    },
+                                },
                             },
                             "required": ["action", "keys", "block_bytes"],
                         },
