@@ -471,3 +471,49 @@ def test_a_moe_models_experts_sent_through_fp16_are_named_from_states_as_from_bl
             k: ("dtype-roundtrip:float16", how) for k in keys
         }, got.notes
         assert got.notes == []
+
+
+def test_an_engine_answer_in_other_blocks_or_upper_case_hex_is_judged_as_such():
+    """A buggy engine that cuts its blocks at another size is never compared
+    (the old path refuses it alike); states in upper-case hex are the same states."""
+    want = weights(70)
+    held = want.clone()
+    held[10:20] = 0
+    expected = recorded({KEY: want})
+    real = engine({KEY: held})
+
+    def doubled(keys, block_bytes, chain=None):
+        return real(keys, block_bytes * 2, {k: [p for p in v if p[0] < 32] for k, v in chain.items()})
+
+    def shouting(keys, block_bytes, chain=None):
+        got = real(keys, block_bytes, chain)
+        return {k: {**v, "states": [s.upper() for s in v["states"]]} for k, v in got.items()}
+
+    doubled.chains = shouting.chains = True  # type: ignore[attr-defined]
+    cut = explain({KEY: "changed"}, {KEY: sha(held)}, expected, doubled, TensorMap({KEY: want})).keys[KEY]
+    assert cut.ranges == [] and "does not compare" in (cut.note or ""), cut
+    loud = explain({KEY: "changed"}, {KEY: sha(held)}, expected, shouting, TensorMap({KEY: want})).keys[KEY]
+    assert (loud.cause, loud.where, loud.located_by) == ("zeros", "rows 10-19 of 64", "chain states")
+
+
+def test_an_engine_that_refuses_chains_is_asked_once_then_for_block_digests():
+    keys = [f"{TP0}w{i}" for i in range(5)]
+    want = {k: weights(80 + i) for i, k in enumerate(keys)}
+    held = {k: v.clone() for k, v in want.items()}
+    for t in held.values():
+        t[3] = 0
+    served = engine(held)
+    calls: list = []
+
+    def old_route(ks, block_bytes, chain=None):
+        calls.append("chain" if chain else "blocks")
+        if chain:
+            raise WeightCheckerError("this engine cannot continue chain states")
+        return served(ks, block_bytes)
+
+    old_route.chains = True  # type: ignore[attr-defined]
+    got = explain(dict.fromkeys(keys, "changed"), {k: sha(v) for k, v in held.items()}, recorded(want), old_route,
+                  TensorMap(want))  # fmt: skip
+    assert {e.cause for e in got.keys.values()} == {"zeros"}
+    assert {e.located_by for e in got.keys.values()} == {"block digests"}
+    assert calls == ["chain", "blocks"]

@@ -98,17 +98,21 @@ impl MultiHasher {
         let mut chunks: Vec<&[u8]> = Vec::with_capacity(order.len());
         let mut spans: Vec<(usize, usize, usize)> = Vec::new(); // (index, start, end) in chunks
         let mut at = 0u64; // the current digest's length once the chunks so far are hashed
+        let mut cursor = 0usize; // the current digest's first mark not behind `at`
         for &i in &order {
             let (index, bytes) = feeds[i];
+            let marks = &self.marks[index];
             if spans.last().is_none_or(|s| s.0 != index) {
                 spans.push((index, chunks.len(), chunks.len()));
                 at = self.states[index].len();
+                cursor = marks.next;
             }
-            let marks = &self.marks[index];
             let end = at + bytes.len() as u64;
             let mut rest = bytes;
-            for &mark in &marks.at[marks.next..] {
+            // Each mark is passed once over all of a digest's feeds (not rescanned per feed).
+            while let Some(&mark) = marks.at.get(cursor) {
                 if mark <= at {
+                    cursor += 1;
                     continue;
                 }
                 let cut = mark - at;
@@ -119,6 +123,7 @@ impl MultiHasher {
                 chunks.push(head);
                 at = mark;
                 rest = tail;
+                cursor += 1;
             }
             chunks.push(rest);
             at = end;

@@ -147,8 +147,7 @@ def _rank_tensors(
             if p is None:
                 raise ExpectedDigestsError(f"{keys[0]}: {rank.name} has no such parameter (not a plain parameter?)")
             params[name] = p
-        # Unchecked, nothing would tell a load from too few weights (a MoE's experts left zero): all of them.
-        levels: list[set[str] | None] = [*locate.feeding(model, params, weights.names), None] if check else [None]
+        levels: list[set[str] | None] = [*locate.feeding(model, params, weights.names), None]
         for level, names in enumerate(levels):
             last = level == len(levels) - 1
             pairs = pairs_for(weights, names, every_key)
@@ -338,13 +337,14 @@ def expected_tensors(
     where it is still wanted. What an explanation asks with the expected
     tensors, when no cause is known yet.
 
-    ``check=False``: the tensors are not hashed against their digests; the
-    rank is loaded from all the weights (as the check would settle on where
-    the weights that feed the keys fall short). The caller checks the bytes
-    it reads, as an explanation does block by block against the chain
-    states the digests recorded (:mod:`weight_checker.hashing.block_states`),
-    and confirms a candidate computed from them with a checked call before
-    it names it.
+    ``check=False``: the tensors are not hashed against their digests, nor
+    is the rank loaded again from all the weights where those that feed
+    the keys fall short (nothing here tells it: a MoE's experts may be left
+    zero). The caller checks the bytes it reads, as an explanation does
+    block by block against the chain states the digests recorded
+    (:mod:`weight_checker.hashing.block_states`), asks again with the check
+    for a key whose bytes fail it, and confirms a candidate computed from
+    them with a checked call before it names it.
 
     Raises :class:`ExpectedDigestsError`: for keys of the ``lora``, ``draft``
     and ``buffers`` scopes (not supported yet), keys not in ``expected``,

@@ -184,30 +184,36 @@ def _bytes_of(t: Any) -> Any:
     return t
 
 
-def _asked(key: str, tensor: Any, block_bytes: int, asked: Any) -> tuple[Any, list[int], list[bytes]]:
+def _asked(tensor: Any, block_bytes: int, asked: Any) -> tuple[Any, list[int], list[bytes]]:
     """A chained request for one key, checked: the tensor's flat bytes, the
     blocks and the states to continue. ``ValueError`` says what is wrong: not
     ``[block, state_hex]`` pairs, a block outside the tensor or asked twice
-    (each block costs a hash of it: at most every block once), not hex."""
+    (each block costs a hash of it: at most every block once), not hex, not a state."""
+    from weight_checker import _core
+
     if not isinstance(asked, list) or not all(
         isinstance(a, list | tuple) and len(a) == 2 and type(a[0]) is int and isinstance(a[1], str) for a in asked
     ):
-        raise ValueError(f"{key}: a chained request lists [block, state] pairs, got {str(asked)[:80]}")
+        raise ValueError(f"a chained request lists [block, state] pairs, got {str(asked)[:80]}")
     flat = flat_bytes(tensor)
     nbytes = int(flat.numel())
     blocks = [int(i) for i, _ in asked]
     outside = [i for i in blocks if i < 0 or i * block_bytes >= nbytes]
     if outside:
         raise ValueError(
-            f"{key}: block {outside[0]} is outside the tensor held: shape {list(tensor.shape)}, {nbytes} bytes in "
+            f"block {outside[0]} is outside the tensor held: shape {list(tensor.shape)}, {nbytes} bytes in "
             f"blocks of {block_bytes}"
         )
     if len(set(blocks)) != len(blocks):
-        raise ValueError(f"{key}: a block is asked twice")
+        raise ValueError("a block is asked twice")
     try:
         states = [bytes.fromhex(h) for _, h in asked]
     except ValueError as e:
-        raise ValueError(f"{key}: a state is not hex ({e})") from None
+        raise ValueError(f"a state is not hex ({e})") from None
+    try:
+        _core.MultiHasher.resume(states)
+    except ValueError as e:  # "state #i" of this key's list
+        raise ValueError(f"a chain state is not one: {e}") from None
     return flat, blocks, states
 
 
@@ -308,7 +314,7 @@ def worker_answer(
             answer["errors"][key] = f"block_bytes {block_bytes} is not within the tensor's {nbytes} bytes"
             continue
         try:
-            jobs.append((key, tensor, *_asked(key, tensor, block_bytes, chain[key])))
+            jobs.append((key, tensor, *_asked(tensor, block_bytes, chain[key])))
         except ValueError as e:
             answer["errors"][key] = str(e)
     if answer["errors"] or not jobs:

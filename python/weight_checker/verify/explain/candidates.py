@@ -109,7 +109,7 @@ def _resolve_deferred(
                     table[k][t] = got
 
 
-def _try_states(try_candidate: Callable[..., None], name: str, states: Mapping[str, Any], out: Explanation) -> None:
+def _try_states(try_candidate: Callable[..., object], name: str, states: Mapping[str, Any], out: Explanation) -> None:
     """``try_candidate(name, states=states)``, an engine that refuses named in the notes."""
     try:
         try_candidate(name, states=states)
@@ -148,7 +148,7 @@ def match_candidates(differing: Differing, history: Sequence[Version], shards_of
         tensor_of: Callable[[str], Any] | None = None,
         states: Mapping[str, Any] | None = None,
         base: Mapping[str, Any] | None = None,
-    ) -> None:
+    ) -> set[str]:
         # The first unexplained block of each run of them is hashed; the rest
         # of a run only where that one matched (a dropped bucket, a stale
         # half: a cause holds for a run). A run a candidate matches only past
@@ -177,7 +177,7 @@ def match_candidates(differing: Differing, history: Sequence[Version], shards_of
             runs += [(key, run) for run in cut[:PROBE_RUNS]]
             later[key] = cut[PROBE_RUNS:]
         if not runs:
-            return
+            return set()
         failed: set[str] = set()  # keys whose unchecked expected bytes did not check: not tried
         match = state_matcher(differing.fetch, states) if states is not None else match_tensors(flats, base, failed)
         try:  # a candidate computed a block at a time reads its weights now: they may have changed
@@ -206,15 +206,14 @@ def match_candidates(differing: Differing, history: Sequence[Version], shards_of
             if states is not None:
                 raise  # the engine refused: said as such by the caller
             out.notes.append(f"{name}: not tried: the weights changed while explaining ({err})")
-            return
-        for key in sorted(failed):  # nothing of this candidate is kept there, nor said of it
+            return set()
+        for key in sorted(failed):  # nothing of this candidate is kept there: the caller asks again, checked
             for i in [i for i, c in found[key].items() if c == name]:
                 del found[key][i]
-            note = f"{name}: not tried on {key}: the bytes it would be computed from no longer give the expected ones"
-            out.notes.append(note)
         # Matched from the weights read late, or from expected tensors never hashed whole: checked at the end.
         late = [k for k, f in flats.items() if base is not None or isinstance(f, LazyPieces)]
         read_late.update(k for k in late if name in found[k].values())
+        return failed
 
     # All zeros: one digest per block size, no tensor (chained: the engine said which of its blocks are zero).
     for key, idx in remaining().items():
@@ -283,7 +282,14 @@ def match_candidates(differing: Differing, history: Sequence[Version], shards_of
                 break
             _resolve_deferred(transformed, sorted(remaining()), TRANSFORMS[at:], resolve, out)
             base = {k: v.get(None) for k, v in transformed.items()} if callable(unchecked) else None
-            try_candidate(name, _pick(transformed, name), base=base)
+            failed = try_candidate(name, _pick(transformed, name), base=base)
+            if failed:  # the unchecked load fell short of these keys (a MoE's experts left zero): asked again, checked
+                try:
+                    again = {k: dict(v) for k, v in source.tensors(sorted(failed), [name]).items()}
+                except WeightCheckerError as err:
+                    out.notes.append(f"{name}: not tried on {', '.join(sorted(failed))} ({err})")
+                else:
+                    try_candidate(name, _pick(again, name))
         del transformed
     if read_late and callable(getattr(source, "confirm", None)):
         try:  # the weights still give the expected digests: the bytes read in between were theirs

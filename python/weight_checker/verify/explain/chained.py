@@ -56,18 +56,26 @@ def _answers(
     refused: dict[str, str] = {}
     for size, keys in by_size.items():
         chain = {k: _chain_of(*asked[k]) for k in keys}
-        got, why = fetch_all(fetch, keys, size, chain)
+        # A refusal is not asked again key by key: such keys go to block digests, which do.
+        got, why = fetch_all(fetch, keys, size, chain, each=False)
         answers.update(got)
         refused.update(why)
     return answers, refused
 
 
-def _continued(answer: Mapping[str, Any], blocks: Sequence[int]) -> list[str] | None:
-    """The answer's continued states of ``blocks``, in that order, where it gives exactly those."""
+def _continued(answer: Mapping[str, Any], blocks: Sequence[int], block_bytes: int) -> list[str] | None:
+    """The answer's continued states of ``blocks`` (lower-case hex), in that
+    order, where it gives exactly those, cut in blocks of ``block_bytes``."""
     states, asked = answer.get("states"), answer.get("blocks")
-    if not isinstance(states, list) or list(asked or []) != list(blocks) or len(states) != len(blocks):
+    try:
+        cut = int(answer.get("block_bytes", -1))
+    except (TypeError, ValueError):
         return None
-    return [str(s) for s in states]
+    if cut != block_bytes or not isinstance(states, list) or not isinstance(asked, list):
+        return None
+    if asked != list(blocks) or len(states) != len(blocks) or not all(isinstance(s, str) for s in states):
+        return None
+    return [s.lower() for s in states]
 
 
 def compare_chained(
@@ -102,10 +110,10 @@ def compare_chained(
         if e.key in refused or theirs is None or "states" not in theirs:
             fallback.append(e)  # refused, or answered with block digests (a route that predates chains)
             continue
-        if int(theirs.get("nbytes", -1)) != s.nbytes or list(theirs.get("shape") or []) != e.shape:
+        if _int(theirs.get("nbytes")) != s.nbytes or list(theirs.get("shape") or []) != e.shape:
             e.note = f"the engine holds shape {theirs.get('shape')} ({theirs.get('nbytes')} bytes), expected {e.shape}"
             continue
-        continued = _continued(theirs, range(s.blocks))
+        continued = _continued(theirs, range(s.blocks), s.block_bytes)
         zeros = theirs.get("zeros")
         if continued is None or not isinstance(zeros, list) or len(zeros) != s.blocks:
             e.note = f"the engine's answer does not compare with this tensor's blocks: {str(theirs)[:120]}"
@@ -135,6 +143,13 @@ class _NoTensors:
 
     def tensors(self, keys: Sequence[str], transforms: Sequence[str]) -> Mapping[str, Mapping[str | None, Any]]:
         raise WeightCheckerError("no expected tensors to compute it from")
+
+
+def _int(value: Any) -> int | None:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
 
 
 def _numel(shape: Sequence[int] | None) -> int:
@@ -204,7 +219,7 @@ def state_matcher(fetch: BlockFetcher, candidate: Mapping[str, BlockStates]) -> 
         out = []
         for key, i in at:
             order = sorted(set(asked[key]))
-            continued = _continued(answers.get(key) or {}, order)
+            continued = _continued(answers.get(key) or {}, order, candidate[key].block_bytes)
             out.append(continued is not None and continued[order.index(i)] == candidate[key].states[i + 1].hex())
         return out
 

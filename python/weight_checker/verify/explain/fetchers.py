@@ -33,13 +33,17 @@ def _chaining(fetch: Any) -> BlockFetcher:
 
 
 def fetch_all(
-    fetch: BlockFetcher, keys: list[str], block_bytes: int, chain: Mapping[str, Any] | None = None
+    fetch: BlockFetcher,
+    keys: list[str],
+    block_bytes: int,
+    chain: Mapping[str, Any] | None = None,
+    each: bool = True,
 ) -> tuple[dict[str, Mapping[str, Any]], dict[str, str]]:
     """The engine's block digests of ``keys`` (with ``chain``: the states it
     names continued, see :data:`BlockFetcher`), asked :data:`MAX_KEYS` at a
     time (what the route takes); a request refused is asked again key by
-    key, so that one key (a tensor smaller than expected) hides no other.
-    ``(answers, key -> why refused)``."""
+    key (``each``), so that one key (a tensor smaller than expected) hides
+    no other. ``(answers, key -> why refused)``."""
     answers: dict[str, Mapping[str, Any]] = {}
     refused: dict[str, str] = {}
 
@@ -54,8 +58,8 @@ def fetch_all(
             answers.update(ask(chunk))
             continue
         except WeightCheckerError as err:
-            if len(chunk) == 1:
-                refused[chunk[0]] = str(err)
+            if len(chunk) == 1 or not each:
+                refused.update(dict.fromkeys(chunk, str(err)))
                 continue
         for key in chunk:
             try:
