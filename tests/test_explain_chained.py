@@ -517,3 +517,25 @@ def test_an_engine_that_refuses_chains_is_asked_once_then_for_block_digests():
     assert {e.cause for e in got.keys.values()} == {"zeros"}
     assert {e.located_by for e in got.keys.values()} == {"block digests"}
     assert calls == ["chain", "blocks"]
+
+
+def test_a_malformed_engine_answer_is_a_note_never_a_traceback():
+    want = weights(90)
+    held = want.clone()
+    held[1] = 0
+    real = engine({KEY: held})
+    answers = {
+        "a list": lambda got: [1, 2],
+        "nbytes not a number": lambda got: {**got, "nbytes": "abc"},
+        "blocks not a list": lambda got: {**got, "blocks": 5},
+        "states not strings": lambda got: {**got, "states": [1] * len(got["states"])},
+    }
+    for why, bad in answers.items():
+
+        def broken(keys, block_bytes, chain=None, bad=bad):
+            return {k: bad(v) for k, v in real(keys, block_bytes, chain).items()}
+
+        broken.chains = True  # type: ignore[attr-defined]
+        got = explain({KEY: "changed"}, {KEY: sha(held)}, recorded({KEY: want}), broken, TensorMap({KEY: want}))
+        e = got.keys[KEY]
+        assert e.ranges == [] and e.cause == "unknown" and e.note, (why, e)

@@ -107,8 +107,11 @@ def compare_chained(
     fallback: list[KeyExplanation] = []
     for e in pending:
         s, theirs = states[e.key], answers.get(e.key)
-        if e.key in refused or theirs is None or "states" not in theirs:
+        if e.key in refused or theirs is None or (isinstance(theirs, Mapping) and "states" not in theirs):
             fallback.append(e)  # refused, or answered with block digests (a route that predates chains)
+            continue
+        if not isinstance(theirs, Mapping):
+            e.note = f"the engine's answer does not compare with this tensor's blocks: {str(theirs)[:120]}"
             continue
         if _int(theirs.get("nbytes")) != s.nbytes or list(theirs.get("shape") or []) != e.shape:
             e.note = f"the engine holds shape {theirs.get('shape')} ({theirs.get('nbytes')} bytes), expected {e.shape}"
