@@ -25,6 +25,8 @@ _ERROR: dict[str, Any] = {
         }
     },
 }
+#: A baseline where the action does not need one: absent, null, or a digest map.
+_OPTIONAL_MAP: dict[str, Any] = {"anyOf": [_DIGEST_MAP, {"type": "null"}]}
 OPENAPI: dict[str, Any] = {
     "requestBody": {
         "required": True,
@@ -35,13 +37,14 @@ OPENAPI: dict[str, Any] = {
                         {
                             "title": "checksum",
                             "type": "object",
-                            "properties": {"action": {"const": "checksum"}},
+                            # A baseline is checked whatever the action (as vLLM's model checks it).
+                            "properties": {"action": {"const": "checksum"}, "baseline": _OPTIONAL_MAP},
                             "required": ["action"],
                         },
                         {
                             "title": "reset",
                             "type": "object",
-                            "properties": {"action": {"const": "reset"}},
+                            "properties": {"action": {"const": "reset"}, "baseline": _OPTIONAL_MAP},
                             "required": ["action"],
                         },
                         {
@@ -56,6 +59,7 @@ OPENAPI: dict[str, Any] = {
                             "type": "object",
                             "properties": {
                                 "action": {"const": "block_digests"},
+                                "baseline": _OPTIONAL_MAP,
                                 "keys": {
                                     "type": "array",
                                     "items": {"type": "string", "minLength": 1},
