@@ -287,10 +287,13 @@ def _finished(states: Sequence[bytes]) -> list[str]:
     """Each state finished (its digest; ``""`` for a state that is not one)."""
     from weight_checker import _core
 
-    try:
-        return list(_core.MultiHasher.resume(list(states)).finish()[0]) if states else []
-    except ValueError:
-        return [_finished([s])[0] if len(states) > 1 else "" for s in states]
+    out = []
+    for state in states:
+        try:
+            out.append(_core.MultiHasher.resume([state]).finish()[0][0])
+        except ValueError:
+            out.append("")
+    return out
 
 
 def worker_answer(
