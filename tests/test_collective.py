@@ -226,3 +226,32 @@ def test_ranks_share_cores_only_on_one_host_with_overlapping_affinities():
     assert sharing_cores([("a", [0]), ("a", [1])]) is False
     assert sharing_cores([("a", [0, 1]), ("b", [0, 1])]) is False
     assert sharing_cores([("a", None), ("a", [3])]) is True  # unknown affinity: assume shared
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_equally_spaced_segments_read_as_one_strided_view_give_the_same_bytes_in_order(dtype):
+    # A row-parallel shard's key is a column slice of every row: one segment
+    # a row, read as one 2-D view. Its bytes must be exactly the segments'
+    # own, in order, cast to the key's dtype, whatever the spacing between them.
+    from types import SimpleNamespace
+
+    from weight_checker.expected.collective import _bytes_of, _Leg
+
+    local = torch.randn(64 * 48, dtype=torch.float32)
+    mine = {"w": ((64, 48), torch.float32, 480, local), "z": ((8,), torch.float32, 0, torch.randn(8))}
+    segs = [Segment(0, "w", 480 + 48 * r + 8, 16) for r in range(10)]  # a column slice of 10 rows
+    segs += [Segment(0, "w", 480 + 48 * 11 + 8, 16), Segment(0, "w", 480 + 48 * 11 + 40, 8)]  # spacing, length change
+    segs += [Segment(None, None, 0, 12), Segment(0, "w", 480 + 48 * 20, 48), Segment(0, "w", 480 + 48 * 21, 48)]
+    segs += [Segment(0, "z", 0, 4), Segment(0, "w", 480 + 48 * 30, 5), Segment(0, "w", 480 + 48 * 30 + 5, 5)]
+    got = b"".join(
+        bytes(b.contiguous().reshape(-1).numpy())
+        for b in _bytes_of(_Leg(0, 0, segs), SimpleNamespace(dtype=dtype), mine)
+    )
+    want = b""
+    for s in segs:
+        if s.source is None:
+            want += bytes(s.length)
+            continue
+        first, t = mine[s.source][2], mine[s.source][3]
+        want += bytes(t[s.start - first : s.start - first + s.length].to(dtype).view(torch.uint8).numpy())
+    assert got == want
