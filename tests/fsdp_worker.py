@@ -83,6 +83,7 @@ def zero_first_row(weights: dict) -> None:
 
 
 def against_oracle(ckpt: str, weights: dict, tp: int, perturb: int | None, rank: int, like: str | None) -> dict:
+    import torch
     import weight_checker
 
     # The oracle's gather, before any perturbation: what the engine must hold.
@@ -94,12 +95,22 @@ def against_oracle(ckpt: str, weights: dict, tp: int, perturb: int | None, rank:
     # server runs (vLLM or SGLang: its family, layout and dtype read from it).
     layout = {"like": like} if like else {"tp": tp}
     got = weight_checker.expected_digests(None if like else ckpt, weights, **layout)
+    # A trainer's next steps: the same shards (the layout kept), then new
+    # bytes in them (every shard doubled in place: exact in bf16).
+    again = weight_checker.expected_digests(None if like else ckpt, weights, **layout)
+    with torch.no_grad():
+        for t in weights.values():
+            t.to_local().mul_(2)
+    stepped = weight_checker.expected_digests(None if like else ckpt, weights, weight_version="2", **layout)
     if rank != 0:
         return {}
     oracle = weight_checker.expected_digests(None if like else ckpt, whole, **layout)
+    doubled = weight_checker.expected_digests(None if like else ckpt, {n: t * 2 for n, t in whole.items()}, **layout)
     held = {n: t.to_local().shape[0] for n, t in weights.items()}
     return {"got": dict(got), "oracle": dict(oracle), "exchanged": got.bytes_exchanged, "rows": held,
-            "batches": got.batches}  # fmt: skip
+            "batches": got.batches, "again": dict(again), "stepped": dict(stepped), "doubled": dict(doubled),
+            "layout_seconds": [r.seconds.get("layout") for r in (got, again, stepped)],
+            "versions": [again.weight_version, stepped.weight_version]}  # fmt: skip
 
 
 def against_server(ckpt: str, weights: dict, _tp: int, perturb: int | None, rank: int, server: tuple) -> dict:

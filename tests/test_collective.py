@@ -91,6 +91,13 @@ def background_jobs(env) -> dict[str, functools.partial]:
 def test_fsdp2_shards_after_a_training_step_give_the_whole_tensor_paths_digests(jobs):
     result, log = jobs.result("fsdp-world2-tp2")
     assert result["got"] == result["oracle"], log[-3000:]
+    # The next calls with the same shards keep the layout: the same digests,
+    # then, with new bytes in the shards, the whole path's digests of them.
+    assert result["again"] == result["got"] and result["stepped"] == result["doubled"]
+    assert sum(result["stepped"][k] != result["got"][k] for k in result["got"]) > len(result["got"]) // 2
+    made, *kept = result["layout_seconds"]
+    assert made > 0.01 and all(s < made / 10 for s in kept), result["layout_seconds"]
+    assert result["versions"] == [None, "2"]
     # A core a rank: each round hashed in batches, states handed on between them.
     assert result["batches"] == (1 if len(os.sched_getaffinity(0)) < 2 else PIPELINED_BATCHES)
     assert len(result["got"]) == 30  # 15 parameters on each of 2 TP ranks
@@ -107,6 +114,8 @@ def test_one_ranks_perturbed_shard_changes_exactly_the_keys_holding_its_rows(job
     assert result["batches"] == 1  # four ranks on this host's cores: each round in one run
     differ = sorted(k for k in result["oracle"] if result["got"][k] != result["oracle"][k])
     assert differ == ["dp0:pp0:pcp0:tp0:model.layers.0.mlp.down_proj.weight"], log[-3000:]
+    # The next step's call keeps the layout and still finds exactly that key.
+    assert sorted(k for k in result["doubled"] if result["stepped"][k] != result["doubled"][k]) == differ
     assert set(result["got"]) == set(result["oracle"])
 
 
@@ -233,9 +242,7 @@ def test_equally_spaced_segments_read_as_one_strided_view_give_the_same_bytes_in
     # A row-parallel shard's key is a column slice of every row: one segment
     # a row, read as one 2-D view. Its bytes must be exactly the segments'
     # own, in order, cast to the key's dtype, whatever the spacing between them.
-    from types import SimpleNamespace
-
-    from weight_checker.expected.collective import _bytes_of, _Leg
+    from weight_checker.expected.sharded import leg_buffers
 
     local = torch.randn(64 * 48, dtype=torch.float32)
     mine = {"w": ((64, 48), torch.float32, 480, local), "z": ((8,), torch.float32, 0, torch.randn(8))}
@@ -243,10 +250,7 @@ def test_equally_spaced_segments_read_as_one_strided_view_give_the_same_bytes_in
     segs += [Segment(0, "w", 480 + 48 * 11 + 8, 16), Segment(0, "w", 480 + 48 * 11 + 40, 8)]  # spacing, length change
     segs += [Segment(None, None, 0, 12), Segment(0, "w", 480 + 48 * 20, 48), Segment(0, "w", 480 + 48 * 21, 48)]
     segs += [Segment(0, "z", 0, 4), Segment(0, "w", 480 + 48 * 30, 5), Segment(0, "w", 480 + 48 * 30 + 5, 5)]
-    got = b"".join(
-        bytes(b.contiguous().reshape(-1).numpy())
-        for b in _bytes_of(_Leg(0, 0, segs), SimpleNamespace(dtype=dtype), mine)
-    )
+    got = b"".join(bytes(b.contiguous().reshape(-1).numpy()) for b in leg_buffers(segs, dtype, mine))
     want = b""
     for s in segs:
         if s.source is None:
@@ -255,3 +259,28 @@ def test_equally_spaced_segments_read_as_one_strided_view_give_the_same_bytes_in
         first, t = mine[s.source][2], mine[s.source][3]
         want += bytes(t[s.start - first : s.start - first + s.length].to(dtype).view(torch.uint8).numpy())
     assert got == want
+
+
+def test_a_layout_is_kept_only_for_the_same_config_arguments_and_shards(tmp_path):
+    from weight_checker.expected import layout_cache
+
+    (tmp_path / "config.json").write_text('{"hidden_size": 8}')
+    every = [{"w": ([4, 3], "torch.float32", 0, 6)}, {"w": ([4, 3], "torch.float32", 6, 6)}]
+    sig = layout_cache.signature(str(tmp_path), every, "engine", {"tp": 2, "weight_version": "1"})
+    # The weight version and a progress callback change every call, not the layout.
+    assert sig == layout_cache.signature(str(tmp_path), every, "engine", {"tp": 2, "weight_version": "7"})
+    assert sig == layout_cache.signature(str(tmp_path), every, "engine", {"tp": 2, "progress": print})
+    moved = [{"w": ([4, 3], "torch.float32", 0, 9)}, {"w": ([4, 3], "torch.float32", 9, 3)}]
+    others = [
+        layout_cache.signature(str(tmp_path), moved, "engine", {"tp": 2}),  # uneven shards now
+        layout_cache.signature(str(tmp_path), every, None, {"tp": 2}),
+        layout_cache.signature(str(tmp_path), every, "engine", {"tp": 1}),
+        layout_cache.signature({"model": str(tmp_path)}, every, "engine", {"tp": 2}),
+    ]
+    assert None not in others and len({sig, *others}) == 5
+    (tmp_path / "config.json").write_text('{"hidden_size": 16}')  # an edited config (its size changed)
+    assert layout_cache.signature(str(tmp_path), every, "engine", {"tp": 2}) != sig
+    # An argument told only by its address is never kept.
+    assert layout_cache.signature(str(tmp_path), every, "engine", {"tp": 2, "hook": object()}) is None
+    layout_cache.keep(None, ({}, None, [], []))
+    assert layout_cache.kept(None, {}) is None

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from weight_checker.errors import ExpectedDigestsError
-from weight_checker.expected.sharded import batches_of, sharing_cores, whereabouts
+from weight_checker.expected.sharded import batches_of, leg_buffers, sharing_cores, whereabouts
 from weight_checker.expected.weights import HELD
 
 #: Bytes of a chain state on the wire: its length, then its bytes (at most 109).
@@ -241,11 +241,10 @@ def collective_digests(
     (fp32 masters sent as bf16), cast where each piece lies; ``"engine"``:
     each floating-point weight in the engine's dtype where the loader's
     copies would cast it (as vLLM's ``copy_`` rounds), ``None``: as held."""
-    import torch
     import torch.distributed as dist
 
-    from weight_checker.expected.sharded import check_shards, segments
-    from weight_checker.expected.vllm.layout import layout_and_shell
+    from weight_checker.expected import layout_cache
+    from weight_checker.expected.sharded import check_shards
 
     started = time.perf_counter()
     group = _side_group(group, timeout)
@@ -269,7 +268,41 @@ def collective_digests(
     for rank, theirs in enumerate(every):
         if _FAILED in theirs:
             raise ExpectedDigestsError(theirs[_FAILED] if rank == me else f"rank {rank} failed: {theirs[_FAILED]}")
-    held = _check_agreement(every, check_shards)
+    # The same shards as the last call (a trainer's next step): its layout, kept.
+    sig = layout_cache.signature(model, every, cast_to, expected_args)
+    made, laid = layout_cache.kept(sig, expected_args), time.perf_counter()
+    if made is None:
+        made = _layout(expected, model, mine, _check_agreement(every, check_shards), cast_to, expected_args)
+        layout_cache.keep(sig, made)
+    layout, shell, keys, legs = made
+    shell.seconds["layout"] = time.perf_counter() - laid  # next to nothing where kept
+    batches = 1 if sharing_cores(places) else PIPELINED_BATCHES
+    digests, exchanged = _hash_in_rounds(keys, legs, layout, mine, me, group, timeout, batches)
+    gathered: list[Any] = [None] * world
+    with _within(timeout, "gather the digests"):
+        dist.all_gather_object(gathered, digests, group=group)
+    for part in gathered:
+        for key, hex_digest in part.items():
+            shell[key] = hex_digest
+    missing = [k for k in shell if not shell[k]]
+    if missing:
+        raise ExpectedDigestsError(f"{missing[0]}: no rank finished its digest")
+    shell.seconds["hash"] = time.perf_counter() - started
+    shell.bytes_exchanged = exchanged
+    shell.batches = batches
+    return shell
+
+
+def _layout(
+    expected: Any, model: Any, mine: Mapping[str, Any], held: Any, cast_to: Any, expected_args: dict[str, Any]
+) -> tuple[Any, ...]:
+    """``(layout, shell, keys, legs)``: every key's runs from the engine's
+    loaders (:mod:`.vllm.layout`), cut into legs at the holders' boundaries."""
+    import torch
+
+    from weight_checker.expected.sharded import segments
+    from weight_checker.expected.vllm.layout import layout_and_shell
+
     meta = {n: torch.empty(mine[n][0], dtype=mine[n][1], device="meta") for n in mine}
     layout, shell = layout_and_shell(
         expected, model, meta, cast_to=None if cast_to == "engine" else cast_to, **expected_args
@@ -289,24 +322,8 @@ def collective_digests(
             f"{refused[0]}{more}: {layout[refused[0]].why}: these keys need their tensors gathered"
         )
     keys = sorted(layout)
-    legs: list[list[_Leg]] = []
-    for index, key in enumerate(keys):
-        legs.append(_legs(index, segments(layout[key].runs or (), held)))
-    batches = 1 if sharing_cores(places) else PIPELINED_BATCHES
-    digests, exchanged = _hash_in_rounds(keys, legs, layout, mine, me, group, timeout, batches)
-    gathered: list[Any] = [None] * world
-    with _within(timeout, "gather the digests"):
-        dist.all_gather_object(gathered, digests, group=group)
-    for part in gathered:
-        for key, hex_digest in part.items():
-            shell[key] = hex_digest
-    missing = [k for k in shell if not shell[k]]
-    if missing:
-        raise ExpectedDigestsError(f"{missing[0]}: no rank finished its digest")
-    shell.seconds["hash"] = time.perf_counter() - started
-    shell.bytes_exchanged = exchanged
-    shell.batches = batches
-    return shell
+    legs = [_legs(index, segments(layout[key].runs or (), held)) for index, key in enumerate(keys)]
+    return layout, shell, keys, legs
 
 
 def _check_agreement(every: list[dict[str, Any]], check_shards: Any) -> dict[str, list[_Held]]:
@@ -394,7 +411,11 @@ def _hash_in_rounds(
             states = [None if j == 0 else _received(keys, legs, i, j, group, wait, timeout) for i, _ in batch]
             hasher = _core.MultiHasher.resume(states)
             hasher.update(
-                [(n, data) for n, (i, leg) in enumerate(batch) for data in _bytes_of(leg, layout[keys[i]], mine)]
+                [
+                    (n, data)
+                    for n, (i, leg) in enumerate(batch)
+                    for data in leg_buffers(leg.segments, layout[keys[i]].dtype, mine)
+                ]
             )
             ended = [n for n, (i, _leg) in enumerate(batch) if j == len(legs[i]) - 1]
             exported = hasher.export_states()
@@ -447,46 +468,3 @@ def _global(group: Any, rank: int) -> int:
     import torch.distributed as dist
 
     return rank if group is None else dist.get_global_rank(group, rank)
-
-
-def _bytes_of(leg: _Leg, key_layout: Any, mine: Mapping[str, Any]) -> list[Any]:
-    """The buffers of a leg's segments, in order, from this rank's shards
-    (cast to the engine's dtype where they are not in it: a buffer at a
-    time). Equally spaced segments of one weight (a column slice of its rows:
-    a row-parallel shard) are one strided view, rows read in place."""
-    import torch
-
-    dtype = key_layout.dtype
-    out = []
-    for run in _strided_runs(leg.segments):
-        seg, rows, stride = run[0], len(run), (run[1].start - run[0].start if len(run) > 1 else 0)
-        if seg.source is None:
-            out.append(torch.zeros(seg.length * rows, dtype=torch.uint8))
-            continue
-        _, _, first, local = mine[seg.source]
-        part = local[seg.start - first :]
-        part = part[: seg.length] if rows == 1 else part.as_strided((rows, seg.length), (stride, 1))
-        # On the host (a GPU trainer's shard: a buffer at a time), in the engine's dtype.
-        part = part.to(device="cpu", dtype=dtype)
-        out.append(part.view(torch.uint8))
-    return out
-
-
-def _strided_runs(segs: list[Any]) -> list[list[Any]]:
-    """``segs`` grouped into runs of one weight, one length, and starts
-    equally spaced (at least a segment apart): each run is one 2-D view."""
-    runs: list[list[Any]] = []
-    for seg in segs:
-        run = runs[-1] if runs else None
-        if (
-            run is not None
-            and seg.source is not None
-            and seg.source == run[0].source
-            and seg.length == run[0].length
-            and seg.start - run[-1].start >= seg.length
-            and (len(run) == 1 or seg.start - run[-1].start == run[1].start - run[0].start)
-        ):
-            run.append(seg)
-        else:
-            runs.append([seg])
-    return runs

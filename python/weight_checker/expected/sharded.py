@@ -201,3 +201,45 @@ def sharing_cores(places: list[tuple[str, list[int] | None]]) -> bool:
             if host == other_host and (mine is None or theirs is None or set(mine) & set(theirs)):
                 return True
     return False
+
+
+def leg_buffers(segs: list[Segment], dtype: Any, mine: Mapping[str, Any]) -> list[Any]:
+    """The buffers of a leg's segments, in order, from this rank's shards
+    (cast to the engine's dtype where they are not in it: a buffer at a
+    time). Equally spaced segments of one weight (a column slice of its rows:
+    a row-parallel shard) are one strided view, rows read in place."""
+    import torch
+
+    out = []
+    for run in _strided_runs(segs):
+        seg, rows, stride = run[0], len(run), (run[1].start - run[0].start if len(run) > 1 else 0)
+        if seg.source is None:
+            out.append(torch.zeros(seg.length * rows, dtype=torch.uint8))
+            continue
+        _, _, first, local = mine[seg.source]
+        part = local[seg.start - first :]
+        part = part[: seg.length] if rows == 1 else part.as_strided((rows, seg.length), (stride, 1))
+        # On the host (a GPU trainer's shard: a buffer at a time), in the engine's dtype.
+        part = part.to(device="cpu", dtype=dtype)
+        out.append(part.view(torch.uint8))
+    return out
+
+
+def _strided_runs(segs: list[Segment]) -> list[list[Segment]]:
+    """``segs`` grouped into runs of one weight, one length, and starts
+    equally spaced (at least a segment apart): each run is one 2-D view."""
+    runs: list[list[Segment]] = []
+    for seg in segs:
+        run = runs[-1] if runs else None
+        if (
+            run is not None
+            and seg.source is not None
+            and seg.source == run[0].source
+            and seg.length == run[0].length
+            and seg.start - run[-1].start >= seg.length
+            and (len(run) == 1 or seg.start - run[-1].start == run[1].start - run[0].start)
+        ):
+            run.append(seg)
+        else:
+            runs.append([seg])
+    return runs
