@@ -2,13 +2,13 @@
 gather), against the whole-tensor path on one rank, on a ~1 GB Llama-shaped
 bf16 checkpoint (bench_quantized.py's).
 
-    .venv/bin/python benches/bench_collective.py [--repeat 3]
+    .venv/bin/python benches/bench_collective.py [--repeat 3] [--node-per-rank] [--tp 2]
 
 Two processes on a gloo group each hold their rows of every tensor
 (``LocalShard`` views of the checkpoint's mapping: FSDP2's ``Shard(0)``
-split) and call ``expected_digests`` collectively at TP=1; rank 0 also times
+split) and call ``expected_digests`` collectively at TP=1 (``--tp 2``: TP=2); rank 0 also times
 the whole-tensor path over the full tensors. Each figure is the second call
-in its process (a trainer makes one per step). Printed: seconds, their
+in its process (a trainer makes one per step; the layout is kept). Printed: seconds, their
 ratio, the bytes of chain state sent between the ranks, and each rank's
 peak resident memory during the call (VmHWM reset first: file pages of the
 checkpoint it touches count too). Both ranks share this machine's cores, as
@@ -39,7 +39,7 @@ import torch, torch.distributed as dist
 from safetensors import safe_open
 import weight_checker
 from weight_checker.expected.collective import LocalShard
-ckpt, out = sys.argv[1], sys.argv[2]
+ckpt, out, tp = sys.argv[1], sys.argv[2], int(sys.argv[3])
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 f = safe_open(os.path.join(ckpt, "model.safetensors"), "pt")
@@ -58,21 +58,21 @@ def hwm():
         if line.startswith("VmHWM"):
             return int(line.split()[1]) * 1024
 result = {}
-weight_checker.expected_digests(ckpt, shards)  # imports, the layout's first build
+weight_checker.expected_digests(ckpt, shards, tp=tp)  # imports, the layout's first build
 dist.barrier()
 hwm_reset()
 t = time.perf_counter()
-e = weight_checker.expected_digests(ckpt, shards)
+e = weight_checker.expected_digests(ckpt, shards, tp=tp)
 result["collective"] = time.perf_counter() - t
 result["collective_hwm"] = hwm()
 result["exchanged"] = e.bytes_exchanged
 dist.barrier()
 if rank == 0:
     whole = {n: f.get_tensor(n) for n in f.keys()}
-    weight_checker.expected_digests(ckpt, whole)
+    weight_checker.expected_digests(ckpt, whole, tp=tp)
     hwm_reset()
     t = time.perf_counter()
-    w = weight_checker.expected_digests(ckpt, whole)
+    w = weight_checker.expected_digests(ckpt, whole, tp=tp)
     result["whole"] = time.perf_counter() - t
     result["whole_hwm"] = hwm()
     result["equal"] = dict(w) == dict(e)
@@ -85,7 +85,7 @@ dist.destroy_process_group()
 """
 
 
-def run(ckpt: Path, world: int, node_per_rank: bool = False) -> list[dict]:
+def run(ckpt: Path, world: int, node_per_rank: bool = False, tp: int = 1) -> list[dict]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -99,7 +99,7 @@ def run(ckpt: Path, world: int, node_per_rank: bool = False) -> list[dict]:
             cores = sorted(os.sched_getaffinity(0))
             env |= {"WEIGHT_CHECKER_THREADS": "1", "OMP_NUM_THREADS": "1"}
             pin = ["taskset", "-c", str(cores[rank % len(cores)])]
-        procs.append(subprocess.Popen([*pin, sys.executable, "-c", RANK, str(ckpt), str(out)], env=env,
+        procs.append(subprocess.Popen([*pin, sys.executable, "-c", RANK, str(ckpt), str(out), str(tp)], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))  # fmt: skip
     logs = [p.communicate()[0] for p in procs]
     if any(p.returncode for p in procs):
@@ -111,10 +111,15 @@ def main() -> None:
     node_per_rank = "--node-per-rank" in sys.argv
     if node_per_rank:
         sys.argv.remove("--node-per-rank")
+    tp = 1
+    if "--tp" in sys.argv:
+        at = sys.argv.index("--tp")
+        tp = int(sys.argv[at + 1])
+        del sys.argv[at : at + 2]
     how = "one core and one hashing thread a rank" if node_per_rank else "both ranks on every core"
-    args, ckpt = setup(__doc__ or "", f"; trainer world 2, engine TP=1; {how}")
+    args, ckpt = setup(__doc__ or "", f"; trainer world 2, engine TP={tp}; {how}")
     for _ in range(args.repeat):
-        ranks = run(ckpt, 2, node_per_rank)
+        ranks = run(ckpt, 2, node_per_rank, tp)
         collective = max(r["collective"] for r in ranks)
         whole = ranks[0]["whole"]
         sent = " + ".join(str(r["exchanged"]) for r in ranks)

@@ -284,3 +284,65 @@ def test_a_layout_is_kept_only_for_the_same_config_arguments_and_shards(tmp_path
     assert layout_cache.signature(str(tmp_path), every, "engine", {"tp": 2, "hook": object()}) is None
     layout_cache.keep(None, ({}, None, [], []))
     assert layout_cache.kept(None, {}) is None
+
+
+def _runs_to_the_end(chains: list, plans: list) -> bool:
+    """Every rank runs its batches in order, a batch once the legs before
+    its own (on other ranks) are hashed: whether all end (no rank waits on
+    a batch that waits on it)."""
+    done: set = set()
+    at = [0] * len(plans)
+    moved = True
+    while moved:
+        moved = False
+        for rank, plan in enumerate(plans):
+            while at[rank] < len(plan) and all(j == 0 or (i, j - 1) in done for i, j in plan[at[rank]]):
+                done.update(plan[at[rank]])
+                at[rank] += 1
+                moved = True
+    return all(at[r] == len(p) for r, p in enumerate(plans))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_every_plan_hashes_each_leg_once_on_its_holder_and_never_waits_on_itself(seed):
+    import random
+
+    from weight_checker.expected.sharded import plan_batches
+
+    rng = random.Random(seed)
+    world = rng.choice([2, 3, 4])
+    chains = []
+    for _ in range(rng.randint(1, 30)):
+        holder, chain = rng.randrange(world), []
+        for _ in range(rng.randint(1, 6)):
+            chain.append((holder, rng.choice([0, 64, 4096, 1 << 20, 40 << 20])))
+            holder = rng.choice([r for r in range(world) if r != holder])
+        chains.append(chain)
+    for batches in (1, 4):
+        plans = [plan_batches(chains, me, batches) for me in range(world)]
+        for me, plan in enumerate(plans):
+            legs = [leg for batch in plan for leg in batch]
+            assert sorted(legs) == sorted((i, j) for i, c in enumerate(chains) for j, (r, _) in enumerate(c) if r == me)
+            assert all(batch for batch in plan)
+        assert _runs_to_the_end(chains, plans), (chains, plans)
+
+
+def test_a_tp2_like_plan_hashes_what_others_continue_first_and_a_tp1_like_one_in_batches():
+    from weight_checker.expected.sharded import plan_batches
+
+    mb = 1 << 20
+    # Each rank starts chains of its own (TP=2 from two trainer ranks): two
+    # long column-parallel shards, four medium ones, and row-parallel keys
+    # whose first half is rank 0's.
+    chains = [[(0, 64 * mb)], [(1, 64 * mb)], *[[(r, 8 * mb)] for r in (0, 0, 0, 1, 1, 1)]]
+    chains += [[(0, 3 * mb), (1, 3 * mb)] for _ in range(3)]
+    zero, one = plan_batches(chains, 0, 4), plan_batches(chains, 1, 4)
+    assert zero == [[(8, 0), (9, 0), (10, 0)], [(0, 0), (2, 0), (3, 0), (4, 0)]]
+    # Rank 1 runs its long shard while rank 0 hashes what it continues, then
+    # the rest of its own with those, in one run.
+    assert one == [[(1, 0)], [(8, 1), (9, 1), (10, 1), (5, 0), (6, 0), (7, 0)]]
+    # Every chain starts on rank 0 (TP=1): rounds cut into batches of about equal bytes.
+    tp1 = [[(0, 10 * mb), (1, 10 * mb)] for _ in range(8)]
+    assert [len(b) for b in plan_batches(tp1, 0, 4)] == [2, 2, 2, 2]
+    assert [len(b) for b in plan_batches(tp1, 1, 4)] == [2, 2, 2, 2]
+    assert plan_batches(tp1, 1, 1) == [[(i, 1) for i in range(8)]]

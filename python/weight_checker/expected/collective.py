@@ -9,11 +9,13 @@ cut where the holder changes (:func:`.sharded.segments`) into *legs*, and a
 key's legs are hashed in turn by their holders, the SHA-256 chain state (at
 most 109 bytes) sent from each to the next. Legs are taken in rounds (every
 key's first leg, then every key's second...), so while one rank continues a
-key the others hash theirs. Where each rank has cores of its own, a round is
-hashed in a few batches, each batch's states sent as soon as it is done, so
-the next holder starts before the round ends; where ranks share a host's
-cores, each round is one multi-buffer run on all of them. Only states and
-digests travel; no weight leaves its rank.
+key the others hash theirs. Where each rank has cores of its own, the legs
+others continue are hashed first, in batches whose states are sent as each
+ends, so the next holder starts before the round ends
+(:func:`.sharded.plan_batches`); where ranks share a host's cores, each round
+is one multi-buffer run on all of them. Only states and digests travel; no
+weight leaves its rank. The layout is kept for the next call with the same
+shards (:mod:`.layout_cache`).
 
 Deadlock-free by construction: every rank walks the same rounds in the same
 order, sends never wait (``isend``), and a receive waits only for a leg
@@ -32,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from weight_checker.errors import ExpectedDigestsError
-from weight_checker.expected.sharded import batches_of, leg_buffers, sharing_cores, whereabouts
+from weight_checker.expected.sharded import leg_buffers, plan_batches, sharing_cores, whereabouts
 from weight_checker.expected.weights import HELD
 
 #: Bytes of a chain state on the wire: its length, then its bytes (at most 109).
@@ -387,12 +389,12 @@ def _hash_in_rounds(
     timeout: float,
     batches: int = 1,
 ) -> tuple[dict[str, str], int]:
-    """This rank's legs hashed round by round; ``({key: hex} of the keys
-    whose last leg is this rank's, bytes of chain state sent)``. Each round
-    in ``batches`` batches of about equal bytes, each one multi-buffer run,
-    its states sent as soon as it is hashed: the next holder continues
-    those keys while this one hashes its next batch. (One batch a round
-    keeps the lanes fullest; where ranks share cores, it is the better.)"""
+    """This rank's legs hashed batch by batch as :func:`.sharded.plan_batches`
+    plans them (every rank plans every rank's alike, from the legs' sizes);
+    ``({key: hex} of the keys whose last leg is this rank's, bytes of chain
+    state sent)``. Each batch is one multi-buffer run, its states sent as
+    soon as it is hashed: the next holder continues those keys while this
+    one hashes its next batch."""
     import torch
     import torch.distributed as dist
 
@@ -402,36 +404,36 @@ def _hash_in_rounds(
     sends: list[Any] = []
     done: dict[str, str] = {}
     exchanged = 0
-    rounds = max((len(k) for k in legs), default=0)
     itemsize = {i: torch.empty((), dtype=layout[key].dtype).element_size() for i, key in enumerate(keys)}
-    for j in range(rounds):
-        todo = [(i, k[j]) for i, k in enumerate(legs) if j < len(k) and k[j].rank == me]
-        sizes = [sum(s.length * (1 if s.source is None else itemsize[i]) for s in leg.segments) for i, leg in todo]
-        for batch in batches_of(todo, sizes, batches):
-            states = [None if j == 0 else _received(keys, legs, i, j, group, wait, timeout) for i, _ in batch]
-            hasher = _core.MultiHasher.resume(states)
-            hasher.update(
-                [
-                    (n, data)
-                    for n, (i, leg) in enumerate(batch)
-                    for data in leg_buffers(leg.segments, layout[keys[i]].dtype, mine)
-                ]
-            )
-            ended = [n for n, (i, _leg) in enumerate(batch) if j == len(legs[i]) - 1]
-            exported = hasher.export_states()
-            for n, (i, _leg) in enumerate(batch):
-                if n in ended:
-                    continue
-                state = exported[n]
-                wire = torch.zeros(_WIRE, dtype=torch.uint8)
-                wire[0] = len(state)
-                wire[1 : 1 + len(state)] = torch.frombuffer(bytearray(state), dtype=torch.uint8)
-                target = legs[i][j + 1].rank
-                sends.append(dist.isend(wire, dst=_global(group, target), group=group, tag=_tag(j, i, len(keys))))
-                exchanged += len(state)
-            if ended:
-                finished = _core.MultiHasher.resume([exported[n] for n in ended]).finish()[0]
-                done.update({keys[batch[n][0]]: h for n, h in zip(ended, finished, strict=True)})
+    chains = [
+        [(leg.rank, sum(s.length * (1 if s.source is None else itemsize[i]) for s in leg.segments)) for leg in chain]
+        for i, chain in enumerate(legs)
+    ]
+    for batch in plan_batches(chains, me, batches):
+        states = [None if j == 0 else _received(keys, legs, i, j, group, wait, timeout) for i, j in batch]
+        hasher = _core.MultiHasher.resume(states)
+        hasher.update(
+            [
+                (n, data)
+                for n, (i, j) in enumerate(batch)
+                for data in leg_buffers(legs[i][j].segments, layout[keys[i]].dtype, mine)
+            ]
+        )
+        ended = [n for n, (i, j) in enumerate(batch) if j == len(legs[i]) - 1]
+        exported = hasher.export_states()
+        for n, (i, j) in enumerate(batch):
+            if n in ended:
+                continue
+            state = exported[n]
+            wire = torch.zeros(_WIRE, dtype=torch.uint8)
+            wire[0] = len(state)
+            wire[1 : 1 + len(state)] = torch.frombuffer(bytearray(state), dtype=torch.uint8)
+            target = legs[i][j + 1].rank
+            sends.append(dist.isend(wire, dst=_global(group, target), group=group, tag=_tag(j, i, len(keys))))
+            exchanged += len(state)
+        if ended:
+            finished = _core.MultiHasher.resume([exported[n] for n in ended]).finish()[0]
+            done.update({keys[batch[n][0]]: h for n, h in zip(ended, finished, strict=True)})
     for work in sends:
         work.wait(wait)
     return done, exchanged

@@ -183,6 +183,59 @@ def batches_of(todo: list[Any], sizes: list[int], batches: int) -> list[list[Any
     return out
 
 
+def plan_batches(chains: Sequence[Sequence[tuple[int, int]]], me: int, batches: int) -> list[list[tuple[int, int]]]:
+    """Rank ``me``'s batches, each a list of ``(key, leg)`` hashed in one
+    multi-buffer run, in the order it runs them; ``chains[key]``: that key's
+    legs as ``(holder, bytes)``.
+
+    Round by round (every key's first leg, then every second one...), so a
+    receive only ever waits for a leg of an earlier round: deadlock-free.
+    With ``batches`` 1 (ranks sharing a host's cores) a round is one run.
+    Else each rank has cores of its own, and:
+
+    - where some rank holds no key's first bytes (a TP=1 engine: every
+      chain starts on rank 0), that rank waits for the others' first
+      batch: every round is cut into ``batches`` runs of about equal bytes,
+      each handed on as it ends;
+    - else (a TP=2 engine: each rank holds whole shards of its own) the
+      first round's legs that others continue are one run, first (their
+      next holders wait on them). Its legs that end their chain wait on no
+      one: where this rank continues others' chains later, only the long
+      ones run now, while the others hash what it will continue, and the
+      rest join its next run (more messages open, the lanes fuller: one
+      run of a lane per long leg is what narrow lanes do best). Every later
+      round is one run.
+
+    Measured at world 2 on 0.98 GB, a core a rank: docs/benchmarks.md."""
+    rounds = max((len(c) for c in chains), default=0)
+    holders = {r for c in chains for r, _ in c}
+    everyone_starts = {c[0][0] for c in chains if c} >= holders
+    continues_later = any(r == me for c in chains for r, _ in c[1:])
+    plan: list[list[tuple[int, int]]] = []
+    deferred: list[tuple[int, int]] = []
+    for j in range(rounds):
+        todo = [(i, j) for i, c in enumerate(chains) if j < len(c) and c[j][0] == me]
+        size = [chains[i][j][1] for i, _ in todo]
+        if batches <= 1:
+            plan += [todo] if todo else []
+        elif not everyone_starts:
+            plan += batches_of(todo, size, batches)
+        elif j == 0:
+            feeding = [leg for leg in todo if leg[1] + 1 < len(chains[leg[0]])]
+            ending = [leg for leg in todo if leg[1] + 1 == len(chains[leg[0]])]
+            if continues_later:
+                long = sum(chains[i][0][1] for i, _ in ending) / 8
+                deferred = [leg for leg in ending if chains[leg[0]][0][1] < long]
+                ending = [leg for leg in ending if chains[leg[0]][0][1] >= long]
+            plan += [run for run in (feeding, ending) if run]
+        elif todo or deferred:
+            plan.append(todo + deferred)
+            deferred = []
+    if deferred:
+        plan.append(deferred)
+    return plan
+
+
 def whereabouts() -> tuple[str, list[int] | None]:
     """This process's host and the cores it may run on."""
     import os
