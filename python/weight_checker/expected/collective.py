@@ -9,11 +9,12 @@ cut where the holder changes (:func:`.sharded.segments`) into *legs*, and a
 key's legs are hashed in turn by their holders, the SHA-256 chain state (at
 most 109 bytes) sent from each to the next. Legs are taken in rounds (every
 key's first leg, then every key's second...), so while one rank continues a
-key the others hash theirs. Where each rank has cores of its own, the legs
-others continue are hashed first, in batches whose states are sent as each
-ends, so the next holder starts before the round ends
-(:func:`.sharded.plan_batches`); where ranks share a host's cores, each round
-is one multi-buffer run on all of them. Only states and digests travel; no
+key the others hash theirs. Where each rank has cores of its own, a round
+is hashed in batches whose states are sent as each ends, so the next holder
+starts before the round ends, and at a world of 2 where both ranks start
+chains the legs the other continues go first (:func:`.sharded.plan_batches`);
+where ranks share a host's cores, each round is one multi-buffer run on all
+of them. Only states and digests travel; no
 weight leaves its rank. The layout is kept for the next call with the same
 shards (:mod:`.layout_cache`).
 
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from weight_checker.errors import ExpectedDigestsError
-from weight_checker.expected.sharded import leg_buffers, plan_batches, sharing_cores, whereabouts
+from weight_checker.expected.sharded import feed_in_pieces, leg_buffers, plan_batches, sharing_cores, whereabouts
 from weight_checker.expected.weights import HELD
 
 #: Bytes of a chain state on the wire: its length, then its bytes (at most 109).
@@ -271,8 +272,9 @@ def collective_digests(
         if _FAILED in theirs:
             raise ExpectedDigestsError(theirs[_FAILED] if rank == me else f"rank {rank} failed: {theirs[_FAILED]}")
     # The same shards as the last call (a trainer's next step): its layout, kept.
+    laid = time.perf_counter()
     sig = layout_cache.signature(model, every, cast_to, expected_args)
-    made, laid = layout_cache.kept(sig, expected_args), time.perf_counter()
+    made = layout_cache.kept(sig, expected_args)
     if made is None:
         made = _layout(expected, model, mine, _check_agreement(every, check_shards), cast_to, expected_args)
         layout_cache.keep(sig, made)
@@ -302,7 +304,7 @@ def _layout(
     loaders (:mod:`.vllm.layout`), cut into legs at the holders' boundaries."""
     import torch
 
-    from weight_checker.expected.sharded import segments
+    from weight_checker.expected.sharded import compact, segments
     from weight_checker.expected.vllm.layout import layout_and_shell
 
     meta = {n: torch.empty(mine[n][0], dtype=mine[n][1], device="meta") for n in mine}
@@ -325,6 +327,8 @@ def _layout(
         )
     keys = sorted(layout)
     legs = [_legs(index, segments(layout[key].runs or (), held)) for index, key in enumerate(keys)]
+    # Kept as runs of rows, not a segment a row (kept between calls: :mod:`.layout_cache`).
+    legs = [[_Leg(leg.key, leg.rank, compact(leg.segments)) for leg in chain] for chain in legs]
     return layout, shell, keys, legs
 
 
@@ -406,18 +410,22 @@ def _hash_in_rounds(
     exchanged = 0
     itemsize = {i: torch.empty((), dtype=layout[key].dtype).element_size() for i, key in enumerate(keys)}
     chains = [
-        [(leg.rank, sum(s.length * (1 if s.source is None else itemsize[i]) for s in leg.segments)) for leg in chain]
+        [
+            (leg.rank, sum(r.length * r.rows * (1 if r.source is None else itemsize[i]) for r in leg.segments))
+            for leg in chain
+        ]
         for i, chain in enumerate(legs)
     ]
     for batch in plan_batches(chains, me, batches):
         states = [None if j == 0 else _received(keys, legs, i, j, group, wait, timeout) for i, j in batch]
         hasher = _core.MultiHasher.resume(states)
-        hasher.update(
-            [
-                (n, data)
+        feed_in_pieces(
+            hasher,
+            (
+                (n, piece)
                 for n, (i, j) in enumerate(batch)
-                for data in leg_buffers(legs[i][j].segments, layout[keys[i]].dtype, mine)
-            ]
+                for piece in leg_buffers(legs[i][j].segments, layout[keys[i]].dtype, mine)
+            ),
         )
         ended = [n for n, (i, j) in enumerate(batch) if j == len(legs[i]) - 1]
         exported = hasher.export_states()

@@ -7,8 +7,13 @@ the bytes do. Making the layout runs the engine's loaders on address space
 and cuts every key's runs at the holders' boundaries: 15-30 ms a call on a
 1 GB Llama at TP=1, and about 0.1 s at TP=2, where a row-parallel key is a
 run a row (tens of thousands of runs). So the last :data:`KEEP` layouts are
-kept, each under a signature of everything it was made from; anything that
-cannot be told apart by value (an object shown by its address) is never kept.
+kept (each leg as runs of rows: :func:`.sharded.compact`), each under a
+signature of everything it was made from: the model directory's configs
+(read), its code files (size and time), the engine's arguments and every
+rank's shard shapes and offsets. Anything that cannot be told apart by
+value (an object shown by its address) is never kept. Not in the signature:
+environment variables and the installed engine, which do not change within
+a process; :func:`forget` drops every kept layout.
 """
 
 from __future__ import annotations
@@ -16,22 +21,28 @@ from __future__ import annotations
 import copy
 import hashlib
 import os
+import threading
 from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
-#: Layouts kept (a trainer alternates at most between a target and a draft).
+#: Layouts kept (two models, or two layouts of one, used in turn).
 KEEP = 2
 #: Arguments that change between calls without changing the layout: set
 #: afresh on the result, never part of the signature.
-PER_CALL = frozenset({"weight_version", "progress"})
+PER_CALL = frozenset({"weight_version"})
+#: A JSON file up to this size is read whole into the signature (a config);
+#: a larger one (a tokenizer's) by its size and time.
+_READ = 1 << 20
 
 _KEPT: OrderedDict[str, tuple[Any, ...]] = OrderedDict()
+_LOCK = threading.Lock()
 
 
-def _config_files(model: Any) -> list[tuple[str, int, int]]:
+def _config_files(model: Any) -> list[tuple[str, Any]]:
     """The model directory's JSON files (its config, the generation and
-    quantization configs): name, mtime and size, so an edited config is a new layout."""
+    quantization configs), each by its content, and its Python files (a
+    model's own code) by size and time: an edited config is a new layout."""
     path = model
     if isinstance(model, Mapping):
         path = model.get("model")
@@ -39,11 +50,17 @@ def _config_files(model: Any) -> list[tuple[str, int, int]]:
         path = getattr(model, "model", None)
     if not isinstance(path, str | os.PathLike) or not os.path.isdir(path):
         return []
-    out: list[tuple[str, int, int]] = []
+    out: list[tuple[str, Any]] = []
     for entry in os.scandir(os.fspath(path)):
-        if entry.name.endswith(".json"):
-            st = entry.stat()
-            out.append((str(entry.name), st.st_mtime_ns, st.st_size))
+        name = str(entry.name)
+        if not name.endswith((".json", ".py")) or not entry.is_file():
+            continue
+        st = entry.stat()
+        if name.endswith(".json") and st.st_size <= _READ:
+            with open(entry.path, "rb") as f:
+                out.append((name, hashlib.sha256(f.read()).hexdigest()))
+        else:
+            out.append((name, (st.st_mtime_ns, st.st_size)))
     return sorted(out)
 
 
@@ -61,10 +78,11 @@ def signature(model: Any, every: list[Any], cast_to: Any, args: Mapping[str, Any
 def kept(sig: str | None, args: Mapping[str, Any]) -> tuple[Any, ...] | None:
     """The kept ``(layout, shell, keys, legs)`` under ``sig``, its shell a
     fresh copy with this call's weight version."""
-    if sig is None or sig not in _KEPT:
-        return None
-    _KEPT.move_to_end(sig)
-    layout, shell, *rest = _KEPT[sig]
+    with _LOCK:
+        if sig is None or sig not in _KEPT:
+            return None
+        _KEPT.move_to_end(sig)
+        layout, shell, *rest = _KEPT[sig]
     shell = copy.deepcopy(shell)
     shell.weight_version = args.get("weight_version")
     return (layout, shell, *rest)
@@ -75,12 +93,15 @@ def keep(sig: str | None, entry: tuple[Any, ...]) -> None:
     if sig is None:
         return
     layout, shell, *rest = entry
-    _KEPT[sig] = (layout, copy.deepcopy(shell), *rest)
-    _KEPT.move_to_end(sig)
-    while len(_KEPT) > KEEP:
-        _KEPT.popitem(last=False)
+    kept = (layout, copy.deepcopy(shell), *rest)
+    with _LOCK:
+        _KEPT[sig] = kept
+        _KEPT.move_to_end(sig)
+        while len(_KEPT) > KEEP:
+            _KEPT.popitem(last=False)
 
 
 def forget() -> None:
     """Drop every kept layout."""
-    _KEPT.clear()
+    with _LOCK:
+        _KEPT.clear()

@@ -19,9 +19,9 @@ segments).
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from weight_checker.errors import ExpectedDigestsError
 
@@ -49,6 +49,30 @@ class Segment:
     source: str | None
     start: int
     length: int
+
+
+class Rows(NamedTuple):
+    """``rows`` runs of ``length`` elements of weight ``source``, the first
+    at element ``start``, each ``stride`` after the one before (a column
+    slice of rows: one 2-D view); ``source`` ``None``: ``length * rows`` zero bytes."""
+
+    source: str | None
+    start: int
+    length: int
+    rows: int
+    stride: int
+
+
+def compact(segs: list[Segment]) -> list[Rows]:
+    """A leg's segments as :class:`Rows`: a row-parallel shard's column
+    slice of every row is one, not a segment a row (what a layout kept
+    between calls holds: tens of millions of rows at 70B)."""
+    out = []
+    for run in _strided_runs(segs):
+        first = run[0]
+        stride = run[1].start - first.start if len(run) > 1 else 0
+        out.append(Rows(first.source, first.start, first.length, len(run), stride))
+    return out
 
 
 def flat_elements(t: Any) -> Any:
@@ -197,7 +221,8 @@ def plan_batches(chains: Sequence[Sequence[tuple[int, int]]], me: int, batches: 
       chain starts on rank 0), that rank waits for the others' first
       batch: every round is cut into ``batches`` runs of about equal bytes,
       each handed on as it ends;
-    - else (a TP=2 engine: each rank holds whole shards of its own) the
+    - else (a TP=2 engine from a world of 2: each rank holds whole shards
+      of its own, and no chain has more than two legs) the
       first round's legs that others continue are one run, first (their
       next holders wait on them). Its legs that end their chain wait on no
       one: where this rank continues others' chains later, only the long
@@ -209,7 +234,9 @@ def plan_batches(chains: Sequence[Sequence[tuple[int, int]]], me: int, batches: 
     Measured at world 2 on 0.98 GB, a core a rank: docs/benchmarks.md."""
     rounds = max((len(c) for c in chains), default=0)
     holders = {r for c in chains for r, _ in c}
-    everyone_starts = {c[0][0] for c in chains if c} >= holders
+    # Measured where no chain has more than two legs (world 2); a longer
+    # chain would go rank to rank one whole run at a time.
+    everyone_starts = {c[0][0] for c in chains if c} >= holders and rounds <= 2
     continues_later = any(r == me for c in chains for r, _ in c[1:])
     plan: list[list[tuple[int, int]]] = []
     deferred: list[tuple[int, int]] = []
@@ -256,26 +283,68 @@ def sharing_cores(places: list[tuple[str, list[int] | None]]) -> bool:
     return False
 
 
-def leg_buffers(segs: list[Segment], dtype: Any, mine: Mapping[str, Any]) -> list[Any]:
-    """The buffers of a leg's segments, in order, from this rank's shards
-    (cast to the engine's dtype where they are not in it: a buffer at a
-    time). Equally spaced segments of one weight (a column slice of its rows:
-    a row-parallel shard) are one strided view, rows read in place."""
+#: Bytes of copies (a cast to the engine's dtype, a device shard brought to
+#: the host, zero padding) one piece of a leg may be: a rank holds its
+#: shards and at most a run's worth of these (:data:`COPIES_A_RUN`).
+COPY_PIECE = 16 << 20
+#: Bytes of copies a multi-buffer run is fed at most: the rest of its
+#: buffers wait for the next update of the same digests.
+COPIES_A_RUN = 64 << 20
+
+
+def leg_buffers(runs: list[Rows], dtype: Any, mine: Mapping[str, Any]) -> Iterator[tuple[Any, bool]]:
+    """The bytes of a leg (its :func:`compact` runs), in order, from this
+    rank's shards, as ``(buffer, whether it is a copy)``. A run of rows is
+    one strided view, rows read in place. Where a shard is not in the
+    engine's dtype, or not on the host, it is cast or brought over a piece
+    of at most :data:`COPY_PIECE` bytes (whole rows) at a time, as it is
+    asked for: a rank holds its shards and a bounded buffer."""
     import torch
 
-    out = []
-    for run in _strided_runs(segs):
-        seg, rows, stride = run[0], len(run), (run[1].start - run[0].start if len(run) > 1 else 0)
-        if seg.source is None:
-            out.append(torch.zeros(seg.length * rows, dtype=torch.uint8))
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    zeros: Any = None
+    for run in runs:
+        if run.source is None:
+            left = run.length * run.rows
+            while left > 0:
+                take = min(left, COPY_PIECE)
+                if zeros is None or take > zeros.numel():
+                    zeros = torch.zeros(take, dtype=torch.uint8)
+                yield zeros[:take], True
+                left -= take
             continue
-        _, _, first, local = mine[seg.source]
-        part = local[seg.start - first :]
-        part = part[: seg.length] if rows == 1 else part.as_strided((rows, seg.length), (stride, 1))
-        # On the host (a GPU trainer's shard: a buffer at a time), in the engine's dtype.
-        part = part.to(device="cpu", dtype=dtype)
-        out.append(part.view(torch.uint8))
-    return out
+        _, _, first, local = mine[run.source]
+        at, end = run.start - first, run.start - first + (run.rows - 1) * run.stride + run.length
+        if local.dim() != 1 or local.stride(0) != 1 or at < 0 or end > local.numel():
+            raise ExpectedDigestsError(
+                f"weight '{run.source}': elements {run.start}..{run.start + end - at} are not in this rank's "
+                f"shard of {local.numel()} elements from element {first}"
+            )
+        part = local[at:]
+        part = part[: run.length] if run.rows == 1 else part.as_strided((run.rows, run.length), (run.stride, 1))
+        if part.dtype == dtype and part.device.type == "cpu":
+            yield part.view(torch.uint8), False
+            continue
+        # Cast (or brought to the host) a piece at a time: whole rows of a 2-D view.
+        per = max(1, COPY_PIECE // (itemsize * (part.shape[1] if part.dim() == 2 else 1)))
+        for row in range(0, part.shape[0], per):
+            yield part[row : row + per].to(device="cpu", dtype=dtype).view(torch.uint8), True
+
+
+def feed_in_pieces(hasher: Any, feeds: Iterable[tuple[int, tuple[Any, bool]]]) -> None:
+    """``hasher.update`` over ``(digest, (buffer, is_copy))`` in order, in
+    runs of at most :data:`COPIES_A_RUN` bytes of copies each (each
+    digest's bytes stay in order: a run ends where the next begins)."""
+    run: list[tuple[int, Any]] = []
+    copied = 0
+    for index, (buffer, is_copy) in feeds:
+        run.append((index, buffer))
+        copied += buffer.numel() if is_copy else 0
+        if copied >= COPIES_A_RUN:
+            hasher.update(run)
+            run, copied = [], 0
+    if run:
+        hasher.update(run)
 
 
 def _strided_runs(segs: list[Segment]) -> list[list[Segment]]:
