@@ -22,12 +22,11 @@ from weight_checker.errors import ExpectedDigestsError
 from weight_checker.expected.collective import (
     PIPELINED_BATCHES,
     LocalShard,
-    _check_agreement,
     _legs,
     _local,
     is_sharded,
 )
-from weight_checker.expected.sharded import Segment, check_shards, sharing_cores
+from weight_checker.expected.sharded import Segment, check_agreement, sharing_cores
 from weight_checker.testing.launch import vllm_available, vllm_env
 
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed")]
@@ -149,15 +148,15 @@ def test_an_fsdp2_trainer_updates_a_real_vllm_server_and_verify_checks_the_updat
 def test_shard_metadata_that_does_not_tile_or_agree_is_refused_naming_the_tensor_and_the_rank():
     w = ([4, 2], "torch.bfloat16")
     ok = [{"w": (*w, 0, 4)}, {"w": (*w, 4, 4)}]
-    assert [(h.rank, h.start, h.end) for h in _check_agreement(ok, check_shards)["w"]] == [(0, 0, 4), (1, 4, 8)]
+    assert [(h.rank, h.start, h.end) for h in check_agreement(ok)["w"]] == [(0, 0, 4), (1, 4, 8)]
     with pytest.raises(ExpectedDigestsError, match=r"weight 'w': the shard of rank 1 at element 2 overlaps"):
-        _check_agreement([{"w": (*w, 0, 4)}, {"w": (*w, 2, 6)}], check_shards)
+        check_agreement([{"w": (*w, 0, 4)}, {"w": (*w, 2, 6)}])
     with pytest.raises(ExpectedDigestsError, match=r"weight 'w': the shards hold 4 of its 8 elements"):
-        _check_agreement([{"w": (*w, 0, 4)}, {"w": (*w, 0, 0)}], check_shards)
+        check_agreement([{"w": (*w, 0, 4)}, {"w": (*w, 0, 0)}])
     with pytest.raises(ExpectedDigestsError, match=r"weight 'w': rank 1 has shape \[4, 3\]"):
-        _check_agreement([{"w": (*w, 0, 4)}, {"w": ([4, 3], w[1], 4, 4)}], check_shards)
+        check_agreement([{"w": (*w, 0, 4)}, {"w": ([4, 3], w[1], 4, 4)}])
     with pytest.raises(ExpectedDigestsError, match=r"weight 'v': rank 1 gives it, rank 0 does not"):
-        _check_agreement([{"w": (*w, 0, 8)}, {"w": (*w, 8, 0), "v": (*w, 0, 8)}], check_shards)
+        check_agreement([{"w": (*w, 0, 8)}, {"w": (*w, 8, 0), "v": (*w, 0, 8)}])
 
 
 def test_local_shards_are_whole_rows_of_their_tensor():
@@ -401,3 +400,71 @@ def test_a_run_of_rows_past_the_end_of_this_ranks_shard_is_refused_never_read():
     for run in (Rows("w", 50, 5, 11, 10), Rows("w", 40, 5, 1, 0), Rows("w", 145, 6, 1, 0)):
         with pytest.raises(ExpectedDigestsError, match=r"weight 'w': elements .* are not in this rank's shard"):
             list(leg_buffers([run], torch.bfloat16, mine))
+
+
+RANKS_DISAGREE = r"""
+import os, sys, json, torch, torch.distributed as dist
+import weight_checker
+from safetensors.torch import load_file
+from weight_checker.errors import ExpectedDigestsError
+from weight_checker.expected import collective
+from weight_checker.expected.collective import LocalShard
+ckpt, out = sys.argv[1], sys.argv[2]
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+full = load_file(os.path.join(ckpt, "model.safetensors"))
+def shards():
+    out = {}
+    for n, t in full.items():
+        half = -(-t.shape[0] // 2)
+        out[n] = LocalShard(t[rank * half : (rank + 1) * half], min(rank * half, t.shape[0]), tuple(t.shape))
+    return out
+said = []
+def attempt(**args):
+    try:
+        weight_checker.expected_digests(ckpt, shards(), timeout=60, **args)
+        said.append("ok")
+    except ExpectedDigestsError as e:
+        said.append(str(e))
+# Rank 1 asks for another engine: refused on both, never chains cut for one dtype continued in another.
+attempt(**({"dtype": "float16"} if rank == 1 else {}))
+# The layout fails on rank 1 alone (after the shapes were exchanged): both say so at once.
+if rank == 1:
+    real, collective._layout = collective._layout, lambda *a: (_ for _ in ()).throw(TypeError("injected"))
+attempt()
+if rank == 1:
+    collective._layout = real
+# And the group still serves a correct call.
+got = weight_checker.expected_digests(ckpt, shards(), timeout=60)
+whole = weight_checker.expected_digests(ckpt, full) if rank == 0 else None
+if rank == 0:
+    json.dump({"said": said, "equal": dict(got) == dict(whole)}, open(out, "w"))
+else:
+    json.dump({"said": said}, open(out + ".1", "w"))
+dist.destroy_process_group()
+"""
+
+
+def test_ranks_that_ask_for_other_engines_or_fail_alone_are_refused_on_every_rank_at_once(models, tmp_path):
+    odd = models.path("odd")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "out.json"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", RANKS_DISAGREE, str(odd), str(out)],
+            env=vllm_env(env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(r), "WORLD_SIZE": "2"}),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    logs = [p.communicate(timeout=600)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
+    zero, one = json.loads(out.read_text()), json.loads(Path(str(out) + ".1").read_text())
+    assert zero["equal"]
+    for said in (zero["said"], one["said"]):
+        assert said[0].startswith("rank 1 asks for another engine than rank 0") and "dtype='float16'" in said[0]
+    assert zero["said"][1] == "rank 1 failed: TypeError: injected" and one["said"][1] == "TypeError: injected"

@@ -60,6 +60,17 @@ _FAILED = "\x00failed"
 _SIDE: dict[Any, Any] = {}
 
 
+def _arguments(cast_to: Any, expected_args: Mapping[str, Any]) -> str:
+    """What this rank asks the engine's loaders for, as every rank must
+    (an object shown by its address, such as a callback, by its type)."""
+    shown = []
+    for key, value in sorted(expected_args.items()):
+        if key != "weight_version":
+            text = repr(value)
+            shown.append(f"{key}={type(value).__name__ if ' at 0x' in text else text}")
+    return ", ".join([f"cast_to={cast_to}", *shown])
+
+
 def _side_group(group: Any, timeout: float) -> Any:
     """A gloo group over ``group``'s ranks (the world's by default), made
     once, by every rank of ``group`` (each calls expected_digests); its
@@ -86,18 +97,11 @@ def _within(timeout: float, what: str) -> Iterator[None]:
     try:
         yield
     except RuntimeError as e:
+        _SIDE.clear()  # its connections may be closed: the next call makes the group afresh
         raise ExpectedDigestsError(
             f"not every rank of the trainer's group took part within {timeout:g} s to {what} (every rank calls "
             f"expected_digests with its shards): {str(e).splitlines()[0] if str(e) else type(e).__name__}"
         ) from e
-
-
-class _Held(NamedTuple):
-    """Rank ``rank`` holds elements ``[start, end)`` of a tensor's flattening."""
-
-    rank: int
-    start: int
-    end: int
 
 
 class _Leg(NamedTuple):
@@ -180,6 +184,9 @@ def _local(name: str, value: Any, me: int) -> tuple[tuple[int, ...], Any, int, A
         shape, local, row = tuple(value.shape), value, 0 if me == 0 else None  # whole on every rank: rank 0's
     else:
         raise ExpectedDigestsError(f"weight '{name}' on rank {me}: {type(value).__name__} is not a tensor or a shard")
+    if not all(type(d) is int or (isinstance(d, torch.SymInt | int) and int(d) == d) for d in shape):
+        raise ExpectedDigestsError(f"weight '{name}' on rank {me}: shape {list(shape)} is not whole numbers")
+    shape = tuple(int(d) for d in shape)
     if row is None:
         return shape, local.dtype, 0, None
     per_row = torch.Size(shape[1:]).numel() if len(shape) > 1 else 1
@@ -247,7 +254,7 @@ def collective_digests(
     import torch.distributed as dist
 
     from weight_checker.expected import layout_cache
-    from weight_checker.expected.sharded import check_shards
+    from weight_checker.expected.sharded import check_agreement
 
     started = time.perf_counter()
     group = _side_group(group, timeout)
@@ -262,22 +269,40 @@ def collective_digests(
     except ExpectedDigestsError as e:  # told to every rank at the first exchange: none waits on this one
         mine, described = {}, {_FAILED: str(e)}
     every: list[Any] = [None] * world
-    # Where this rank runs goes with its shards: the one exchange before the
-    # chain's, whose receives name a rank that does not answer in time.
+    # Where this rank runs and what it asks for go with its shards: the one
+    # exchange before the chain's, whose receives name a rank that does not answer in time.
+    asked = _arguments(cast_to, expected_args)
     with _within(timeout, "exchange the shards' shapes"):
-        dist.all_gather_object(every, (whereabouts(), described), group=group)
-    places = [where for where, _ in every]
-    every = [theirs for _, theirs in every]
+        dist.all_gather_object(every, (whereabouts(), asked, described), group=group)
+    places = [where for where, _, _ in every]
+    for rank, (_, theirs, _) in enumerate(every):
+        if theirs != every[0][1]:  # chains cut for one engine, continued for another
+            raise ExpectedDigestsError(
+                f"rank {rank} asks for another engine than rank 0 (every rank passes the same arguments): "
+                f"{theirs} against {every[0][1]}"
+            )
+    every = [theirs for _, _, theirs in every]
     for rank, theirs in enumerate(every):
         if _FAILED in theirs:
             raise ExpectedDigestsError(theirs[_FAILED] if rank == me else f"rank {rank} failed: {theirs[_FAILED]}")
     # The same shards as the last call (a trainer's next step): its layout, kept.
     laid = time.perf_counter()
-    sig = layout_cache.signature(model, every, cast_to, expected_args)
-    made = layout_cache.kept(sig, expected_args)
-    if made is None:
-        made = _layout(expected, model, mine, _check_agreement(every, check_shards), cast_to, expected_args)
-        layout_cache.keep(sig, made)
+    failure, made = None, None
+    try:
+        sig = layout_cache.signature(model, every, cast_to, expected_args)
+        made = layout_cache.kept(sig, expected_args)
+        if made is None:
+            made = _layout(expected, model, mine, check_agreement(every), cast_to, expected_args)
+            layout_cache.keep(sig, made)
+    except Exception as e:  # told to every rank, or the others would wait on this one's states
+        failure = str(e) if isinstance(e, ExpectedDigestsError) else f"{type(e).__name__}: {e}".splitlines()[0]
+    outcomes: list[Any] = [None] * world
+    with _within(timeout, "agree on the layout"):
+        dist.all_gather_object(outcomes, failure, group=group)
+    for rank, failed in enumerate(outcomes):
+        if failed:
+            raise ExpectedDigestsError(failed if rank == me else f"rank {rank} failed: {failed}")
+    assert made is not None
     layout, shell, keys, legs = made
     shell.seconds["layout"] = time.perf_counter() - laid  # next to nothing where kept
     batches = 1 if sharing_cores(places) else PIPELINED_BATCHES
@@ -330,40 +355,6 @@ def _layout(
     # Kept as runs of rows, not a segment a row (kept between calls: :mod:`.layout_cache`).
     legs = [[_Leg(leg.key, leg.rank, compact(leg.segments)) for leg in chain] for chain in legs]
     return layout, shell, keys, legs
-
-
-def _check_agreement(every: list[dict[str, Any]], check_shards: Any) -> dict[str, list[_Held]]:
-    """The shards of every weight across the ranks, refused in one line
-    where the ranks disagree on its shape or dtype, or its shards do not tile it."""
-    import math
-
-    names = every[0].keys()
-    for rank, described in enumerate(every):
-        for name in sorted(set(names) ^ set(described)):
-            which = f"rank {rank} gives it, rank 0 does not" if name in described else f"rank {rank} does not give it"
-            raise ExpectedDigestsError(
-                f"weight '{name}': {which} (every rank passes every weight, its shard empty or not)"
-            )
-    held: dict[str, list[_Held]] = {}
-    for name in names:
-        shape, dtype = every[0][name][0], every[0][name][1]
-        for rank, described in enumerate(every):
-            if list(described[name][:2]) != [shape, dtype]:
-                raise ExpectedDigestsError(
-                    f"weight '{name}': rank {rank} has shape {described[name][0]} {described[name][1]}, "
-                    f"rank 0 {shape} {dtype}"
-                )
-        parts = [_Held(r, d[name][2], d[name][2] + d[name][3]) for r, d in enumerate(every) if d[name][3]]
-        ordered = check_shards(name, [_Sized(p) for p in parts], math.prod(shape))
-        held[name] = [p.held for p in ordered]
-    return held
-
-
-class _Sized:
-    """A :class:`_Held` as :func:`check_shards` reads a shard."""
-
-    def __init__(self, held: _Held):
-        self.held, self.rank, self.start, self.end = held, held.rank, held.start, held.end
 
 
 def _legs(index: int, segs: list[Any]) -> list[_Leg]:
@@ -442,8 +433,9 @@ def _hash_in_rounds(
         if ended:
             finished = _core.MultiHasher.resume([exported[n] for n in ended]).finish()[0]
             done.update({keys[batch[n][0]]: h for n, h in zip(ended, finished, strict=True)})
-    for work in sends:
-        work.wait(wait)
+    with _within(timeout, "take the chain states this rank handed on"):
+        for work in sends:
+            work.wait(wait)
     return done, exchanged
 
 
@@ -464,6 +456,7 @@ def _received(keys: list[str], legs: list[list[_Leg]], i: int, j: int, group: An
     try:
         work.wait(wait)
     except RuntimeError as e:
+        _SIDE.clear()  # its connections may be closed: the next call makes the group afresh
         raise ExpectedDigestsError(
             f"{keys[i]}: rank {source} did not hand on its chain state within {timeout:g} s ({e})"
         ) from e

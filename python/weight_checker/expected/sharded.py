@@ -84,8 +84,9 @@ def flat_elements(t: Any) -> Any:
     return flat if flat.numel() == 0 or flat.stride(0) == 1 else flat.clone(memory_format=torch.contiguous_format)
 
 
-def check_shards(name: str, shards: Sequence[Shard], numel: int) -> list[Shard]:
-    """``shards`` in order, refused in one line unless they tile the
+def check_shards(name: str, shards: Sequence[Any], numel: int) -> list[Any]:
+    """``shards`` (anything with ``rank``, ``start`` and ``end``: a :class:`Shard`,
+    a :class:`Held`) in order, refused in one line unless they tile the
     tensor's ``numel`` elements exactly once."""
     ordered = sorted(shards, key=lambda s: s.start)
     at = 0
@@ -97,6 +98,40 @@ def check_shards(name: str, shards: Sequence[Shard], numel: int) -> list[Shard]:
     if at != numel:
         raise ExpectedDigestsError(f"weight '{name}': the shards hold {at} of its {numel} elements")
     return ordered
+
+
+class Held(NamedTuple):
+    """Rank ``rank`` holds elements ``[start, end)`` of a tensor's flattening."""
+
+    rank: int
+    start: int
+    end: int
+
+
+def check_agreement(every: list[dict[str, Any]]) -> dict[str, list[Held]]:
+    """The shards of every weight across the ranks, refused in one line
+    where the ranks disagree on its shape or dtype, or its shards do not tile it."""
+    import math
+
+    names = every[0].keys()
+    for rank, described in enumerate(every):
+        for name in sorted(set(names) ^ set(described)):
+            which = f"rank {rank} gives it, rank 0 does not" if name in described else f"rank {rank} does not give it"
+            raise ExpectedDigestsError(
+                f"weight '{name}': {which} (every rank passes every weight, its shard empty or not)"
+            )
+    held: dict[str, list[Held]] = {}
+    for name in names:
+        shape, dtype = every[0][name][0], every[0][name][1]
+        for rank, described in enumerate(every):
+            if list(described[name][:2]) != [shape, dtype]:
+                raise ExpectedDigestsError(
+                    f"weight '{name}': rank {rank} has shape {described[name][0]} {described[name][1]}, "
+                    f"rank 0 {shape} {dtype}"
+                )
+        parts = [Held(r, d[name][2], d[name][2] + d[name][3]) for r, d in enumerate(every) if d[name][3]]
+        held[name] = check_shards(name, parts, math.prod(shape))
+    return held
 
 
 def segments(runs: Iterable[Any], shards: Mapping[str, Sequence[Any]]) -> list[Segment]:

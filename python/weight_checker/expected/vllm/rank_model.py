@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import sys
 import threading
@@ -148,7 +149,10 @@ def cache_key(model: Any, settings: Mapping[str, Any]) -> str | None:
     else:
         return None
     try:
-        stamp = (Path(directory) / "config.json").stat().st_mtime_ns if directory is not None else 0
+        # Its content, not its time: a config copied with its time kept
+        # (``cp -p``, rsync) or rewritten within a coarse clock tick is new.
+        config = (Path(directory) / "config.json").read_bytes() if directory is not None else b""
+        stamp: Any = hashlib.sha256(config).hexdigest()
     except OSError:
         stamp = 0  # not a local directory (a hub id): its arguments (revision included) are the key
     described = {"model": model if isinstance(model, Mapping) else str(model), "stamp": stamp, **settings}
