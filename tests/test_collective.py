@@ -276,11 +276,15 @@ def test_a_layout_is_kept_only_for_the_same_config_arguments_and_shards(tmp_path
         layout_cache.signature({"model": str(tmp_path)}, every, "engine", {"tp": 2}),
     ]
     assert None not in others and len({sig, *others}) == 5
-    # An edited config is a new layout, even of the same size and time (copied with ``cp -p``).
-    stat = os.stat(tmp_path / "config.json")
+    # An edited config is a new layout, even of the same size and time (copied with
+    # ``cp -p``), and so are the rank models it is built from.
+    from weight_checker.expected.vllm.rank_model import cache_key
+
+    stat, built = os.stat(tmp_path / "config.json"), cache_key(str(tmp_path), {"tp": 2})
     (tmp_path / "config.json").write_text('{"hidden_size": 9}')
     os.utime(tmp_path / "config.json", ns=(stat.st_atime_ns, stat.st_mtime_ns))
     assert layout_cache.signature(str(tmp_path), every, "engine", {"tp": 2}) != sig
+    assert cache_key(str(tmp_path), {"tp": 2}) != built
     # An argument told only by its address is never kept.
     assert layout_cache.signature(str(tmp_path), every, "engine", {"tp": 2, "hook": object()}) is None
     layout_cache.keep(None, ({}, None, [], []))
