@@ -353,6 +353,35 @@ def test_a_tp2_like_plan_hashes_what_others_continue_first_and_a_tp1_like_one_in
     assert plan_batches(tp1, 1, 1) == [[(i, 1) for i in range(8)]]
 
 
+def test_a_tp1_like_plan_runs_sixteen_legs_of_a_size_together_and_the_next_holder_relays_each_run():
+    from weight_checker.expected.sharded import plan_batches
+
+    mb = 1 << 20
+    # A Llama at TP=1 from two trainer ranks: every chain starts on rank 0.
+    # Per layer: o_proj and down_proj halves (2 legs), q|k|v halves (6 legs),
+    # gate|up halves (4 legs), a norm; then the embedding and the LM head.
+    chains: list[list[tuple[int, int]]] = []
+    for _ in range(8):
+        chains.append([(0, 4 * mb), (1, 4 * mb)])  # o_proj
+        chains.append([(0, 4 * mb), (1, 4 * mb), (0, mb), (1, mb), (0, mb), (1, mb)])  # qkv
+        chains.append([(0, 11 * mb), (1, 11 * mb), (0, 11 * mb), (1, 11 * mb)])  # gate_up
+        chains.append([(0, 11 * mb), (1, 11 * mb)])  # down_proj
+        chains.append([(0, 4096), (1, 4096)])  # a norm
+    chains += [[(0, 64 * mb), (1, 64 * mb)], [(0, 64 * mb), (1, 64 * mb)]]
+    zero, one = plan_batches(chains, 0, 4), plan_batches(chains, 1, 4)
+    sizes = [sorted({chains[i][j][1] for i, j in run}) for run in zero]
+    # Short legs first, so that rank 1 begins soon; the 16 legs of 4 MB,
+    # then of 11 MB, each one run (all 16 lanes busy to the end); the two
+    # long legs last, together.
+    assert sizes[:4] == [[4096], [4 * mb], [11 * mb], [64 * mb]], sizes
+    assert [len(run) for run in zero[:4]] == [8, 16, 16, 2]
+    # Rank 1 relays each of rank 0's runs as one run, in the same order.
+    assert [[i for i, _ in run] for run in one[:4]] == [[i for i, _ in run] for run in zero[:4]]
+    assert all(j == 1 for run in one[:4] for _, j in run)
+    # Later rounds follow the runs their previous legs ended in.
+    assert [sorted({j for _, j in run}) for run in zero[4:]] == [[2], [2], [4]]
+
+
 def test_copies_are_made_a_bounded_piece_at_a_time_and_fed_in_bounded_runs(monkeypatch):
     # fp32 masters into a bf16 engine: each piece is cast where it lies. A
     # rank must never hold more than its shards and a bounded buffer, so a

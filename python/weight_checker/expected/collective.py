@@ -439,9 +439,10 @@ def _hash_in_rounds(
     return done, exchanged
 
 
-#: Batches a round is cut into where each rank hashes on cores of its own
-#: (measured, trainer world 2 on 0.98 GB, a core a rank: 1 batch 0.50-0.55 s,
-#: 4 batches 0.37-0.39 s, 8 0.38-0.40 s, 16 0.40-0.43 s; docs/benchmarks.md).
+#: Where each rank hashes on cores of its own, its rounds are cut into
+#: pipelined runs (:func:`.sharded.plan_batches`; measured, trainer world 2 on
+#: 0.98 GB, a core a rank: one run a round 0.50-0.55 s, pipelined 0.32-0.36 s
+#: at TP=1; docs/benchmarks.md). Ranks sharing cores run a round at a time.
 PIPELINED_BATCHES = 4
 
 

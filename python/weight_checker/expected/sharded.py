@@ -19,6 +19,7 @@ segments).
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -253,9 +254,8 @@ def plan_batches(chains: Sequence[Sequence[tuple[int, int]]], me: int, batches: 
     Else each rank has cores of its own, and:
 
     - where some rank holds no key's first bytes (a TP=1 engine: every
-      chain starts on rank 0), that rank waits for the others' first
-      batch: every round is cut into ``batches`` runs of about equal bytes,
-      each handed on as it ends;
+      chain starts on rank 0), that rank waits for the others' batches:
+      :func:`_relayed`;
     - else (a TP=2 engine from a world of 2: each rank holds whole shards
       of its own, and no chain has more than two legs) the
       first round's legs that others continue are one run, first (their
@@ -272,16 +272,15 @@ def plan_batches(chains: Sequence[Sequence[tuple[int, int]]], me: int, batches: 
     # Measured where no chain has more than two legs (world 2); a longer
     # chain would go rank to rank one whole run at a time.
     everyone_starts = {c[0][0] for c in chains if c} >= holders and rounds <= 2
+    if batches > 1 and not everyone_starts:
+        return _relayed(chains, me)
     continues_later = any(r == me for c in chains for r, _ in c[1:])
     plan: list[list[tuple[int, int]]] = []
     deferred: list[tuple[int, int]] = []
     for j in range(rounds):
         todo = [(i, j) for i, c in enumerate(chains) if j < len(c) and c[j][0] == me]
-        size = [chains[i][j][1] for i, _ in todo]
         if batches <= 1:
             plan += [todo] if todo else []
-        elif not everyone_starts:
-            plan += batches_of(todo, size, batches)
         elif j == 0:
             feeding = [leg for leg in todo if leg[1] + 1 < len(chains[leg[0]])]
             ending = [leg for leg in todo if leg[1] + 1 == len(chains[leg[0]])]
@@ -325,6 +324,82 @@ COPY_PIECE = 16 << 20
 #: Bytes of copies a multi-buffer run is fed at most: the rest of its
 #: buffers wait for the next update of the same digests.
 COPIES_A_RUN = 64 << 20
+
+
+#: The fewest legs of one size a run of their own takes: the 16-lane
+#: kernel's lanes all busy to the end (fewer, or mixed lengths, and the core
+#: runs two SHA-NI lanes a thread, about 0.65x as fast on an Intel Xeon).
+LANES = 16
+
+
+def _size_class(size: int) -> int:
+    """Legs whose sizes lie within a quarter of an octave share a class: in
+    one 16-lane run, the shortest lane then idles at most a fifth of it."""
+    return round(math.log2(size) * 4) if size > 0 else -1
+
+
+def _first_round(todo: list[tuple[int, int]], sizes: list[int]) -> list[list[tuple[int, int]]]:
+    """The runs of a round no one waits on: every :data:`LANES` legs of one
+    size class together, the rest cut into up to 4 runs of about equal bytes, in
+    order of their longest leg (short ones first, so that the next holders
+    begin soon), and the longest legs (each over an eighth of the round) one
+    run, last: a lane each, they end when it ends."""
+    long = sum(sizes) / 8
+    position = {leg: n for n, leg in enumerate(todo)}
+    classes: dict[int, list[tuple[tuple[int, int], int]]] = {}
+    for leg, size in zip(todo, sizes, strict=True):
+        if size <= long:
+            classes.setdefault(_size_class(size), []).append((leg, size))
+    runs: list[list[tuple[tuple[int, int], int]]] = []
+    rest: list[tuple[tuple[int, int], int]] = []
+    for members in classes.values():
+        whole = len(members) - len(members) % LANES
+        runs += [members[at : at + LANES] for at in range(0, whole, LANES)]
+        rest += members[whole:]
+    rest.sort(key=lambda m: position[m[0]])  # the keys' order: a layer's legs together
+    # At most 4 runs, each at least an eighth of the round: a run of a few
+    # small legs would only wait on the transport.
+    cuts = min(4, math.ceil(sum(size for _, size in rest) / long)) if long else 1
+    runs += [
+        [(leg, sizes[position[leg]]) for leg in cut]
+        for cut in batches_of([leg for leg, _ in rest], [size for _, size in rest], cuts)
+    ]
+    runs.sort(key=lambda run: max(size for _, size in run))
+    longest = [leg for leg, size in zip(todo, sizes, strict=True) if size > long]
+    return [[leg for leg, _ in run] for run in runs] + ([longest] if longest else [])
+
+
+def _relayed(chains: Sequence[Sequence[tuple[int, int]]], me: int) -> list[list[tuple[int, int]]]:
+    """Rank ``me``'s runs where some rank starts no chain (a TP=1 engine:
+    every chain starts on rank 0). Each rank's first round is cut by
+    :func:`_first_round`; every later leg then runs with the others whose
+    previous legs ended in the same run of their holder, in that run's
+    order: the next holder relays each run as soon as it is handed on, so
+    it never waits on a later run than the one it needs (rounds cut by
+    bytes alone had it waiting on runs of 131 MB for legs of 4 MB, and ran
+    mixed lengths at two lanes' speed). Every rank plans every rank's alike.
+
+    Measured at world 2 on 0.98 GB, a core a rank: docs/benchmarks.md."""
+    rounds = max((len(c) for c in chains), default=0)
+    holders = sorted({r for c in chains for r, _ in c})
+    plans: dict[int, list[list[tuple[int, int]]]] = {r: [] for r in holders}
+    made: dict[tuple[int, int], int] = {}  # a leg -> the index of its run in its holder's plan
+    for j in range(rounds):
+        for rank in holders:
+            todo = [(i, j) for i, c in enumerate(chains) if j < len(c) and c[j][0] == rank]
+            if not todo:
+                continue
+            if j == 0:
+                runs = _first_round(todo, [chains[i][0][1] for i, _ in todo])
+            else:
+                after: dict[int, list[tuple[int, int]]] = {}
+                for i, _ in todo:
+                    after.setdefault(made[(i, j - 1)], []).append((i, j))
+                runs = [after[k] for k in sorted(after)]
+            for run in runs:
+                made.update((leg, len(plans[rank])) for leg in run)
+                plans[rank].append(run)
+    return plans.get(me, [])
 
 
 def leg_buffers(runs: list[Rows], dtype: Any, mine: Mapping[str, Any]) -> Iterator[tuple[Any, bool]]:
