@@ -208,6 +208,40 @@ def test_fp8_a_column_parallel_layer_loaded_from_rank_0s_shard_is_named_shard_of
     assert causes == dict.fromkeys(wrong, "shard-of:tp0"), causes
 
 
+@pytest.mark.parametrize("fp8", ["fp8-tp2"], indirect=True)
+def test_fp8_a_row_parallel_layer_loaded_from_rank_0s_shard_is_named_through_the_all_reduced_amax(fp8, tmp_path):
+    """Rank 1's down_proj holds rank 0's columns (the trainer's tensor sent
+    with its second half of every row a copy of the first, as a loader that
+    narrowed at rank 0 everywhere gives). vLLM all-reduces each row's amax
+    over the ranks, so both ranks' scales and weights change and no rank's
+    bytes are another's expected ones: the explanation recomputes the stage
+    through vLLM with that layer narrowed at rank 0 on rank 1, and names
+    rank 1's keys ``shard-of:tp0`` and rank 0's ``reduced-with:tp1``."""
+    server, _ = fp8
+    step1 = train_step(state_of(server), 1)
+    expected = weight_checker.expected_digests(None, step1.items(), like=server.url)
+    faulty = dict(step1)
+    w = faulty[f"{DOWN}.weight"].clone()
+    half = w.shape[1] // 2
+    w[:, half:] = w[:, :half]
+    faulty[f"{DOWN}.weight"] = w
+    path = push(faulty, Path(server.model), tmp_path / "columns0")
+    result = weight_checker.verify(server.url, transfer=reload(server, path), expected=expected)
+    wrong = {f"dp0:pp0:pcp0:tp{t}:{DOWN}.{p}" for t in (0, 1) for p in ("weight", "weight_scale")}
+    assert set(result.mismatches) == wrong, result.mismatches
+    assert result.explanation is not None
+    causes = {k: e.cause for k, e in result.explanation.keys.items() if k in wrong}
+    assert causes == {k: "shard-of:tp0" if ":tp1:" in k else "reduced-with:tp1" for k in wrong}, (
+        [e.line() for e in result.explanation.keys.values()],
+        result.explanation.notes,
+    )
+    # The same bytes sent right: nothing is named (a cause only where the recompute equals).
+    right = weight_checker.verify(
+        server.url, transfer=reload(server, push(step1, Path(server.model), tmp_path / "ok")), expected=expected
+    )
+    assert right.verdict == "match", right.mismatches
+
+
 @pytest.mark.parametrize("fp8", ["fp8-tp1"], indirect=True)  # what is refused does not depend on the layout
 def test_fp8_rows_changed_otherwise_are_not_called_zeros(fp8, tmp_path):
     """The zeros cause is named only where the recomputation through vLLM

@@ -309,11 +309,14 @@ def load_and_process(
     zero: list[tuple[str, list[int], int]] | None = None,
     amax_only: bool = False,
     fuse: bool | None = None,
+    shard_of: list[tuple[str, int, int]] | None = None,
 ) -> Any:
     """One rank's model: built by vLLM on the CPU, loaded with one pass of
     the weights by its own ``load_weights``, then processed by vLLM.
     ``zero``: ``[(layer, rows, tp rank of the key)]``, those rows of each
     layer's weight zeroed before it is quantized (:func:`_zeroed_again`).
+    ``shard_of``: ``[(layer, tp rank, the rank whose shard it loads)]``
+    (:func:`_mark_shard_of`).
     ``fuse``: each weight cast in the read of its amax (:func:`.fp8_kernels.fast`);
     by default at TP=1, where no amax is reduced (a reduced one wastes the cast)."""
 
@@ -340,6 +343,8 @@ def load_and_process(
         try:
             if zero:
                 _mark_zero_rows(model, rank, zero)
+            if shard_of:
+                _mark_shard_of(model, rank, shard_of)
             weights = source.read()
             deferred = deferred_rows.DeferredCopies(discard=amax_only, serves=True) if online else None
             with deferred if deferred is not None else contextlib.nullcontext():
@@ -411,6 +416,23 @@ def _mark_zero_rows(model: Any, rank: Any, zero: list[tuple[str, list[int], int]
         row_parallel = getattr(layer, "input_size", None) != getattr(layer, "input_size_per_partition", None)
         if key_tp == rank.tp_rank or row_parallel:
             setattr(layer, ZERO_ROWS, list(rows))
+
+
+def _mark_shard_of(model: Any, rank: Any, shard_of: list[tuple[str, int, int]]) -> None:
+    """Makes each layer of ``shard_of`` on its rank load another rank's
+    shard, as a loader that narrowed at the wrong rank would: vLLM's
+    row-parallel loaders narrow at the layer's ``tp_rank`` (stamped on its
+    parameters too), so that is set to the other rank's."""
+    layers = dict(model.named_modules())
+    for layer_name, key_tp, source_tp in shard_of:
+        layer = layers.get(layer_name)
+        if layer is None:
+            raise ExpectedDigestsError(f"{rank.name}: no layer {layer_name!r} to load another shard into")
+        if key_tp == rank.tp_rank:
+            layer.tp_rank = source_tp
+            stamp = getattr(layer, "update_param_tp_status", None)
+            if stamp is not None:
+                stamp()
 
 
 def _quantized_layer(module: Any) -> bool:

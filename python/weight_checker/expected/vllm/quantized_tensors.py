@@ -51,6 +51,12 @@ def quantized_digests_class() -> type:
                 every key of the ranks holding them, recomputed through vLLM."""
                 return _zeroed_again(self, zeros)
 
+            def digests_with_shard_of(self, shards: dict[str, int]) -> dict[str, str]:
+                """The digests had each weight key's layer loaded on its rank
+                from the shard of another tp rank (weight key -> that rank):
+                every key of its stage's ranks, recomputed through vLLM."""
+                return _shard_of_again(self, shards)
+
         _CLASS = QuantizedExpectedDigests
     return _CLASS
 
@@ -120,28 +126,45 @@ def _zeroed_again(expected: Any, zeros: dict[str, list[int]]) -> dict[str, str]:
     rank holds a part of), the amax reduction reproduced, then hashed: every
     key of those ranks, under each asking key's prefix. All layers in one
     rebuild: a layer's quantization reads only its own weight."""
+    return _rebuilt_with(expected, sorted(zeros), "zero", lambda key, layer, tp: (layer, list(zeros[key]), tp))
+
+
+def _shard_of_again(expected: Any, shards: dict[str, int]) -> dict[str, str]:
+    """:meth:`QuantizedExpectedDigests.digests_with_shard_of`: as
+    :func:`_zeroed_again`, each weight key's layer loaded on its rank from
+    the shard of the tp rank ``shards`` names (every rank of the stage
+    rebuilt: the amax that rank contributes to the reduction changes too)."""
+    marks = lambda key, layer, tp: (layer, tp, shards[key])  # noqa: E731
+    return _rebuilt_with(expected, sorted(shards), "shard_of", marks, every_rank=True)
+
+
+def _rebuilt_with(expected: Any, keys: list[str], mark: str, marks_of: Any, every_rank: bool = False) -> dict[str, str]:
+    """The rebuild of :func:`_zeroed_again` and :func:`_shard_of_again`:
+    ``mark``, the argument of :func:`.quantized.load_and_process` that
+    takes each stage's ``marks_of(key, layer, tp rank)``; ``every_rank``:
+    the digests of every tp rank of the keys' stages, not only theirs."""
     from weight_checker.expected.rank import Rank
     from weight_checker.expected.recipe import pairs_for, read_again
     from weight_checker.expected.vllm.rank_model import LOCK
     from weight_checker.expected.weights import Pass, WeightsSource
     from weight_checker.keys import split_rank
 
-    keys = sorted(zeros)
     state, recipe = _rebuildable(expected, keys)
     config, tp, pp, dp, _ = state
     if getattr(config.model_config, "quantization", None) not in ONLINE:
-        raise ExpectedDigestsError(f"{', '.join(keys)}: zeroed channels are recomputed for online FP8 only")
-    # (pp, tp) -> the prefixes asked of it; pp -> [(layer, rows, tp)] to zero.
+        raise ExpectedDigestsError(f"{', '.join(keys)}: recomputed through vLLM for online FP8 only")
+    # (pp, tp) -> the prefixes asked of it; pp -> the marks of its layers.
     asked: dict[tuple[int, int], set[str]] = {}
-    stages: dict[int, list[tuple[str, list[int], int]]] = {}
+    stages: dict[int, list[Any]] = {}
     for key in keys:
         if key not in expected or not key.endswith(".weight"):
             raise ExpectedDigestsError(f"{key}: not a weight key of these expected digests")
         prefix, name = split_rank(key)
         fields = prefix.split(":")
         pp_rank, tp_rank = int(fields[1].removeprefix("pp")), int(fields[3].removeprefix("tp"))
-        asked.setdefault((pp_rank, tp_rank), set()).add(prefix)
-        stages.setdefault(pp_rank, []).append((name.removesuffix(".weight"), list(zeros[key]), tp_rank))
+        for t in range(tp) if every_rank else (tp_rank,):
+            asked.setdefault((pp_rank, t), set()).add(":".join([*fields[:3], f"tp{t}", *fields[4:]]))
+        stages.setdefault(pp_rank, []).append(marks_of(key, name.removesuffix(".weight"), tp_rank))
     online_process.install()
     weights = read_again(recipe, keys)
     out: dict[str, str] = {}
@@ -153,7 +176,9 @@ def _zeroed_again(expected: Any, zeros: dict[str, list[int]]) -> dict[str, str]:
                 reduce = AmaxReduce(tp)
 
                 def build(rank: Any, amax_only: bool = False, marks: Any = marks) -> Any:
-                    return load_and_process(config, source, rank, tp, pp, dp, True, zero=marks, amax_only=amax_only)
+                    return load_and_process(
+                        config, source, rank, tp, pp, dp, True, amax_only=amax_only, **{mark: marks}
+                    )
 
                 if tp > 1:
                     for t in range(tp):

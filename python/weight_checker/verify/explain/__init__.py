@@ -50,7 +50,7 @@ from weight_checker.verify.explain.fetchers import (
     llm_fetcher,
 )
 from weight_checker.verify.explain.model import ExpectedTensors, Explanation, KeyExplanation, Table, Version
-from weight_checker.verify.explain.quantized import int4_channels, quantized_pairs, quantized_zeros
+from weight_checker.verify.explain.quantized import int4_channels, quantized_pairs, quantized_shard_of, quantized_zeros
 from weight_checker.verify.explain.sources import (
     ExpectedSource,
     LazyTransform,
@@ -146,6 +146,7 @@ def explain(
     quantized_pairs(out, mismatches, current, expected)
     int4_channels(out, mismatches, fetch, tensors)
     quantized_zeros(out, current, fetch, tensors)
+    quantized_shard_of(out, current, tensors)
     out.seconds["total"] = time.perf_counter() - started
     return out
 

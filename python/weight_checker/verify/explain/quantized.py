@@ -1,6 +1,7 @@
 """Explanations at the quantized level: which output channels (rows of the
 trainer's tensor) a quantized layer's differing keys hold, whether only the
-scale or the weight bytes too, and zeros through FP8 quantization.
+scale or the weight bytes too, and zeros and another rank's shard through
+FP8 quantization.
 
 vLLM's layouts on the CPU (``docs/quantized.md``):
 
@@ -25,6 +26,7 @@ from typing import Any
 
 from weight_checker.errors import WeightCheckerError
 from weight_checker.hashing.blocks import MAX_BLOCKS, block_digests
+from weight_checker.keys import split_rank
 from weight_checker.verify.explain.fetchers import BlockFetcher, fetch_all
 from weight_checker.verify.explain.model import ExpectedTensors, Explanation, KeyExplanation
 
@@ -124,6 +126,88 @@ def quantized_zeros(
             e.note = f"output channels {row_spans(rows)} of {of} were zero before quantization" + (
                 "; stored [K, N]: they are its columns" if k == base and (e.dtype or "").startswith("float8") else ""
             )
+
+
+def quantized_shard_of(out: Explanation, current: Mapping[str, str], tensors: ExpectedTensors | None) -> None:
+    """A row-parallel online FP8 layer that one rank loaded from another's
+    shard: every rank quantizes by the amax all-reduced over what the ranks
+    hold, so that rank's bytes are no rank's expected ones, and the other
+    ranks' change too. Its sign: two ranks of the layer hold the same FP8
+    bytes (one loaded the other's columns). Each way round, the stage is
+    recomputed through vLLM with that layer's loader narrowed at the other
+    rank, and a cause is named only where every rank's weight and scale
+    digests then equal the engine's: ``shard-of:tp{s}`` on the rank that
+    loaded tp{s}'s shard, ``reduced-with:tp{r}`` on the others."""
+    recompute = getattr(tensors, "digests_with_shard_of", None)
+    if recompute is None:
+        return
+    layers: dict[tuple[str, str], dict[int, str]] = {}  # (rank but tp, name) -> tp -> weight key
+    for key, e in out.keys.items():
+        if e.cause != "unknown" or not key.endswith(".weight") or not (e.dtype or "").startswith("float8"):
+            continue
+        fields = split_rank(key)[0].split(":")
+        if len(fields) >= 4 and fields[3].startswith("tp"):
+            layers.setdefault(_beside_tp(key), {})[int(fields[3].removeprefix("tp"))] = key
+    # Per layer, the first two ranks holding the same bytes; tried both ways
+    # round, every layer at once (a layer's quantization reads only its own
+    # weight and amaxes): a rank above loading a rank below's first.
+    pairs = []
+    for keys in layers.values():
+        same = next(
+            ((a, b) for a in keys for b in keys if a < b and current.get(keys[a]) == current.get(keys[b])), None
+        )
+        if same is not None:
+            pairs.append((keys, *same))
+    for upward in (False, True):
+        ways = [(keys, a, b) if upward else (keys, b, a) for keys, a, b in pairs]
+        if not ways:
+            return
+        try:
+            found = recompute({keys[r]: s for keys, r, s in ways})
+        except WeightCheckerError as err:
+            out.notes.append(f"another rank's shard through quantization: not told ({err})")
+            return
+        pairs = [
+            (keys, a, b)
+            for (keys, a, b), (_, r, s) in zip(pairs, ways, strict=True)
+            if not _name_shard_of(out, keys, r, s, found, current)
+        ]
+
+
+def _beside_tp(key: str) -> tuple[str, str]:
+    """A key's rank without its tp field, and its name."""
+    prefix, name = split_rank(key)
+    fields = prefix.split(":")
+    return ":".join(fields[:3] + fields[4:]), name
+
+
+def _name_shard_of(
+    out: Explanation, keys: Mapping[int, str], r: int, s: int, found: Mapping[str, str], current: Mapping[str, str]
+) -> bool:
+    """Names a layer's keys (tp -> weight key) as rank ``r`` holding tp
+    ``s``'s shard, where ``found`` (the recompute) gives every rank's weight
+    and scale digest the engine holds; else ``False``, nothing named."""
+    some = next(iter(keys.values()))
+    place, name = _beside_tp(some)
+    # Every rank's weight and scale of the layer, the ones that matched too.
+    layer = [k for k in found if _beside_tp(k) in ((place, name), (place, name + "_scale"))]
+    if not layer or not all(found[k] == current.get(k) for k in layer):
+        return False
+    for t, key in keys.items():
+        cause = f"shard-of:tp{s}" if t == r else f"reduced-with:tp{r}"
+        note = (
+            f"loaded tp{s}'s columns of this row-parallel layer"
+            if t == r
+            else f"its scales are the amax all-reduced with tp{r}, which loaded tp{s}'s columns"
+        )
+        for k in (key, key + "_scale"):
+            held = out.keys.get(k)
+            if held is not None and held.cause == "unknown":
+                held.cause = cause
+                held.note = f"{note}; recomputed through vLLM, the digests equal" + (
+                    f" ({held.note})" if held.note else ""
+                )
+    return True
 
 
 def row_spans(rows: Sequence[int]) -> str:

@@ -44,6 +44,7 @@ STYLES: dict[str, LabelStyle] = {
     "dtype-roundtrip": LabelStyle("D", "95", "#e056fd", "the weights through a narrower dtype"),
     "version": LabelStyle("V", "93", "#b7950b", "another step's weights", missed=True),
     "shard-of": LabelStyle("H", "35", "#8e44ad", "another rank's shard"),
+    "reduced-with": LabelStyle("A", "35", "#a569bd", "an amax all-reduced with another rank's wrong shard"),
     "transposed": LabelStyle("T", "96", "#16a085", "the weights transposed"),
     "unknown": LabelStyle("U", "37", "#7f8c8d", "no cause found"),
 }
