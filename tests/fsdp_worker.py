@@ -110,6 +110,7 @@ def against_oracle(ckpt: str, weights: dict, tp: int, perturb: int | None, rank:
     return {"got": dict(got), "oracle": dict(oracle), "exchanged": got.bytes_exchanged, "rows": held,
             "batches": got.batches, "again": dict(again), "stepped": dict(stepped), "doubled": dict(doubled),
             "layout_seconds": [r.seconds.get("layout") for r in (got, again, stepped)],
+            "load_seconds": [r.seconds.get("load") for r in (got, again, stepped)],
             "versions": [again.weight_version, stepped.weight_version]}  # fmt: skip
 
 

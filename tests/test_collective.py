@@ -96,6 +96,9 @@ def test_fsdp2_shards_after_a_training_step_give_the_whole_tensor_paths_digests(
     assert sum(result["stepped"][k] != result["got"][k] for k in result["got"]) > len(result["got"]) // 2
     made, *kept = result["layout_seconds"]
     assert made > 0 and all(s < made / 3 for s in kept), result["layout_seconds"]
+    # The engine's loaders ran in the first call only, and the kept calls say so.
+    loaded, *again = result["load_seconds"]
+    assert loaded > 0 and again == [0.0, 0.0], result["load_seconds"]
     assert result["versions"] == [None, "2"]
     # A core a rank: each round hashed in batches, states handed on between them.
     assert result["batches"] == (1 if len(os.sched_getaffinity(0)) < 2 else PIPELINED_BATCHES)

@@ -77,7 +77,7 @@ def signature(model: Any, every: list[Any], cast_to: Any, args: Mapping[str, Any
 
 def kept(sig: str | None, args: Mapping[str, Any]) -> tuple[Any, ...] | None:
     """The kept ``(layout, shell, keys, legs)`` under ``sig``, its shell a
-    fresh copy with this call's weight version."""
+    fresh copy with this call's weight version (and no loader time)."""
     with _LOCK:
         if sig is None or sig not in _KEPT:
             return None
@@ -85,6 +85,8 @@ def kept(sig: str | None, args: Mapping[str, Any]) -> tuple[Any, ...] | None:
         layout, shell, *rest = _KEPT[sig]
     shell = copy.deepcopy(shell)
     shell.weight_version = args.get("weight_version")
+    if "load" in shell.seconds:
+        shell.seconds["load"] = 0.0  # no loader ran this call (it was the first call's time)
     return (layout, shell, *rest)
 
 
