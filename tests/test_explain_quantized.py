@@ -93,3 +93,87 @@ def test_a_dtype_difference_keeps_its_own_diagnosis():
     engine[LAYER + "scales"] = engine[LAYER + "scales"].to(torch.float16)
     notes = told(expected, engine)
     assert "float16" in (notes["scales"] or "") and "output channels" not in (notes["scales"] or ""), notes
+
+
+# --- a row-parallel FP8 layer one rank loaded from another's shard (the explain logic) -------------------
+
+ROW = "model.layers.0.mlp.down_proj"
+
+
+class ShardOfRebuild:
+    """Stands for vLLM's recompute (expected/vllm/quantized_tensors.py,
+    tested against real servers in tests/test_quantized.py): a layer's
+    digests as a function of which shard each rank loaded. Every rank's
+    weight bytes follow its own shard and the amax reduced over all of
+    them; every rank's scale follows the reduction alone."""
+
+    def __init__(self, tp: int, fails: BaseException | None = None):
+        self.tp, self.fails, self.asked = tp, fails, []
+
+    def digests(self, dp: int, loaded: dict[int, int]) -> dict[str, str]:
+        src = [loaded.get(t, t) for t in range(self.tp)]
+        out = {}
+        for t in range(self.tp):
+            prefix = f"dp{dp}:pp0:pcp0:tp{t}:{ROW}"
+            out[prefix + ".weight"] = hashlib.sha256(f"w{src[t]}{src}".encode()).hexdigest()
+            out[prefix + ".weight_scale"] = hashlib.sha256(f"s{sorted(set(src))}{src}".encode()).hexdigest()
+        return out
+
+    def digests_with_shard_of(self, shards: dict[str, int]) -> dict[str, str]:
+        self.asked.append(dict(shards))
+        if self.fails is not None:
+            raise self.fails
+        by_dp: dict[int, dict[int, int]] = {}
+        for key, s in shards.items():
+            fields = key.split(":")
+            by_dp.setdefault(int(fields[0][2:]), {})[int(fields[3][2:])] = s
+        return {k: v for dp, loaded in by_dp.items() for k, v in self.digests(dp, loaded).items()}
+
+
+def explain_shard_of(tp: int, truth: dict[int, dict[int, int]], rebuild: ShardOfRebuild | None = None):
+    from weight_checker.verify.explain.model import Explanation, KeyExplanation
+    from weight_checker.verify.explain.quantized import quantized_shard_of
+
+    rebuild = rebuild or ShardOfRebuild(tp)
+    current: dict[str, str] = {}
+    expected: dict[str, str] = {}
+    for dp, loaded in truth.items():
+        current |= rebuild.digests(dp, loaded)
+        expected |= rebuild.digests(dp, {})
+    out = Explanation()
+    for k in current:
+        if current[k] != expected[k]:
+            dtype = "float8_e4m3fn" if k.endswith(".weight") else "float32"
+            out.keys[k] = KeyExplanation(k, "changed", dtype=dtype)
+    quantized_shard_of(out, current, rebuild)
+    return {k.split(":")[0] + ":" + k.split(":")[3] + k[k.rindex(".") :]: e.cause for k, e in out.keys.items()}, out
+
+
+def test_a_row_parallel_layer_loaded_from_another_ranks_shard_is_named_whichever_way_round():
+    causes, _ = explain_shard_of(2, {0: {1: 0}})
+    assert causes == {
+        "dp0:tp0.weight": "reduced-with:tp1", "dp0:tp0.weight_scale": "reduced-with:tp1",
+        "dp0:tp1.weight": "shard-of:tp0", "dp0:tp1.weight_scale": "shard-of:tp0",
+    }  # fmt: skip
+    causes, _ = explain_shard_of(4, {0: {0: 3}})  # a rank below loading a rank above's
+    assert {k: c for k, c in causes.items() if k.endswith(".weight")} == {
+        "dp0:tp0.weight": "shard-of:tp3", "dp0:tp1.weight": "reduced-with:tp0",
+        "dp0:tp2.weight": "reduced-with:tp0", "dp0:tp3.weight": "reduced-with:tp0",
+    }  # fmt: skip
+
+
+def test_replicas_with_different_wrong_shards_are_each_named_and_two_wrong_ranks_are_not_guessed():
+    # dp0: tp1 loaded tp0's; dp1: tp3 loaded tp2's and, in dp0, tp3 too: dp0 has two wrong ranks.
+    causes, _ = explain_shard_of(4, {0: {1: 0, 3: 2}, 1: {3: 2}})
+    assert {k: c for k, c in causes.items() if k.startswith("dp1:") and k.endswith(".weight")} == {
+        "dp1:tp0.weight": "reduced-with:tp3", "dp1:tp1.weight": "reduced-with:tp3",
+        "dp1:tp2.weight": "reduced-with:tp3", "dp1:tp3.weight": "shard-of:tp2",
+    }  # fmt: skip
+    assert {c for k, c in causes.items() if k.startswith("dp0:")} == {"unknown"}, causes
+
+
+def test_a_recompute_that_fails_leaves_a_note_and_the_causes_as_they_were():
+    rebuild = ShardOfRebuild(2, fails=RuntimeError("vLLM's processing\nfailed"))
+    causes, out = explain_shard_of(2, {0: {1: 0}}, rebuild)
+    assert set(causes.values()) == {"unknown"} and len(rebuild.asked) == 1
+    assert out.notes == ["another rank's shard through quantization: not told (RuntimeError: vLLM's processing failed)"]

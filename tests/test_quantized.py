@@ -353,3 +353,38 @@ def test_fp8_expected_digests_equal_hashlib_of_a_pure_torch_quantization(vllm_fp
             assert expected[key + ".weight_scale"] == sha(scale), key
             checked += 2
     assert checked == 16
+
+
+def test_each_dp_replica_is_recomputed_with_its_own_wrong_shard(models):
+    """The recompute behind ``shard-of`` / ``reduced-with`` (no server: its
+    oracle is ``expected_digests`` of weights whose columns make a rank load
+    another's, the fault as an engine sees it): DP replica 0's tp1 loaded
+    tp0's columns of a row-parallel layer, replica 1's tp0 loaded tp1's.
+    Each replica is rebuilt with its own fault only, every rank of it."""
+    from safetensors.torch import load_file
+
+    path = Path(models.path("tiny-llama"))
+    state = load_file(str(path / "model.safetensors"))
+    name = f"{DOWN}.weight"
+    half = state[name].shape[1] // 2
+
+    def faulty(first_half: bool) -> dict:
+        w = state[name].clone()
+        if first_half:
+            w[:, half:] = w[:, :half]  # tp1 narrows at tp0's columns
+        else:
+            w[:, :half] = w[:, half:]  # tp0 narrows at tp1's
+        return {**state, name: w}
+
+    args = {"tp": 2, "dp": 2, "quantization": "fp8_per_channel"}
+    expected = weight_checker.expected_digests(str(path), dict(state), **args)
+    oracles = [weight_checker.expected_digests(str(path), faulty(first), **args) for first in (True, False)]
+    got = expected.digests_with_shard_of({f"dp0:pp0:pcp0:tp1:{name}": 0, f"dp1:pp0:pcp0:tp0:{name}": 1})
+    for dp, oracle in enumerate(oracles):
+        mine = {k for k in got if k.startswith(f"dp{dp}:")}
+        assert {k.split(":")[3] for k in mine} == {"tp0", "tp1"}
+        assert {k: got[k] for k in mine} == {k: oracle[k] for k in mine}
+        # The fault shows on both ranks of that replica, in the weight and the scale.
+        assert {k for k in mine if oracle[k] != expected[k]} == {
+            f"dp{dp}:pp0:pcp0:tp{t}:{DOWN}.{p}" for t in (0, 1) for p in ("weight", "weight_scale")
+        }

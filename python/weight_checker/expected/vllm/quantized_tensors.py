@@ -124,8 +124,8 @@ def _zeroed_again(expected: Any, zeros: dict[str, list[int]]) -> dict[str, str]:
     each layer's rows zeroed before vLLM quantizes it (on the key's rank, and
     on every rank of its stage for a row-parallel layer, whose rows every
     rank holds a part of), the amax reduction reproduced, then hashed: every
-    key of those ranks, under each asking key's prefix. All layers in one
-    rebuild: a layer's quantization reads only its own weight."""
+    key of those ranks, under each asking key's prefix. All layers of a DP
+    replica's stage in one rebuild: a layer's quantization reads only its own weight."""
     return _rebuilt_with(expected, sorted(zeros), "zero", lambda key, layer, tp: (layer, list(zeros[key]), tp))
 
 
@@ -153,18 +153,26 @@ def _rebuilt_with(expected: Any, keys: list[str], mark: str, marks_of: Any, ever
     config, tp, pp, dp, _ = state
     if getattr(config.model_config, "quantization", None) not in ONLINE:
         raise ExpectedDigestsError(f"{', '.join(keys)}: recomputed through vLLM for online FP8 only")
-    # (pp, tp) -> the prefixes asked of it; pp -> the marks of its layers.
-    asked: dict[tuple[int, int], set[str]] = {}
-    stages: dict[int, list[Any]] = {}
+    # The marks of each place (a DP replica's stage: its rank without the tp
+    # field), rebuilt with only its own: replicas may differ. Each place ->
+    # its pp rank, the marks of its layers, tp -> the prefix asked.
+    places: dict[str, tuple[int, list[Any], dict[int, str]]] = {}
     for key in keys:
         if key not in expected or not key.endswith(".weight"):
             raise ExpectedDigestsError(f"{key}: not a weight key of these expected digests")
         prefix, name = split_rank(key)
         fields = prefix.split(":")
         pp_rank, tp_rank = int(fields[1].removeprefix("pp")), int(fields[3].removeprefix("tp"))
+        _, marks, asked = places.setdefault(":".join([*fields[:3], *fields[4:]]), (pp_rank, [], {}))
         for t in range(tp) if every_rank else (tp_rank,):
-            asked.setdefault((pp_rank, t), set()).add(":".join([*fields[:3], f"tp{t}", *fields[4:]]))
-        stages.setdefault(pp_rank, []).append(marks_of(key, name.removesuffix(".weight"), tp_rank))
+            asked[t] = ":".join([*fields[:3], f"tp{t}", *fields[4:]])
+        marks.append(marks_of(key, name.removesuffix(".weight"), tp_rank))
+    # Places with the same marks (every replica zeroed alike) share one rebuild.
+    rebuilds: dict[tuple[int, str], tuple[list[Any], dict[int, list[str]]]] = {}
+    for stage, stage_marks, stage_asked in places.values():
+        _, under = rebuilds.setdefault((stage, repr(stage_marks)), (stage_marks, {}))
+        for t, at in stage_asked.items():
+            under.setdefault(t, []).append(at)
     online_process.install()
     weights = read_again(recipe, keys)
     out: dict[str, str] = {}
@@ -172,30 +180,28 @@ def _rebuilt_with(expected: Any, keys: list[str], mark: str, marks_of: Any, ever
         pairs = pairs_for(weights, None, keys)
         source = WeightsSource(lambda: Pass(pairs, stable=True))
         with LOCK:
-            for pp_rank, marks in sorted(stages.items()):
+            for (stage, _), (stage_marks, under) in sorted(rebuilds.items()):
                 reduce = AmaxReduce(tp)
 
-                def build(rank: Any, amax_only: bool = False, marks: Any = marks) -> Any:
+                def build(rank: Any, amax_only: bool = False, marks: Any = stage_marks) -> Any:
                     return load_and_process(
                         config, source, rank, tp, pp, dp, True, amax_only=amax_only, **{mark: marks}
                     )
 
                 if tp > 1:
                     for t in range(tp):
-                        with reduce.recording(pp_rank, t):
+                        with reduce.recording(stage, t):
                             # What it contributes to the reduction; the model is dropped.
-                            drop_tensors(build(Rank(pp_rank, t), amax_only=True))
+                            drop_tensors(build(Rank(stage, t), amax_only=True))
                     reduce.reduce()
-                for (stage, tp_rank), prefixes in sorted(asked.items()):
-                    if stage != pp_rank:
-                        continue
-                    rank = Rank(pp_rank, tp_rank)
-                    with reduce.for_rank(pp_rank, tp_rank):
+                for t, prefixes in sorted(under.items()):
+                    rank = Rank(stage, t)
+                    with reduce.for_rank(stage, t):
                         model = build(rank)
                     digests = rank_digests(model, rank.prefix)
                     drop_tensors(model)
                     del model
-                    for prefix in prefixes:  # under each asking key's own prefix (a DP replica's too)
+                    for prefix in prefixes:  # under each asking key's own prefix (its DP replica's)
                         out |= {prefix + ":" + k.removeprefix(rank.prefix): v for k, v in digests.items()}
     finally:
         weights.close()

@@ -17,7 +17,12 @@ from the expected tensors, cheapest first:
    (``dtype-roundtrip:float16``, ``dtype-roundtrip:bfloat16``), an fp32
    source truncated to bf16 instead of rounded (``truncate:bfloat16``), the
    source transposed (``transposed``). A candidate is hashed only on the
-   blocks still unexplained, and is only computed while some are.
+   blocks still unexplained, and is only computed while some are;
+3. at the quantized level (:mod:`.quantized`): the output channels a
+   quantized layer's keys hold, and, recomputed through vLLM, the online
+   FP8 causes that whole digests cannot show: ``zeros``, and a row-parallel
+   layer one rank loaded from another's shard (``shard-of:tp{s}`` on it,
+   ``reduced-with:tp{r}`` on the ranks whose all-reduced scales it changed).
 
 A cause is named only where a candidate's digest equals the engine's: never
 a guess. A key whose differing blocks match no candidate is ``unknown``; one

@@ -34,7 +34,7 @@ class KeyExplanation:
     #: The key's mismatch class (``changed``, ``stale``...).
     cls: str
     #: ``zeros``, ``dtype-roundtrip:float16``, ``version:step-11``,
-    #: ``shard-of:tp0``, ``transposed``, ``mixed`` or ``unknown``.
+    #: ``shard-of:tp0``, ``reduced-with:tp1``, ``transposed``, ``mixed`` or ``unknown``.
     cause: str = "unknown"
     #: True where the whole tensor matched the cause (its whole digest, or
     #: every block differs and every block matched it).

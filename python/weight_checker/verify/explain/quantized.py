@@ -110,8 +110,8 @@ def quantized_zeros(
         return
     try:
         found = zeroed_digests(zeros)
-    except WeightCheckerError as err:
-        out.notes.append(f"zeros through quantization: not told ({err})")
+    except Exception as err:  # vLLM's own, too: the causes found so far stand
+        out.notes.append(f"zeros through quantization: not told ({_one_line(err)})")
         return
     for base, rows in zeros.items():
         key = base + "_scale"
@@ -143,7 +143,9 @@ def quantized_shard_of(out: Explanation, current: Mapping[str, str], tensors: Ex
         return
     layers: dict[tuple[str, str], dict[int, str]] = {}  # (rank but tp, name) -> tp -> weight key
     for key, e in out.keys.items():
-        if e.cause != "unknown" or not key.endswith(".weight") or not (e.dtype or "").startswith("float8"):
+        # An FP8 weight with its scale (the dtype is known once blocks were compared).
+        fp8 = (e.dtype or "").startswith("float8") or (e.dtype is None and key + "_scale" in out.keys)
+        if e.cause != "unknown" or not key.endswith(".weight") or not fp8:
             continue
         fields = split_rank(key)[0].split(":")
         if len(fields) >= 4 and fields[3].startswith("tp"):
@@ -164,8 +166,8 @@ def quantized_shard_of(out: Explanation, current: Mapping[str, str], tensors: Ex
             return
         try:
             found = recompute({keys[r]: s for keys, r, s in ways})
-        except WeightCheckerError as err:
-            out.notes.append(f"another rank's shard through quantization: not told ({err})")
+        except Exception as err:  # vLLM's own, too: the causes found so far stand
+            out.notes.append(f"another rank's shard through quantization: not told ({_one_line(err)})")
             return
         pairs = [
             (keys, a, b)
@@ -208,6 +210,12 @@ def _name_shard_of(
                     f" ({held.note})" if held.note else ""
                 )
     return True
+
+
+def _one_line(err: BaseException) -> str:
+    """An error in one line: ours as it says it, another with its type."""
+    said = " ".join(str(err).split())
+    return said if isinstance(err, WeightCheckerError) else f"{type(err).__name__}: {said}"
 
 
 def row_spans(rows: Sequence[int]) -> str:
