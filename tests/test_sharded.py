@@ -105,9 +105,20 @@ def test_segments_cut_runs_at_holder_boundaries_and_merge_a_holders_neighbours()
     held = {"w": [Shard(0, 0, t[:2]), Shard(1, 8, t[2:])]}
     # Columns 1..3 of every row (a TP column slice), then 3 zero bytes.
     got = segments([Run("w", 1, 2, count=5, step=4), Run(None, 0, 3)], held)
-    assert [(s.rank, s.start, s.length) for s in got] == [
+    assert [(s.rank, start, length) for s in got for start, length in s.spans()] == [
         (0, 1, 2), (0, 5, 2), (1, 9, 2), (1, 13, 2), (1, 17, 2), (None, 0, 3),
     ]  # fmt: skip
+    # The rows stay one segment for each shard they lie in, not a segment a row.
+    assert [(s.rank, s.rows) for s in got] == [(0, 2), (1, 3), (None, 1)]
+    # A row across the boundary is cut there; the rows on either side stay whole.
+    got = segments([Run("w", 2, 3, count=4, step=4)], {"w": [Shard(0, 0, t.view(-1)[:8]), Shard(1, 8, t[2:])]})
+    assert [(s.rank, start, length) for s in got for start, length in s.spans()] == [
+        (0, 2, 3), (0, 6, 2), (1, 8, 1), (1, 10, 3), (1, 14, 3),
+    ]  # fmt: skip
+    assert [s.rows for s in got] == [1, 1, 1, 2]
+    # A run past the last shard is refused, never looped on.
+    with pytest.raises(ExpectedDigestsError, match=r"weight 'w': elements 20\.\.21 lie past its shards"):
+        segments([Run("w", 2, 3, count=5, step=4)], {"w": [Shard(0, 0, t.view(-1)[:8]), Shard(1, 8, t[2:])]})
     # A flat run across the boundary is cut there, and whole runs merge.
     got = segments([Run("w", 6, 4), Run("w", 10, 2)], held)
     assert [(s.rank, s.start, s.length) for s in got] == [(0, 6, 2), (1, 8, 4)]

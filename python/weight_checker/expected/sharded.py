@@ -44,12 +44,21 @@ class Shard:
 @dataclass(frozen=True)
 class Segment:
     """Bytes of one key held by one holder: elements ``[start, start + length)``
-    of weight ``source`` (``None``: ``length`` zero bytes, any holder's)."""
+    of weight ``source`` (``None``: ``length`` zero bytes, any holder's); with
+    ``rows`` above 1, that many such runs, each ``stride`` elements after the
+    one before (a column slice of rows that lie in one shard)."""
 
     rank: int | None
     source: str | None
     start: int
     length: int
+    rows: int = 1
+    stride: int = 0
+
+    def spans(self) -> Iterator[tuple[int, int]]:
+        """``(start, length)`` of each run, in order."""
+        for row in range(self.rows):
+            yield self.start + row * self.stride, self.length
 
 
 class Rows(NamedTuple):
@@ -71,6 +80,9 @@ def compact(segs: list[Segment]) -> list[Rows]:
     out = []
     for run in _strided_runs(segs):
         first = run[0]
+        if first.rows > 1:  # cut as rows already (:func:`segments`)
+            out.append(Rows(first.source, first.start, first.length, first.rows, first.stride))
+            continue
         stride = run[1].start - first.start if len(run) > 1 else 0
         out.append(Rows(first.source, first.start, first.length, len(run), stride))
     return out
@@ -138,16 +150,34 @@ def check_agreement(every: list[dict[str, Any]]) -> dict[str, list[Held]]:
 def segments(runs: Iterable[Any], shards: Mapping[str, Sequence[Any]]) -> list[Segment]:
     """A key's runs cut where the holder changes, in byte order, adjacent
     pieces of one holder and weight merged. ``shards``: each weight's
-    holders in order, anything with ``rank``, ``start`` and ``end``."""
+    holders in order, anything with ``rank``, ``start`` and ``end``.
+    A run of equally spaced rows (a row-parallel shard's column slice)
+    stays one segment for each shard its rows lie in, not a segment a row
+    (70B at TP=8: tens of millions of rows); a row across two shards is cut."""
     bounds = {name: [s.start for s in held] for name, held in shards.items()}
     out: list[Segment] = []
 
     def put(rank: int | None, source: str | None, start: int, length: int) -> None:
         last = out[-1] if out else None
-        if last and last.rank == rank and last.source == source and last.start + last.length == start:
+        if (
+            last
+            and last.rows == 1
+            and last.rank == rank
+            and last.source == source
+            and last.start + last.length == start
+        ):
             out[-1] = Segment(rank, source, last.start, last.length + length)
         else:
             out.append(Segment(rank, source, start, length))
+
+    def cut(source: str, held: Sequence[Any], starts: list[int], start: int, length: int) -> None:
+        while length > 0:
+            shard = held[bisect.bisect_right(starts, start) - 1]
+            take = min(length, shard.end - start)
+            if take <= 0 or start < shard.start:
+                raise ExpectedDigestsError(f"weight '{source}': elements {start}..{start + length} lie past its shards")
+            put(shard.rank, source, start, take)
+            start, length = start + take, length - take
 
     for run in runs:
         if run.source is None:
@@ -157,13 +187,23 @@ def segments(runs: Iterable[Any], shards: Mapping[str, Sequence[Any]]) -> list[S
         if held is None:
             raise ExpectedDigestsError(f"weight '{run.source}': no rank holds a shard of it")
         starts = bounds[run.source]
-        for start, length in run.spans():
-            while length > 0:
-                i = bisect.bisect_right(starts, start) - 1
-                shard = held[i]
-                take = min(length, shard.end - start)
-                put(shard.rank, run.source, start, take)
-                start, length = start + take, length - take
+        if run.count < 2 or run.step <= run.length:  # one run, or rows that touch: spans merge
+            for start, length in run.spans():
+                cut(run.source, held, starts, start, length)
+            continue
+        row = 0
+        while row < run.count:
+            start = run.start + row * run.step
+            shard = held[max(0, bisect.bisect_right(starts, start) - 1)]
+            # The rows from this one that lie whole in its shard.
+            inside = (shard.end - start - run.length) // run.step + 1 if start + run.length <= shard.end else 0
+            inside = min(inside, run.count - row)
+            if inside >= 2:
+                out.append(Segment(shard.rank, run.source, start, run.length, inside, run.step))
+                row += inside
+            else:
+                cut(run.source, held, starts, start, run.length)
+                row += 1
     return out
 
 
@@ -207,17 +247,18 @@ def chained_digests(layout: Mapping[str, Any], shards: Mapping[str, Sequence[Sha
         holder: int | None = None
         hasher = None
         for seg in segments(key_layout.runs, ordered):
-            if seg.source is None:
-                data = torch.zeros(seg.length, dtype=torch.uint8)
-            else:
-                shard = ordered[seg.source][bisect.bisect_right([s.start for s in ordered[seg.source]], seg.start) - 1]
-                data = local(shard, key_layout.dtype)[(seg.start - shard.start) * size :][: seg.length * size]
             if hasher is None or (seg.rank is not None and seg.rank != holder):
                 if hasher is not None:
                     state = hasher.export_states()[0]  # what travels to the next holder
                 hasher = _core.MultiHasher.resume([state])
                 holder = seg.rank if seg.rank is not None else holder
-            hasher.update([(0, data)])
+            for start, length in seg.spans():
+                if seg.source is None:
+                    data = torch.zeros(length, dtype=torch.uint8)
+                else:
+                    shard = ordered[seg.source][bisect.bisect_right([s.start for s in ordered[seg.source]], start) - 1]
+                    data = local(shard, key_layout.dtype)[(start - shard.start) * size :][: length * size]
+                hasher.update([(0, data)])
         if hasher is None:
             hasher = _core.MultiHasher(1)
         out[key] = hasher.finish()[0][0]
@@ -273,7 +314,7 @@ def plan_batches(chains: Sequence[Sequence[tuple[int, int]]], me: int, batches: 
     # chain would go rank to rank one whole run at a time.
     everyone_starts = {c[0][0] for c in chains if c} >= holders and rounds <= 2
     if batches > 1 and not everyone_starts:
-        return _relayed(chains, me)
+        return _relayed(chains, me, batches)
     continues_later = any(r == me for c in chains for r, _ in c[1:])
     plan: list[list[tuple[int, int]]] = []
     deferred: list[tuple[int, int]] = []
@@ -338,12 +379,12 @@ def _size_class(size: int) -> int:
     return round(math.log2(size) * 4) if size > 0 else -1
 
 
-def _first_round(todo: list[tuple[int, int]], sizes: list[int]) -> list[list[tuple[int, int]]]:
+def _first_round(todo: list[tuple[int, int]], sizes: list[int], batches: int) -> list[list[tuple[int, int]]]:
     """The runs of a round no one waits on: every :data:`LANES` legs of one
-    size class together, the rest cut into up to 4 runs of about equal bytes, in
-    order of their longest leg (short ones first, so that the next holders
-    begin soon), and the longest legs (each over an eighth of the round) one
-    run, last: a lane each, they end when it ends."""
+    size class together, the rest cut into up to ``batches`` runs of about
+    equal bytes, in order of their longest leg (short ones first, so that
+    the next holders begin soon), and the longest legs (each over an eighth
+    of the round) one run, last: a lane each, they end when it ends."""
     long = sum(sizes) / 8
     position = {leg: n for n, leg in enumerate(todo)}
     classes: dict[int, list[tuple[tuple[int, int], int]]] = {}
@@ -357,9 +398,9 @@ def _first_round(todo: list[tuple[int, int]], sizes: list[int]) -> list[list[tup
         runs += [members[at : at + LANES] for at in range(0, whole, LANES)]
         rest += members[whole:]
     rest.sort(key=lambda m: position[m[0]])  # the keys' order: a layer's legs together
-    # At most 4 runs, each at least an eighth of the round: a run of a few
-    # small legs would only wait on the transport.
-    cuts = min(4, math.ceil(sum(size for _, size in rest) / long)) if long else 1
+    # Runs of at least an eighth of the round each: a run of a few small
+    # legs would only wait on the transport.
+    cuts = max(1, min(batches, int(sum(size for _, size in rest) // long))) if long else 1
     runs += [
         [(leg, sizes[position[leg]]) for leg in cut]
         for cut in batches_of([leg for leg, _ in rest], [size for _, size in rest], cuts)
@@ -369,35 +410,40 @@ def _first_round(todo: list[tuple[int, int]], sizes: list[int]) -> list[list[tup
     return [[leg for leg, _ in run] for run in runs] + ([longest] if longest else [])
 
 
-def _relayed(chains: Sequence[Sequence[tuple[int, int]]], me: int) -> list[list[tuple[int, int]]]:
+def _relayed(chains: Sequence[Sequence[tuple[int, int]]], me: int, batches: int) -> list[list[tuple[int, int]]]:
     """Rank ``me``'s runs where some rank starts no chain (a TP=1 engine:
-    every chain starts on rank 0). Each rank's first round is cut by
-    :func:`_first_round`; every later leg then runs with the others whose
-    previous legs ended in the same run of their holder, in that run's
-    order: the next holder relays each run as soon as it is handed on, so
-    it never waits on a later run than the one it needs (rounds cut by
-    bytes alone had it waiting on runs of 131 MB for legs of 4 MB, and ran
-    mixed lengths at two lanes' speed). Every rank plans every rank's alike.
+    every chain starts on rank 0), or a chain has more than two legs. Each
+    rank's first round is cut by :func:`_first_round`; every later leg then
+    runs with the others whose previous legs ended in the same run of the
+    same holder, in the order those runs end on each holder: the next
+    holder relays each run as soon as it is handed on (rounds cut by bytes
+    alone had it waiting on runs of 131 MB for legs of 4 MB, and ran mixed
+    lengths at two lanes' speed). Every rank plans every rank's alike.
 
     Measured at world 2 on 0.98 GB, a core a rank: docs/benchmarks.md."""
+    # Each round's legs by holder, in key order (one pass over the chains).
+    legs_of: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for i, chain in enumerate(chains):
+        for j, (rank, _) in enumerate(chain):
+            legs_of.setdefault((j, rank), []).append((i, j))
     rounds = max((len(c) for c in chains), default=0)
     holders = sorted({r for c in chains for r, _ in c})
     plans: dict[int, list[list[tuple[int, int]]]] = {r: [] for r in holders}
-    made: dict[tuple[int, int], int] = {}  # a leg -> the index of its run in its holder's plan
+    made: dict[tuple[int, int], tuple[int, int]] = {}  # a leg -> (its run's index in its holder's plan, holder)
     for j in range(rounds):
         for rank in holders:
-            todo = [(i, j) for i, c in enumerate(chains) if j < len(c) and c[j][0] == rank]
+            todo = legs_of.get((j, rank))
             if not todo:
                 continue
             if j == 0:
-                runs = _first_round(todo, [chains[i][0][1] for i, _ in todo])
+                runs = _first_round(todo, [chains[i][0][1] for i, _ in todo], batches)
             else:
-                after: dict[int, list[tuple[int, int]]] = {}
+                after: dict[tuple[int, int], list[tuple[int, int]]] = {}
                 for i, _ in todo:
                     after.setdefault(made[(i, j - 1)], []).append((i, j))
                 runs = [after[k] for k in sorted(after)]
             for run in runs:
-                made.update((leg, len(plans[rank])) for leg in run)
+                made.update((leg, (len(plans[rank]), rank)) for leg in run)
                 plans[rank].append(run)
     return plans.get(me, [])
 
@@ -465,6 +511,8 @@ def _strided_runs(segs: list[Segment]) -> list[list[Segment]]:
         run = runs[-1] if runs else None
         if (
             run is not None
+            and seg.rows == 1
+            and run[0].rows == 1
             and seg.source is not None
             and seg.source == run[0].source
             and seg.length == run[0].length
