@@ -130,7 +130,7 @@ class ShardOfRebuild:
         return {k: v for dp, loaded in by_dp.items() for k, v in self.digests(dp, loaded).items()}
 
 
-def explain_shard_of(tp: int, truth: dict[int, dict[int, int]], rebuild: ShardOfRebuild | None = None):
+def explain_shard_of(tp: int, truth: dict[int, dict[int, int]], rebuild: ShardOfRebuild | None = None, shown: str = ""):
     from weight_checker.verify.explain.model import Explanation, KeyExplanation
     from weight_checker.verify.explain.quantized import quantized_shard_of
 
@@ -142,7 +142,7 @@ def explain_shard_of(tp: int, truth: dict[int, dict[int, int]], rebuild: ShardOf
         expected |= rebuild.digests(dp, {})
     out = Explanation()
     for k in current:
-        if current[k] != expected[k]:
+        if current[k] != expected[k] and shown in k:  # ``shown``: the keys within the explanation's limit
             dtype = "float8_e4m3fn" if k.endswith(".weight") else "float32"
             out.keys[k] = KeyExplanation(k, "changed", dtype=dtype)
     quantized_shard_of(out, current, rebuild)
@@ -177,3 +177,10 @@ def test_a_recompute_that_fails_leaves_a_note_and_the_causes_as_they_were():
     causes, out = explain_shard_of(2, {0: {1: 0}}, rebuild)
     assert set(causes.values()) == {"unknown"} and len(rebuild.asked) == 1
     assert out.notes == ["another rank's shard through quantization: not told (RuntimeError: vLLM's processing failed)"]
+
+
+def test_a_rank_whose_keys_the_limit_left_out_still_takes_part():
+    # Only tp0's keys are shown (the explanation's limit): tp1's digests, in
+    # the engine's answer, still give the pair and the recompute's check.
+    causes, _ = explain_shard_of(2, {0: {1: 0}}, shown=":tp0:")
+    assert causes == {"dp0:tp0.weight": "reduced-with:tp1", "dp0:tp0.weight_scale": "reduced-with:tp1"}

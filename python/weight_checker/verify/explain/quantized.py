@@ -141,14 +141,18 @@ def quantized_shard_of(out: Explanation, current: Mapping[str, str], tensors: Ex
     recompute = getattr(tensors, "digests_with_shard_of", None)
     if recompute is None:
         return
-    layers: dict[tuple[str, str], dict[int, str]] = {}  # (rank but tp, name) -> tp -> weight key
+    asked = set()  # (rank but tp, name) of each FP8 weight left unknown
     for key, e in out.keys.items():
         # An FP8 weight with its scale (the dtype is known once blocks were compared).
-        fp8 = (e.dtype or "").startswith("float8") or (e.dtype is None and key + "_scale" in out.keys)
-        if e.cause != "unknown" or not key.endswith(".weight") or not fp8:
-            continue
+        fp8 = (e.dtype or "").startswith("float8") or (e.dtype is None and key + "_scale" in current)
+        if e.cause == "unknown" and key.endswith(".weight") and fp8:
+            asked.add(_beside_tp(key))
+    # Every rank's weight key of those layers, shown or not (the explanation's
+    # limit may have left a rank's keys out): (rank but tp, name) -> tp -> key.
+    layers: dict[tuple[str, str], dict[int, str]] = {}
+    for key in current:
         fields = split_rank(key)[0].split(":")
-        if len(fields) >= 4 and fields[3].startswith("tp"):
+        if key.endswith(".weight") and len(fields) >= 4 and fields[3].startswith("tp") and _beside_tp(key) in asked:
             layers.setdefault(_beside_tp(key), {})[int(fields[3].removeprefix("tp"))] = key
     # Per layer, the first two ranks holding the same bytes; tried both ways
     # round, every layer at once (a layer's quantization reads only its own
