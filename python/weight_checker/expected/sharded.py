@@ -295,8 +295,8 @@ def plan_batches(chains: Sequence[Sequence[tuple[int, int]]], me: int, batches: 
     Else each rank has cores of its own, and:
 
     - where some rank holds no key's first bytes (a TP=1 engine: every
-      chain starts on rank 0), that rank waits for the others' batches:
-      :func:`_relayed`;
+      chain starts on rank 0), or a chain has more than two legs, the next
+      holders relay each run: :func:`_relayed`;
     - else (a TP=2 engine from a world of 2: each rank holds whole shards
       of its own, and no chain has more than two legs) the
       first round's legs that others continue are one run, first (their
