@@ -315,7 +315,7 @@ def _runs_to_the_end(chains: list, plans: list) -> bool:
 def test_every_plan_hashes_each_leg_once_on_its_holder_and_never_waits_on_itself(seed):
     import random
 
-    from weight_checker.expected.sharded import plan_batches
+    from weight_checker.expected.run_plan import plan_batches
 
     rng = random.Random(seed)
     world = rng.choice([2, 3, 4])
@@ -336,7 +336,7 @@ def test_every_plan_hashes_each_leg_once_on_its_holder_and_never_waits_on_itself
 
 
 def test_a_tp2_like_plan_hashes_what_others_continue_first_and_a_tp1_like_one_in_batches():
-    from weight_checker.expected.sharded import plan_batches
+    from weight_checker.expected.run_plan import plan_batches
 
     mb = 1 << 20
     # Each rank starts chains of its own (TP=2 from two trainer ranks): two
@@ -357,7 +357,7 @@ def test_a_tp2_like_plan_hashes_what_others_continue_first_and_a_tp1_like_one_in
 
 
 def test_a_tp1_like_plan_runs_sixteen_legs_of_a_size_together_and_the_next_holder_relays_each_run():
-    from weight_checker.expected.sharded import plan_batches
+    from weight_checker.expected.run_plan import plan_batches
 
     mb = 1 << 20
     # A Llama at TP=1 from two trainer ranks: every chain starts on rank 0.

@@ -12,7 +12,7 @@ key's first leg, then every key's second...), so while one rank continues a
 key the others hash theirs. Where each rank has cores of its own, a round
 is hashed in batches whose states are sent as each ends, so the next holder
 starts before the round ends, and at a world of 2 where both ranks start
-chains the legs the other continues go first (:func:`.sharded.plan_batches`);
+chains the legs the other continues go first (:func:`.run_plan.plan_batches`);
 where ranks share a host's cores, each round is one multi-buffer run on all
 of them. Only states and digests travel; no
 weight leaves its rank. The layout is kept for the next call with the same
@@ -35,7 +35,8 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from weight_checker.errors import ExpectedDigestsError
-from weight_checker.expected.sharded import feed_in_pieces, leg_buffers, plan_batches, sharing_cores, whereabouts
+from weight_checker.expected.run_plan import plan_batches
+from weight_checker.expected.sharded import feed_in_pieces, leg_buffers, sharing_cores, whereabouts
 from weight_checker.expected.weights import HELD
 
 #: Bytes of a chain state on the wire: its length, then its bytes (at most 109).
@@ -384,7 +385,7 @@ def _hash_in_rounds(
     timeout: float,
     batches: int = 1,
 ) -> tuple[dict[str, str], int]:
-    """This rank's legs hashed batch by batch as :func:`.sharded.plan_batches`
+    """This rank's legs hashed batch by batch as :func:`.run_plan.plan_batches`
     plans them (every rank plans every rank's alike, from the legs' sizes);
     ``({key: hex} of the keys whose last leg is this rank's, bytes of chain
     state sent)``. Each batch is one multi-buffer run, its states sent as
@@ -451,7 +452,7 @@ def _hash_in_rounds(
 _LAST_PLAN: tuple[Any, tuple[int, int], list[list[tuple[int, int]]]] | None = None
 
 #: Where each rank hashes on cores of its own, its rounds are cut into
-#: pipelined runs (:func:`.sharded.plan_batches`; measured, trainer world 2 on
+#: pipelined runs (:func:`.run_plan.plan_batches`; measured, trainer world 2 on
 #: 0.98 GB, a core a rank: one run a round 0.50-0.55 s, pipelined 0.32-0.40 s
 #: at TP=1; docs/benchmarks.md). Ranks sharing cores run a round at a time.
 PIPELINED_BATCHES = 4

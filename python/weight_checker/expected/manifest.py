@@ -52,7 +52,7 @@ class ExpectedDigests(dict[str, str]):
         #: sharded trainer's collective call (:mod:`weight_checker.expected.collective`).
         self.bytes_exchanged = 0
         #: A sharded call's plan: 1 where ranks share a host's cores (a round a run), else pipelined
-        #: runs (expected/collective.py, sharded.plan_batches).
+        #: runs (expected/collective.py, run_plan.plan_batches).
         self.batches = 0
         #: Each key's SHA-256 chain at its block boundaries, where the one pass
         #: that hashed it recorded them (:mod:`weight_checker.hashing.block_states`):
