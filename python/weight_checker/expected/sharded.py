@@ -237,6 +237,7 @@ def chained_digests(layout: Mapping[str, Any], shards: Mapping[str, Sequence[Sha
         name: check_shards(name, held, max(extent.get(name, 0), sum(int(s.tensor.numel()) for s in held)))
         for name, held in shards.items()
     }
+    starts = {name: [s.start for s in held] for name, held in ordered.items()}
     out: dict[str, str] = {}
     for key, key_layout in layout.items():
         if key_layout.runs is None:
@@ -251,11 +252,14 @@ def chained_digests(layout: Mapping[str, Any], shards: Mapping[str, Sequence[Sha
                     state = hasher.export_states()[0]  # what travels to the next holder
                 hasher = _core.MultiHasher.resume([state])
                 holder = seg.rank if seg.rank is not None else holder
+            # A segment's rows lie in one shard (segments cuts them so).
+            shard = None
+            if seg.source is not None:
+                shard = ordered[seg.source][bisect.bisect_right(starts[seg.source], seg.start) - 1]
             for start, length in seg.spans():
-                if seg.source is None:
+                if shard is None:
                     data = torch.zeros(length, dtype=torch.uint8)
                 else:
-                    shard = ordered[seg.source][bisect.bisect_right([s.start for s in ordered[seg.source]], start) - 1]
                     data = local(shard, key_layout.dtype)[(start - shard.start) * size :][: length * size]
                 hasher.update([(0, data)])
         if hasher is None:
