@@ -106,6 +106,63 @@ def test_trim_frees_what_the_call_did_not_use(pool):
     assert pool.kept_bytes == 0
 
 
+def resident_pages(t: torch.Tensor) -> tuple[int, int]:
+    """``(resident, all)`` pages under ``t``'s bytes, as the kernel reports them (mincore)."""
+    import ctypes
+
+    page = os.sysconf("SC_PAGE_SIZE")
+    with torch._C.DisableTorchFunction():  # asked past the deferring mode: a pointer handed out writes its copies
+        pointer = t.data_ptr()
+    start = pointer // page * page
+    length = pointer + t.numel() * t.element_size() - start
+    pages = -(-length // page)
+    vec = (ctypes.c_ubyte * pages)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+    assert libc.mincore(start, length, vec) == 0, os.strerror(ctypes.get_errno())
+    return sum(v & 1 for v in vec), pages
+
+
+def minor_faults() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def test_a_buffer_written_in_full_is_resident_before_it_is_written_and_one_never_written_takes_no_memory(pool):
+    n = 16 * MB
+    with warm_memory.serving(pool, mode=False), deferred_rows.DeferredCopies(pool, serves=True) as mode:
+        source = torch.ones(n // 2, dtype=torch.bfloat16)
+        mode.note_source("w", source)
+        # The first call: a weight whose copy stays deferred (never written
+        # here), and the FP8 cast's output, written in full.
+        weight = torch.empty(n // 2, dtype=torch.bfloat16, device="cpu")
+        weight.copy_(source)
+        out = warm_memory.empty((n,), torch.float8_e4m3fn)
+        assert resident_pages(out)[0] == resident_pages(out)[1]  # faulted in at once, before any write
+        before = minor_faults()
+        out.view(torch.uint8).fill_(1)
+        assert minor_faults() - before < n // os.sysconf("SC_PAGE_SIZE") // 10
+        assert resident_pages(weight)[0] == 0  # its copy deferred: nothing of it touched
+        pieces = deferred_rows.pieces_of(weight.view(1, -1))
+        assert pieces is not None and pieces[0].source.ctypes.data == source.data_ptr()  # read where it lies
+        mode.pending.clear()  # dropped unread, as a quantized layer's bf16 weight is
+        del weight, out, pieces
+    with warm_memory.serving(pool, mode=False), deferred_rows.DeferredCopies(pool, serves=True):
+        # The next call, both buffers free and either fitting either request
+        # (same sizes): the writer is served the resident one, the weight the other.
+        weight = torch.empty(n // 2, dtype=torch.bfloat16, device="cpu")
+        out = warm_memory.empty((n,), torch.float8_e4m3fn)
+        assert pool.reused_bytes == 2 * n
+        assert resident_pages(out)[0] == resident_pages(out)[1]
+        assert resident_pages(weight)[0] == 0
+        before = minor_faults()
+        out.view(torch.uint8).fill_(2)
+        assert minor_faults() - before < n // os.sysconf("SC_PAGE_SIZE") // 10
+        # A copy written for real (read before the end) is faulted in at once too.
+        assert float(weight[-1]) == 0.0 and resident_pages(weight)[0] == resident_pages(weight)[1]
+
+
 # --- copies deferred into served memory (deferred_rows) ----------------------------------------------------
 
 

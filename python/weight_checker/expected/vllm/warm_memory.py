@@ -16,6 +16,17 @@ takes its outputs from there too (:func:`empty`). A buffer goes back to the
 pool only when torch has freed every tensor over it (a finalizer on the
 array torch's storage holds), so a buffer in use is never handed out twice.
 
+A reused buffer is only warm where its pages were written: a weight whose
+copies stay deferred (:mod:`.deferred_rows`) never touches its buffer. A
+buffer is made resident in one call to the kernel (``MADV_POPULATE_WRITE``)
+before anything writes all of it (the FP8 cast, the zeroing, a deferred
+copy written for real), once in its life, and such writers are served a
+buffer already resident first, the rest one that is not: so a call's
+outputs are never written through page faults, and a weight that is never
+written takes no resident memory. (Measured on an Intel Xeon fam 6 model
+207, TP=2 FP8 of a 1 GB model: 14,000-35,000 faults a call, each first
+write to a page at about 1.3 us, before.)
+
 What a reused buffer held is never seen: it reads as zeros, as fresh
 memory does (torch gives no guarantee either way, and a padding byte the
 loader never writes must read as it would have). It is zeroed before it is
@@ -57,8 +68,14 @@ UNIT = 2 << 20
 ALIGN = 64
 
 
+#: ``madvise``'s MADV_POPULATE_WRITE (Linux 5.14; not named by Python's mmap module).
+_POPULATE_WRITE = 23
+#: Page size: the step of the fallback that writes a byte of each page.
+_PAGE = mmap.PAGESIZE
+
+
 class _Buffer:
-    __slots__ = ("array", "mapping", "size", "used")
+    __slots__ = ("array", "mapping", "resident", "size", "used")
 
     def __init__(self, size: int):
         # An anonymous private mapping of its own: zeros, as fresh memory
@@ -72,6 +89,20 @@ class _Buffer:
         self.array = np.frombuffer(self.mapping, dtype=np.uint8)
         self.size = size
         self.used = False
+        #: Every page written at least once (:meth:`make_resident`).
+        self.resident = False
+
+    def make_resident(self) -> None:
+        """Every page of the buffer faulted in now, its bytes unchanged: one
+        call to the kernel, where a first write to each page would trap."""
+        if self.resident:
+            return
+        try:
+            self.mapping.madvise(_POPULATE_WRITE)
+        except (OSError, ValueError):  # an older kernel: a byte of each page written back as it is
+            pages = self.array[::_PAGE]
+            np.bitwise_or(pages, 0, out=pages)
+        self.resident = True
 
 
 class WarmPool:
@@ -85,8 +116,8 @@ class WarmPool:
         # the lock: a garbage collection that runs while it is held (an
         # allocation inside a locked section) runs finalizers on this thread.
         self._returned: collections.deque[_Buffer] = collections.deque()
-        #: address of each served array alive -> the serial number it was served under, and the array.
-        self._live: dict[int, tuple[int, weakref.ref[np.ndarray]]] = {}
+        #: address of each served array alive -> the serial number it was served under, the array, its buffer.
+        self._live: dict[int, tuple[int, weakref.ref[np.ndarray], _Buffer]] = {}
         self._serial = 0
         #: Bytes handed out from reused buffers / from new ones (tests/test_warm_memory.py reads them).
         self.reused_bytes = 0
@@ -94,12 +125,17 @@ class WarmPool:
 
     def take(self, nbytes: int, zeroed: bool) -> np.ndarray:
         """``nbytes`` of a buffer, 64-byte aligned, as a uint8 array; zeros if
-        ``zeroed``. The buffer returns to the pool when the array is freed."""
+        ``zeroed``. The buffer returns to the pool when the array is freed.
+        ``zeroed=False``: the caller writes every byte (:func:`empty`)."""
         need = nbytes + ALIGN
+        lazily = getattr(_LOCAL, "zero_later", None)
+        # Whoever writes it all is served a resident buffer first; an
+        # allocation a deferred copy may never write, one that is not.
+        writes = not zeroed or lazily is None
         with self._lock:
             self._drain()
             fits = [b for b in self._free if need <= b.size <= max(2 * need, need + 4 * UNIT)]
-            buffer = min(fits, key=lambda b: b.size) if fits else None
+            buffer = min(fits, key=lambda b: (b.size, b.resident != writes)) if fits else None
             if buffer is not None:
                 self._free.remove(buffer)
         reused = buffer is not None
@@ -112,17 +148,28 @@ class WarmPool:
         with self._lock:
             self._serial += 1
             serial = self._serial
-            self._live[address] = (serial, weakref.ref(view))
+            self._live[address] = (serial, weakref.ref(view), buffer)
         weakref.finalize(view, self._give_back, buffer, address)
+        if not zeroed:
+            buffer.make_resident()  # the caller writes it all next
         if reused:
             self.reused_bytes += nbytes
-            lazily = getattr(_LOCAL, "zero_later", None)
             # Zeroed now, unless whoever took that on for this pool does it before it is read.
             if zeroed and (lazily is None or not lazily(self, address, serial, nbytes)):
+                buffer.make_resident()
                 torch.from_numpy(view).zero_()
         else:
             self.fresh_bytes += nbytes
         return view
+
+    def make_resident(self, address: int, serial: int) -> None:
+        """The buffer of the array served at ``address`` under ``serial``
+        made resident (:meth:`_Buffer.make_resident`): its caller is about
+        to write it (a deferred copy written for real)."""
+        with self._lock:
+            entry = self._live.get(address)
+        if entry is not None and entry[0] == serial:
+            entry[2].make_resident()
 
     def serial(self, address: int) -> int | None:
         """The serial number of the served array alive at ``address``
