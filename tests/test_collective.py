@@ -290,8 +290,17 @@ def test_a_layout_is_kept_only_for_the_same_config_arguments_and_shards(tmp_path
     assert cache_key(str(tmp_path), {"tp": 2}) != built
     # An argument told only by its address is never kept.
     assert layout_cache.signature(str(tmp_path), every, "engine", {"tp": 2, "hook": object()}) is None
-    layout_cache.keep(None, ({}, None, [], []))
+    layout_cache.keep(None, ({}, None, [], [], {}))
     assert layout_cache.kept(None, {}) is None
+    # A kept layout's plans go with it to the next call (each rank plans once a layout).
+    from weight_checker.expected.digests import ExpectedDigests
+
+    plans: dict = {}
+    layout_cache.keep(sig, ({}, ExpectedDigests({}), [], [], plans))
+    plans[(1, 4)] = [[(0, 1)]]  # planned by the first call, after the layout was kept
+    again = layout_cache.kept(sig, {"weight_version": "8"})
+    assert again is not None and again[4] is plans and again[1].weight_version == "8"
+    layout_cache.forget()
 
 
 def _runs_to_the_end(chains: list, plans: list) -> bool:

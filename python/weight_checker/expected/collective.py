@@ -304,10 +304,10 @@ def collective_digests(
         if failed:
             raise ExpectedDigestsError(failed if rank == me else f"rank {rank} failed: {failed}")
     assert made is not None
-    layout, shell, keys, legs = made
+    layout, shell, keys, legs, plans = made
     shell.seconds["layout"] = time.perf_counter() - laid  # next to nothing where kept
     batches = 1 if sharing_cores(places) else PIPELINED_BATCHES
-    digests, exchanged = _hash_in_rounds(keys, legs, layout, mine, me, group, timeout, batches)
+    digests, exchanged = _hash_in_rounds(keys, legs, layout, mine, me, group, timeout, batches, plans)
     gathered: list[Any] = [None] * world
     with _within(timeout, "gather the digests"):
         dist.all_gather_object(gathered, digests, group=group)
@@ -326,8 +326,10 @@ def collective_digests(
 def _layout(
     expected: Any, model: Any, mine: Mapping[str, Any], held: Any, cast_to: Any, expected_args: dict[str, Any]
 ) -> tuple[Any, ...]:
-    """``(layout, shell, keys, legs)``: every key's runs from the engine's
-    loaders (:mod:`.vllm.layout`), cut into legs at the holders' boundaries."""
+    """``(layout, shell, keys, legs, plans)``: every key's runs from the
+    engine's loaders (:mod:`.vllm.layout`), cut into legs at the holders'
+    boundaries; ``plans``, empty, the legs' plans as each rank makes them
+    (kept with the layout: :func:`_hash_in_rounds`)."""
     import torch
 
     from weight_checker.expected.sharded import compact, segments
@@ -355,7 +357,7 @@ def _layout(
     legs = [_legs(index, segments(layout[key].runs or (), held)) for index, key in enumerate(keys)]
     # Kept as runs of rows, not a segment a row (kept between calls: :mod:`.layout_cache`).
     legs = [[_Leg(leg.key, leg.rank, compact(leg.segments)) for leg in chain] for chain in legs]
-    return layout, shell, keys, legs
+    return layout, shell, keys, legs, {}
 
 
 def _legs(index: int, segs: list[Any]) -> list[_Leg]:
@@ -384,13 +386,16 @@ def _hash_in_rounds(
     group: Any,
     timeout: float,
     batches: int = 1,
+    plans: dict[tuple[int, int], Any] | None = None,
 ) -> tuple[dict[str, str], int]:
     """This rank's legs hashed batch by batch as :func:`.run_plan.plan_batches`
     plans them (every rank plans every rank's alike, from the legs' sizes);
     ``({key: hex} of the keys whose last leg is this rank's, bytes of chain
     state sent)``. Each batch is one multi-buffer run, its states sent as
     soon as it is hashed: the next holder continues those keys while this
-    one hashes its next batch."""
+    one hashes its next batch. ``plans``: the plans made for these legs so
+    far, by ``(rank, batches)``; this one's is added (a kept layout's next
+    call plans nothing: 0.3 s at 70B, world 64)."""
     import torch
     import torch.distributed as dist
 
@@ -400,11 +405,9 @@ def _hash_in_rounds(
     sends: list[Any] = []
     done: dict[str, str] = {}
     exchanged = 0
-    global _LAST_PLAN
-    last = _LAST_PLAN
-    if last is not None and last[0] is legs and last[1] == (me, batches):
-        plan = last[2]  # a kept layout's legs: planned by the last call (every rank's plan: 0.3 s at 70B, world 64)
-    else:
+    plans = {} if plans is None else plans
+    plan = plans.get((me, batches))
+    if plan is None:
         itemsize = {i: torch.empty((), dtype=layout[key].dtype).element_size() for i, key in enumerate(keys)}
         chains = [
             [
@@ -413,8 +416,7 @@ def _hash_in_rounds(
             ]
             for i, chain in enumerate(legs)
         ]
-        plan = plan_batches(chains, me, batches)
-        _LAST_PLAN = (legs, (me, batches), plan)
+        plan = plans[(me, batches)] = plan_batches(chains, me, batches)
     for batch in plan:
         states = [None if j == 0 else _received(keys, legs, i, j, group, wait, timeout) for i, j in batch]
         hasher = _core.MultiHasher.resume(states)
@@ -446,10 +448,6 @@ def _hash_in_rounds(
             work.wait(wait)
     return done, exchanged
 
-
-#: The last call's ``(legs, (rank, batches), plan)``: a kept layout's legs
-#: (:mod:`.layout_cache`) are the same object the next call, and so is their plan.
-_LAST_PLAN: tuple[Any, tuple[int, int], list[list[tuple[int, int]]]] | None = None
 
 #: Where each rank hashes on cores of its own, its rounds are cut into
 #: pipelined runs (:func:`.run_plan.plan_batches`; measured, trainer world 2 on

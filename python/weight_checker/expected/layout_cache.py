@@ -76,8 +76,9 @@ def signature(model: Any, every: list[Any], cast_to: Any, args: Mapping[str, Any
 
 
 def kept(sig: str | None, args: Mapping[str, Any]) -> tuple[Any, ...] | None:
-    """The kept ``(layout, shell, keys, legs)`` under ``sig``, its shell a
-    fresh copy with this call's weight version (and no loader time)."""
+    """The kept ``(layout, shell, keys, legs, plans)`` under ``sig``, its
+    shell a fresh copy with this call's weight version (and no loader time),
+    the rest shared with the next call (the plans made so far included)."""
     with _LOCK:
         if sig is None or sig not in _KEPT:
             return None
@@ -91,7 +92,7 @@ def kept(sig: str | None, args: Mapping[str, Any]) -> tuple[Any, ...] | None:
 
 
 def keep(sig: str | None, entry: tuple[Any, ...]) -> None:
-    """Keep ``(layout, shell, keys, legs)`` (the shell copied: the caller fills its own)."""
+    """Keep ``(layout, shell, keys, legs, plans)`` (the shell copied: the caller fills its own)."""
     if sig is None:
         return
     layout, shell, *rest = entry
