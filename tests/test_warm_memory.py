@@ -108,13 +108,17 @@ def test_trim_frees_what_the_call_did_not_use(pool):
 
 def resident_pages(t: torch.Tensor) -> tuple[int, int]:
     """``(resident, all)`` pages under ``t``'s bytes, as the kernel reports them (mincore)."""
+    with torch._C.DisableTorchFunction():  # asked past the deferring mode: a pointer handed out writes its copies
+        pointer = t.data_ptr()
+    return resident_pages_at(pointer, t.numel() * t.element_size())
+
+
+def resident_pages_at(pointer: int, nbytes: int) -> tuple[int, int]:
     import ctypes
 
     page = os.sysconf("SC_PAGE_SIZE")
-    with torch._C.DisableTorchFunction():  # asked past the deferring mode: a pointer handed out writes its copies
-        pointer = t.data_ptr()
     start = pointer // page * page
-    length = pointer + t.numel() * t.element_size() - start
+    length = pointer + nbytes - start
     pages = -(-length // page)
     vec = (ctypes.c_ubyte * pages)()
     libc = ctypes.CDLL(None, use_errno=True)
@@ -161,6 +165,19 @@ def test_a_buffer_written_in_full_is_resident_before_it_is_written_and_one_never
         assert minor_faults() - before < n // os.sysconf("SC_PAGE_SIZE") // 10
         # A copy written for real (read before the end) is faulted in at once too.
         assert float(weight[-1]) == 0.0 and resident_pages(weight)[0] == resident_pages(weight)[1]
+
+
+def test_only_the_bytes_served_are_made_resident_and_a_pass_that_never_writes_makes_none(pool):
+    with warm_memory.serving(pool, mode=False):
+        big = warm_memory.empty((32 * MB,), torch.uint8, written=False)  # as the amax-only pass's outputs
+        assert resident_pages(big)[0] == 0
+        first = address(big)
+        del big
+        # A writer of a little over half of it is served the same buffer (it
+        # fits): the pages under its bytes are faulted in, none of the rest.
+        half = warm_memory.empty((17 * MB,), torch.uint8)
+        assert address(half) == first and resident_pages(half)[0] == resident_pages(half)[1]
+        assert resident_pages_at(first + 18 * MB, 14 * MB)[0] == 0  # the buffer's slack past them
 
 
 # --- copies deferred into served memory (deferred_rows) ----------------------------------------------------

@@ -183,7 +183,7 @@ class DeferredCopies(TorchFunctionMode):
             return  # freed: nothing reads it any more
         if pieces and pieces[0].source is None and _tiles(pieces[1:], 0, memory.nbytes):
             del pieces[0]  # the zeros under the whole allocation: every byte is written over them
-        self._pool.make_resident(address, serial)  # faulted in at once, not a page at a time as written
+        self._pool.make_resident(address, serial, memory.nbytes)  # faulted in at once, not a page at a time
         quiet, self._quiet = self._quiet, True
         try:
             whole = torch.from_numpy(memory)

@@ -251,9 +251,10 @@ def _quant_per_channel(original: Any) -> Any:
             if ahead is not None:
                 return ahead.t()
             # [K, N] storage: the [N, K] result vLLM transposes is then contiguous.
-            out = warm_memory.empty((cols, rows), torch.float8_e4m3fn)  # written in full below
             if getattr(_LOCAL, "amax_only", False):
-                return out.t()  # a pass that keeps only the amaxes: the bytes are never read
+                # A pass that keeps only the amaxes: the bytes are never written or read.
+                return warm_memory.empty((cols, rows), torch.float8_e4m3fn, written=False).t()
+            out = warm_memory.empty((cols, rows), torch.float8_e4m3fn)  # written in full below
             sc = scale.detach().contiguous().reshape(-1)
             pieces = deferred_rows.pieces_of(weight)  # its rows where the weights lie (no copy was made)
             if pieces is not None:

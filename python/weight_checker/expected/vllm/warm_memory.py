@@ -17,13 +17,13 @@ pool only when torch has freed every tensor over it (a finalizer on the
 array torch's storage holds), so a buffer in use is never handed out twice.
 
 A reused buffer is only warm where its pages were written: a weight whose
-copies stay deferred (:mod:`.deferred_rows`) never touches its buffer. A
-buffer is made resident in one call to the kernel (``MADV_POPULATE_WRITE``)
-before anything writes all of it (the FP8 cast, the zeroing, a deferred
-copy written for real), once in its life, and such writers are served a
-buffer already resident first, the rest one that is not: so a call's
-outputs are never written through page faults, and a weight that is never
-written takes no resident memory. (Measured on an Intel Xeon fam 6 model
+copies stay deferred (:mod:`.deferred_rows`) never touches its buffer. The
+bytes an array is served are made resident in one call to the kernel
+(``MADV_POPULATE_WRITE``) before anything writes all of them (the FP8 cast,
+the zeroing, a deferred copy written for real), once in the buffer's life;
+such writers are served a buffer already resident that far first, the rest
+the least resident one: so a call's outputs are never written through page
+faults, and a weight that is never written takes no resident memory. (Measured on an Intel Xeon fam 6 model
 207, TP=2 FP8 of a 1 GB model: 14,000-35,000 faults a call, each first
 write to a page at about 1.3 us, before.)
 
@@ -89,20 +89,24 @@ class _Buffer:
         self.array = np.frombuffer(self.mapping, dtype=np.uint8)
         self.size = size
         self.used = False
-        #: Every page written at least once (:meth:`make_resident`).
-        self.resident = False
+        #: Bytes from the start whose pages were all written at least once
+        #: (:meth:`make_resident`; an array is always served from the start).
+        self.resident = 0
 
-    def make_resident(self) -> None:
-        """Every page of the buffer faulted in now, its bytes unchanged: one
-        call to the kernel, where a first write to each page would trap."""
-        if self.resident:
+    def make_resident(self, nbytes: int) -> None:
+        """The pages of the first ``nbytes`` faulted in now, their bytes
+        unchanged: one call to the kernel, where a first write to each page
+        would trap. The rest of the buffer is left as it is."""
+        if nbytes <= self.resident:
             return
+        start = self.resident
+        end = min(self.size, -(-nbytes // _PAGE) * _PAGE)
         try:
-            self.mapping.madvise(_POPULATE_WRITE)
+            self.mapping.madvise(_POPULATE_WRITE, start, end - start)
         except (OSError, ValueError):  # an older kernel: a byte of each page written back as it is
-            pages = self.array[::_PAGE]
+            pages = self.array[start:end:_PAGE]
             np.bitwise_or(pages, 0, out=pages)
-        self.resident = True
+        self.resident = end
 
 
 class WarmPool:
@@ -123,19 +127,24 @@ class WarmPool:
         self.reused_bytes = 0
         self.fresh_bytes = 0
 
-    def take(self, nbytes: int, zeroed: bool) -> np.ndarray:
+    def take(self, nbytes: int, zeroed: bool, written: bool = True) -> np.ndarray:
         """``nbytes`` of a buffer, 64-byte aligned, as a uint8 array; zeros if
         ``zeroed``. The buffer returns to the pool when the array is freed.
-        ``zeroed=False``: the caller writes every byte (:func:`empty`)."""
+        ``zeroed=False``: the caller writes every byte (:func:`empty`), unless
+        not ``written`` (then nothing is made resident for it)."""
         need = nbytes + ALIGN
         lazily = getattr(_LOCAL, "zero_later", None)
-        # Whoever writes it all is served a resident buffer first; an
-        # allocation a deferred copy may never write, one that is not.
-        writes = not zeroed or lazily is None
+        # Whoever writes it all is served a buffer resident that far first; an
+        # allocation a deferred copy may never write, the least resident one.
+        writes = (not zeroed and written) or (zeroed and lazily is None)
+
+        def preferred(b: _Buffer) -> tuple[int, int]:
+            return (b.size, b.resident < nbytes if writes else b.resident)
+
         with self._lock:
             self._drain()
             fits = [b for b in self._free if need <= b.size <= max(2 * need, need + 4 * UNIT)]
-            buffer = min(fits, key=lambda b: (b.size, b.resident != writes)) if fits else None
+            buffer = min(fits, key=preferred) if fits else None
             if buffer is not None:
                 self._free.remove(buffer)
         reused = buffer is not None
@@ -150,26 +159,27 @@ class WarmPool:
             serial = self._serial
             self._live[address] = (serial, weakref.ref(view), buffer)
         weakref.finalize(view, self._give_back, buffer, address)
-        if not zeroed:
-            buffer.make_resident()  # the caller writes it all next
+        if not zeroed and written:
+            buffer.make_resident(start + nbytes)  # the caller writes it all next
         if reused:
             self.reused_bytes += nbytes
             # Zeroed now, unless whoever took that on for this pool does it before it is read.
             if zeroed and (lazily is None or not lazily(self, address, serial, nbytes)):
-                buffer.make_resident()
+                buffer.make_resident(start + nbytes)
                 torch.from_numpy(view).zero_()
         else:
             self.fresh_bytes += nbytes
         return view
 
-    def make_resident(self, address: int, serial: int) -> None:
-        """The buffer of the array served at ``address`` under ``serial``
-        made resident (:meth:`_Buffer.make_resident`): its caller is about
-        to write it (a deferred copy written for real)."""
+    def make_resident(self, address: int, serial: int, nbytes: int) -> None:
+        """The first ``nbytes`` of the array served at ``address`` under
+        ``serial`` made resident (:meth:`_Buffer.make_resident`): its caller
+        is about to write them (a deferred copy written for real)."""
         with self._lock:
             entry = self._live.get(address)
         if entry is not None and entry[0] == serial:
-            entry[2].make_resident()
+            buffer = entry[2]
+            buffer.make_resident(address - buffer.array.ctypes.data + nbytes)
 
     def serial(self, address: int) -> int | None:
         """The serial number of the served array alive at ``address``
@@ -332,14 +342,15 @@ def zeroing_by(take_on: Any) -> Iterator[None]:
         _LOCAL.zero_later = previous
 
 
-def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def empty(shape: tuple[int, ...], dtype: torch.dtype, written: bool = True) -> torch.Tensor:
     """A contiguous CPU tensor the caller writes in full: from the pool
-    (not zeroed) while :func:`serving` is active on this thread, else torch's."""
+    (not zeroed) while :func:`serving` is active on this thread, else torch's.
+    ``written=False``: a tensor never written (nor read), as ``torch.empty``'s."""
     pool = getattr(_LOCAL, "pool", None)
     nbytes = math.prod(shape) * dtype.itemsize
     if pool is None or nbytes < MIN_BYTES:
         return torch.empty(shape, dtype=dtype)
-    return _tensor(pool.take(nbytes, zeroed=False), shape, dtype)
+    return _tensor(pool.take(nbytes, zeroed=False, written=written), shape, dtype)
 
 
 def _tensor(view: np.ndarray, shape: Any, dtype: torch.dtype) -> torch.Tensor:
