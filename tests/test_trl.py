@@ -59,9 +59,14 @@ def run(tmp_path: Path, *args: str) -> tuple[int, dict, str]:
 
 
 def grpo(*args: str) -> tuple[int, dict, str]:
+    import shutil
     import tempfile
 
-    return run(Path(tempfile.mkdtemp(prefix="grpo-")), *args)
+    workdir = Path(tempfile.mkdtemp(prefix="grpo-"))
+    try:
+        return run(workdir, *args)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)  # a run's policy and outputs: nothing reads them after it
 
 
 def background_jobs(env) -> dict[str, functools.partial]:
