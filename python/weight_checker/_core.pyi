@@ -22,6 +22,7 @@ __all__ = [
     "SafetensorsError",
     "__version__",
     "calibrate",
+    "cancel_background",
     "calibrate_small",
     "calibrate_wide",
     "check_settings",
@@ -29,6 +30,7 @@ __all__ = [
     "checksum_safetensors",
     "copy_into",
     "describe_assignment",
+    "digest_here",
     "digest_many",
     "dominant_chains",
     "fp8_amax_quantize_piece",
@@ -69,6 +71,17 @@ def sha256_many(buffers: Iterable[Any], names: Sequence[str] | None = None) -> l
 
 def digest_many(buffers: Iterable[Any], names: Sequence[str] | None = None) -> tuple[list[str], list[bool]]:
     """Like :func:`sha256_many`, plus whether each input was all zero bytes."""
+
+def digest_here(buffers: Iterable[Any]) -> list[str]:
+    """SHA-256 (lowercase hex) of each contiguous buffer, hashed on the
+    calling thread alone (no pool thread takes part, whatever the thread
+    settings), waiting between steps while an FP8 kernel runs: for a hasher
+    at a low priority. ``ValueError`` for a buffer that is not contiguous; a
+    run under way when :func:`cancel_background` is called raises
+    ``RuntimeError('cancelled')``."""
+
+def cancel_background() -> None:
+    """Stops every :func:`digest_here` run under way at its next step."""
 
 def checksum_module(
     module: Any,

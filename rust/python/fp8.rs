@@ -8,6 +8,7 @@ use pyo3::prelude::*;
 
 use super::acquire::BufferExport;
 use crate::fp8;
+use crate::scheduler::foreground;
 
 /// A C-contiguous buffer export as a slice of `T`: its items must be `T`'s
 /// size and one of `T`'s formats ([`Item`]), its length in bytes a whole
@@ -167,10 +168,12 @@ pub(super) fn fp8_row_abs_max(
     // after this call; `out` shares no byte with the weight (checked); the
     // caller's contract keeps the weight unwritten while the GIL is released.
     // An empty export's pointer is never dereferenced: the slices are empty.
-    let nan = py.detach(|| unsafe {
-        let src = shared::<u16>(s, n_src);
-        let dst = exclusive::<u16>(d, n_dst);
-        fp8::row_abs_max(src, cols, dst)
+    let nan = py.detach(|| {
+        foreground(|| unsafe {
+            let src = shared::<u16>(s, n_src);
+            let dst = exclusive::<u16>(d, n_dst);
+            fp8::row_abs_max(src, cols, dst)
+        })
     });
     drop((src, dst));
     Ok(nan)
@@ -201,11 +204,13 @@ pub(super) fn fp8_quantize_rows(
     // exports of the checked lengths (no overflow), `out` sharing no byte
     // with the inputs (checked), the inputs unwritten by anyone else while
     // the GIL is released; empty ones are never read.
-    let nan = py.detach(|| unsafe {
-        let src = shared::<u16>(s, n_src);
-        let sc = shared::<f32>(c, n_sc);
-        let dst = exclusive::<u8>(d, n_src);
-        fp8::quantize_rows(src, cols, sc, dst, transposed)
+    let nan = py.detach(|| {
+        foreground(|| unsafe {
+            let src = shared::<u16>(s, n_src);
+            let sc = shared::<f32>(c, n_sc);
+            let dst = exclusive::<u8>(d, n_src);
+            fp8::quantize_rows(src, cols, sc, dst, transposed)
+        })
     });
     drop((src, sc, dst));
     Ok(nan)
@@ -257,10 +262,12 @@ pub(super) fn fp8_row_abs_max_piece(
     // source (checked); `piece` checks that every row lies inside the source
     // before anything is read; the caller's contract keeps the source
     // unwritten while the GIL is released.
-    let nan = py.detach(|| unsafe {
-        let src = shared::<u16>(s, n_src);
-        let dst = exclusive::<u16>(d, n_dst);
-        piece(src, offset, stride, rows, cols).map(|p| fp8::rows_abs_max(p, dst))
+    let nan = py.detach(|| {
+        foreground(|| unsafe {
+            let src = shared::<u16>(s, n_src);
+            let dst = exclusive::<u16>(d, n_dst);
+            piece(src, offset, stride, rows, cols).map(|p| fp8::rows_abs_max(p, dst))
+        })
     })?;
     drop((src, dst));
     Ok(nan)
@@ -299,11 +306,14 @@ pub(super) fn fp8_quantize_piece(
     // and the lengths and row range (checked above) are what
     // `quantize_rows_into` asserts; the caller's contract keeps the source
     // and the scales unwritten while the GIL is released.
-    let nan = py.detach(|| unsafe {
-        let src = shared::<u16>(s, n_src);
-        let sc = shared::<f32>(c, n_sc);
-        let dst = exclusive::<u8>(d, n_dst);
-        piece(src, offset, stride, rows, cols).map(|p| fp8::quantize_rows_into(fp8::widest(), p, sc, dst, first, total))
+    let nan = py.detach(|| {
+        foreground(|| unsafe {
+            let src = shared::<u16>(s, n_src);
+            let sc = shared::<f32>(c, n_sc);
+            let dst = exclusive::<u8>(d, n_dst);
+            piece(src, offset, stride, rows, cols)
+                .map(|p| fp8::quantize_rows_into(fp8::widest(), p, sc, dst, first, total))
+        })
     })?;
     drop((src, sc, dst));
     Ok(nan)
@@ -360,13 +370,15 @@ pub(super) fn fp8_amax_quantize_piece(
     // row lies inside the source, and the lengths and row range (checked
     // above) are what `amax_quantize_rows_into` asserts; the caller's
     // contract keeps the source unwritten while the GIL is released.
-    let nan = py.detach(|| unsafe {
-        let src = shared::<u16>(s, n_src);
-        let am = exclusive::<u16>(a, rows);
-        let sc = exclusive::<f32>(c, rows);
-        let dst = exclusive::<u8>(d, n_dst);
-        piece(src, offset, stride, rows, cols)
-            .map(|p| fp8::amax_quantize_rows_into(fp8::widest(), p, am, sc, dst, first, total))
+    let nan = py.detach(|| {
+        foreground(|| unsafe {
+            let src = shared::<u16>(s, n_src);
+            let am = exclusive::<u16>(a, rows);
+            let sc = exclusive::<f32>(c, rows);
+            let dst = exclusive::<u8>(d, n_dst);
+            piece(src, offset, stride, rows, cols)
+                .map(|p| fp8::amax_quantize_rows_into(fp8::widest(), p, am, sc, dst, first, total))
+        })
     })?;
     drop((src, am, sc, dst));
     Ok(nan)

@@ -237,6 +237,8 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     use runs::{check_settings, last_run, wide_kernel_available};
     m.add_function(wrap_pyfunction!(sha256_many, m)?)?;
     m.add_function(wrap_pyfunction!(digest_many, m)?)?;
+    m.add_function(wrap_pyfunction!(hashing::digest_here, m)?)?;
+    m.add_function(wrap_pyfunction!(hashing::cancel_background, m)?)?;
     m.add_function(wrap_pyfunction!(checksum_module, m)?)?;
     m.add_function(wrap_pyfunction!(tensor_impl_offset, m)?)?;
     m.add_function(wrap_pyfunction!(kernel, m)?)?;

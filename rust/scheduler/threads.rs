@@ -1,13 +1,104 @@
 //! How many worker threads a scheduler runs: the process-wide default
 //! (a vLLM worker's share of the host) and its environment override.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::OnceLock;
+use std::cell::Cell;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Condvar, Mutex, OnceLock};
+use std::time::Duration;
 
 use crate::settings;
 pub use crate::settings::THREADS_ENV;
 
 static DEFAULT_THREADS: AtomicUsize = AtomicUsize::new(0);
+
+thread_local! {
+    /// Inside [`in_background`], the [`BACKGROUND_EPOCH`] it started in: the
+    /// runs this thread starts use it alone, and give way to [`foreground`]
+    /// work between steps.
+    static BACKGROUND: Cell<Option<u64>> = const { Cell::new(None) };
+}
+
+/// Advanced by [`cancel_background`]: a background run started before stops.
+static BACKGROUND_EPOCH: AtomicU64 = AtomicU64::new(0);
+
+/// Foreground calls under way ([`foreground`]), and what a background run
+/// waiting for them to end sleeps on.
+static FOREGROUND: AtomicUsize = AtomicUsize::new(0);
+static FOREGROUND_ENDED: (Mutex<()>, Condvar) = (Mutex::new(()), Condvar::new());
+
+/// Runs `f` as a background hasher: every default scheduler it starts on
+/// this thread runs one worker, this thread itself (no pool thread takes
+/// part, whatever [`THREADS_ENV`] or [`set_default_threads`] say), and
+/// waits between two steps while [`foreground`] work runs anywhere in the
+/// process. For a thread at the idle scheduling policy: on this 2-vCPU
+/// Intel Xeon, a task at that policy hashing beside the FP8 kernels slowed
+/// them from 2.9 to 2.0 GB/s (the pool's threads did not get their cores
+/// back at once); waiting leaves it only the time they leave idle. A run
+/// under way when [`cancel_background`] is called stops at its next step
+/// ([`crate::Error::Cancelled`]).
+pub fn in_background<T>(f: impl FnOnce() -> T) -> T {
+    /// Restores the flag as it was, also when `f` panics.
+    struct Restore(Option<u64>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            BACKGROUND.with(|flag| flag.set(self.0));
+        }
+    }
+    let epoch = BACKGROUND_EPOCH.load(Ordering::SeqCst);
+    let _restore = Restore(BACKGROUND.with(|flag| flag.replace(Some(epoch))));
+    f()
+}
+
+/// Stops every background run under way ([`in_background`]) at its next
+/// step; the ones started later run.
+pub fn cancel_background() {
+    BACKGROUND_EPOCH.fetch_add(1, Ordering::SeqCst);
+    let (lock, ended) = &FOREGROUND_ENDED;
+    drop(lock.lock().unwrap_or_else(|e| e.into_inner()));
+    ended.notify_all(); // one waiting for foreground work stops now
+}
+
+/// Runs `f` as foreground work: background runs ([`in_background`]) wait
+/// until it returns (each after the step it is in).
+pub fn foreground<T>(f: impl FnOnce() -> T) -> T {
+    /// Ends the foreground call, also when `f` panics; the last one wakes the waiters.
+    struct End;
+    impl Drop for End {
+        fn drop(&mut self) {
+            if FOREGROUND.fetch_sub(1, Ordering::SeqCst) == 1 {
+                let (lock, ended) = &FOREGROUND_ENDED;
+                // Taken so that a waiter between its check and its wait is not missed.
+                drop(lock.lock().unwrap_or_else(|e| e.into_inner()));
+                ended.notify_all();
+            }
+        }
+    }
+    FOREGROUND.fetch_add(1, Ordering::SeqCst);
+    let _end = End;
+    f()
+}
+
+/// On a background thread ([`in_background`]): waits while [`foreground`]
+/// work runs, then `false` if the run was cancelled ([`cancel_background`]).
+/// Elsewhere `true` at once.
+pub(super) fn give_way() -> bool {
+    let Some(epoch) = BACKGROUND.with(Cell::get) else {
+        return true;
+    };
+    let live = || BACKGROUND_EPOCH.load(Ordering::SeqCst) == epoch;
+    if FOREGROUND.load(Ordering::SeqCst) > 0 {
+        let (lock, ended) = &FOREGROUND_ENDED;
+        let mut guard = lock.lock().unwrap_or_else(|e| e.into_inner());
+        while FOREGROUND.load(Ordering::SeqCst) > 0 && live() {
+            // Timed: a wait is never longer than this, whatever the order of events.
+            guard = ended
+                .wait_timeout(guard, Duration::from_millis(5))
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+    live()
+}
 
 /// Sets the worker threads an [`Scheduler::default`] uses (0: all cores), unless
 /// [`THREADS_ENV`] is set, which always wins. A vLLM worker sets its share of
@@ -29,15 +120,85 @@ fn env_threads() -> Option<usize> {
     *ENV.get_or_init(|| settings::or_panic(settings::threads()))
 }
 
-/// The worker threads a default scheduler runs: [`THREADS_ENV`], else what
+/// The worker threads a default scheduler runs: 1 inside
+/// [`in_background`], else [`THREADS_ENV`], else what
 /// [`set_default_threads`] set, else rayon's pool size (the cores in this
 /// process's CPU affinity).
 pub fn default_threads() -> usize {
+    if BACKGROUND.with(Cell::get).is_some() {
+        return 1;
+    }
     if let Some(n) = env_threads() {
         return n;
     }
     match DEFAULT_THREADS.load(Ordering::Relaxed) {
         0 => rayon::current_num_threads(),
         n => n,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicBool;
+    use std::sync::Arc;
+
+    #[test]
+    fn one_thread_inside_only_and_restored_after_a_panic() {
+        let outside = default_threads();
+        assert_eq!(in_background(default_threads), 1);
+        assert_eq!(in_background(|| in_background(default_threads)), 1);
+        assert_eq!(default_threads(), outside);
+        let panicked = std::panic::catch_unwind(|| in_background(|| panic!("inside")));
+        assert!(panicked.is_err());
+        assert_eq!(default_threads(), outside);
+        // Another thread is not affected.
+        in_background(|| assert_eq!(std::thread::spawn(default_threads).join().unwrap(), outside));
+    }
+
+    #[test]
+    fn background_waits_while_foreground_runs() {
+        let (entered, leave) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
+        let (e, l) = (entered.clone(), leave.clone());
+        let fg = std::thread::spawn(move || {
+            foreground(|| {
+                e.store(true, Ordering::SeqCst);
+                while !l.load(Ordering::SeqCst) {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            })
+        });
+        while !entered.load(Ordering::SeqCst) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert!(give_way()); // not a background thread: at once
+        let waited = Arc::new(AtomicBool::new(false));
+        let w = waited.clone();
+        let bg = std::thread::spawn(move || {
+            in_background(|| {
+                assert!(give_way());
+                w.store(true, Ordering::SeqCst);
+            })
+        });
+        std::thread::sleep(Duration::from_millis(30));
+        assert!(
+            !waited.load(Ordering::SeqCst),
+            "a background run went on beside foreground work"
+        );
+        leave.store(true, Ordering::SeqCst);
+        fg.join().unwrap();
+        bg.join().unwrap();
+        assert!(waited.load(Ordering::SeqCst));
+        assert_eq!(FOREGROUND.load(Ordering::SeqCst), 0);
+    }
+
+    #[test]
+    fn a_cancelled_run_stops_and_a_later_one_runs() {
+        in_background(|| {
+            assert!(give_way());
+            cancel_background();
+            assert!(!give_way());
+        });
+        in_background(|| assert!(give_way()));
     }
 }

@@ -312,6 +312,11 @@ pub(super) fn worker<S: ChunkSource>(shared: &Shared<'_, S>, w: usize) {
             continue;
         }
         wide_calls += u64::from(wide.is_some());
+        // A background run waits here while foreground work runs, and stops if cancelled.
+        if !super::threads::give_way() {
+            shared.fail(Error::Cancelled);
+            break;
+        }
         hash_step(shared, active, step, wide);
     }
     if wide_calls > 0 {

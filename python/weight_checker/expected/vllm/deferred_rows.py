@@ -47,6 +47,7 @@ from torch.overrides import TorchFunctionMode
 from weight_checker.expected.vllm import warm_memory
 from weight_checker.expected.vllm.deferred import ESCAPES, Piece, describes_only, op_name, storage_address
 from weight_checker.expected.vllm.warm_memory import WarmPool
+from weight_checker.hashing import idle
 
 _LOCAL = threading.local()
 #: Bytes of weights read where they lie, and written for real after all, by
@@ -183,6 +184,7 @@ class DeferredCopies(TorchFunctionMode):
             return  # freed: nothing reads it any more
         if pieces and pieces[0].source is None and _tiles(pieces[1:], 0, memory.nbytes):
             del pieces[0]  # the zeros under the whole allocation: every byte is written over them
+        idle.invalidate(address)  # written now: a digest hashed of it before is not taken
         self._pool.make_resident(address, serial, memory.nbytes)  # faulted in at once, not a page at a time
         quiet, self._quiet = self._quiet, True
         try:
@@ -204,6 +206,7 @@ class DeferredCopies(TorchFunctionMode):
         """The allocation at ``address`` written for real, now and from now on
         (its memory was handed out where later writes would not be seen)."""
         serial = self._pool.serial(address)
+        idle.invalidate(address)  # handed out: it may be written where no version counts
         if serial is not None:
             self.replay(address)
             self._real.add((address, serial))
@@ -319,6 +322,7 @@ class DeferredCopies(TorchFunctionMode):
         if pieces is None:
             pieces = []
             self.pending[address] = (serial, pieces)
+        idle.invalidate(address)  # its bytes change: a digest hashed of it before is not taken
         offset = dst.data_ptr() - address
         pieces.append(Piece(offset, dst.nbytes, dst.shape, dst.dtype, src, self._sources[source_storage]))
         return True

@@ -56,6 +56,7 @@ def install() -> None:
             if rows is not None:
                 layer.weight.data[rows] = 0
             original(self, layer)
+            submit_final(layer)
 
         process_weights_after_loading.weight_checker_original = original  # type: ignore[attr-defined]
         Fp8PtpcOnlineLinearMethod.process_weights_after_loading = process_weights_after_loading  # type: ignore[method-assign]
@@ -117,6 +118,28 @@ def _hold_back(original: Any, method: Any, layer: Any) -> bool:
 
         deferred_rows.hand_on(layer.weight, handed)
     return True
+
+
+def submit_final(module: Any, skip: Any = ()) -> None:
+    """The parameters of ``module`` and the modules under it (but those in
+    ``skip``, held layers), final now, to this thread's idle hashing
+    (:mod:`weight_checker.hashing.idle`), but a memory with copies still
+    pending (:mod:`.deferred_rows`): a processed layer, or a rank's model
+    once its load has written every copy it deferred."""
+    from weight_checker.hashing import idle
+
+    if idle.current() is None:
+        return
+    from weight_checker.expected.vllm.deferred_rows import pending_pieces
+
+    skipped = {id(m) for m in skip}
+    idle.submit(
+        p
+        for m in module.modules()
+        if id(m) not in skipped
+        for p in m._parameters.values()
+        if p is not None and not pending_pieces(p)
+    )
 
 
 def _same(table: dict[str, Any], before: dict[str, Any]) -> bool:

@@ -125,7 +125,8 @@ def quantized_ranks(
     import time
 
     from weight_checker.expected.rank import Rank
-    from weight_checker.expected.vllm import warm_memory
+    from weight_checker.expected.vllm import online_process, warm_memory
+    from weight_checker.hashing import idle
 
     with warm_memory.POOL.trimming(), warm_memory.young_garbage():
         reduce = AmaxReduce(tp)
@@ -133,8 +134,10 @@ def quantized_ranks(
         ranks = [Rank(p, t) for p in range(pp) for t in range(tp)]
         online = getattr(config.model_config, "quantization", None) in ONLINE
         one_pass = online and tp > 1
-        if one_pass and _online_ranks(config, source, ranks, tp, pp, dp, allow_unwritten, out, reduce, progress):
-            return ranks
+        if one_pass:
+            with idle.session():  # each rank's final tensors hashed while the next one loads
+                if _online_ranks(config, source, ranks, tp, pp, dp, allow_unwritten, out, reduce, progress):
+                    return ranks
         # Two passes where one would hold too much memory (or for a format
         # whose layers are not held back): the first records what each rank
         # contributes to the reduction (online FP8's skips the casts; a
@@ -162,20 +165,23 @@ def quantized_ranks(
                 for rank in ranks:
                     rank.put(first[rank.name])
                 return ranks
-        for rank in ranks:
-            if progress is not None:
-                progress(rank.name)
-            started = time.perf_counter()
-            with reduce.for_rank(rank.pp_rank, rank.tp_rank):
-                model = load_and_process(config, source, rank, tp, pp, dp, allow_unwritten)
-            hashed_at = time.perf_counter()
-            out.seconds["load"] += hashed_at - started
-            refuse_unseen(model, rank.name)
-            rank.put(rank_digests(model, rank.prefix))
-            out.seconds["hash"] += time.perf_counter() - hashed_at
-            drop_tensors(model)
-            del model
-            gc.collect(0)
+        if online:
+            online_process.install()  # its wrapper hands each processed layer to the session
+        with idle.session():  # each processed layer hashed while the next ones load
+            for rank in ranks:
+                if progress is not None:
+                    progress(rank.name)
+                started = time.perf_counter()
+                with reduce.for_rank(rank.pp_rank, rank.tp_rank):
+                    model = load_and_process(config, source, rank, tp, pp, dp, allow_unwritten)
+                hashed_at = time.perf_counter()
+                out.seconds["load"] += hashed_at - started
+                refuse_unseen(model, rank.name)
+                rank.put(rank_digests(model, rank.prefix, rank is ranks[-1]))
+                out.seconds["hash"] += time.perf_counter() - hashed_at
+                drop_tensors(model)
+                del model
+                gc.collect(0)
         return ranks
 
 
@@ -228,6 +234,7 @@ def _online_ranks(
                     # Fused casts: the layers whose amax is reduced are held back.
                     model = load_and_process(config, source, rank, tp, pp, dp, allow_unwritten, fuse=True)
                 loaded.append((rank, model, held, handed))
+                online_process.submit_final(model, skip=held)  # all but the held layers written now
                 out.seconds["load"] += time.perf_counter() - started
                 recorded = len(reduce.recorded.get((rank.pp_rank, rank.tp_rank), []))
                 # Judged after every rank: what is alive, and the largest rank so
@@ -442,23 +449,37 @@ def _quantized_layer(module: Any) -> bool:
 
 def ranks_digests(models: list[tuple[Any, str]]) -> list[dict[str, str]]:
     """:func:`rank_digests` of each ``(model, prefix)``, hashed in one call."""
+    from weight_checker.hashing import idle
     from weight_checker.hashing.digests import checksum
     from weight_checker.hashing.walk import collect
     from weight_checker.integrations.vllm.scope_walk import vllm_checksum_targets
 
-    pairs: list[tuple[str, Any]] = []
+    all_names: list[str] = []
+    all_tensors: list[Any] = []
     for model, prefix in models:
         targets = vllm_checksum_targets(model)
         names, tensors = collect(model if targets is None else targets)
-        pairs += [(prefix + n, t) for n, t in zip(names, tensors, strict=True)]
-    digests = checksum(pairs)
+        all_names += [prefix + n for n in names]
+        all_tensors += tensors
+    if len(set(all_names)) != len(all_names):
+        checksum(list(zip(all_names, all_tensors, strict=True)))  # raises, naming the tensor given twice
+    digests = dict(zip(all_names, idle.digests(all_names, all_tensors), strict=True))
     return [{k: d for k, d in digests.items() if k.startswith(prefix)} for _, prefix in models]
 
 
-def rank_digests(model: Any, prefix: str) -> dict[str, str]:
-    """The worker's walk of the processed model (what vLLM's checksum covers), hashed."""
+def rank_digests(model: Any, prefix: str, last: bool = True) -> dict[str, str]:
+    """The worker's walk of the processed model (what vLLM's checksum
+    covers), hashed; in an idle hashing session, what it hashed of this very
+    model is taken (``last``: the session's last question, see
+    :func:`weight_checker.hashing.idle.digests`)."""
+    from weight_checker.hashing import idle
     from weight_checker.hashing.digests import checksum
+    from weight_checker.hashing.walk import collect
     from weight_checker.integrations.vllm.scope_walk import vllm_checksum_targets
 
     targets = vllm_checksum_targets(model)
-    return checksum(model if targets is None else targets, prefix)
+    walked = model if targets is None else targets
+    if idle.current() is None:
+        return checksum(walked, prefix)
+    names, tensors = collect(walked)
+    return {prefix + n: d for n, d in zip(names, idle.digests(names, tensors, last=last), strict=True)}

@@ -1,0 +1,218 @@
+"""Digests made in a core's idle time, for a later checksum to reuse.
+
+An expected-digests call for a quantized engine spends much of its time on
+one Python thread (vLLM's loaders, the builds of the rank models) while the
+other cores idle, and its last step hashes every rank's tensors on all of
+them. A layer's tensors are final once vLLM has processed it, well before
+that step. :class:`IdleHashing` hashes them in between, on a thread of its
+own under Linux's ``SCHED_IDLE`` policy: it runs only on a core nothing
+else wants, so the loaders and the FP8 kernels (the pool's threads) keep
+theirs, and it hashes on that thread alone (``_core.digest_here``: no pool
+thread at the normal priority takes its work up). The last step then takes
+the digest of each tensor that is still the very object hashed, its
+version unchanged (:meth:`IdleHashing.digest_of`), and hashes the rest as
+before.
+
+A digest taken assumes what every digest of memory in use assumes: nothing
+writes a submitted tensor without torch seeing it (through ``.data``, a
+raw pointer or a numpy view: its version does not change). The callers
+submit a layer only once vLLM's processing of it has returned, and leave
+out a tensor whose memory still has copies pending (``pending_pieces`` of
+:mod:`weight_checker.expected.vllm.deferred_rows`); a copy deferred into
+a memory later, or written there for real, is told here (:func:`invalidate`),
+and no digest of a tensor in that memory is taken.
+
+Where ``SCHED_IDLE`` is missing (not Linux), :func:`session` hashes nothing
+in the background: the last step hashes everything, as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import weakref
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+#: Smaller tensors are not worth a queue entry: the last step hashes them in batches.
+MIN_BYTES = 1 << 16
+#: The bytes one background run takes (at least one tensor): enough
+#: messages for the core to choose its lanes; one under way when the call
+#: asks for its digests is stopped, and its tensors hashed then.
+RUN_BYTES = 64 << 20
+
+_LOCAL = threading.local()
+
+
+class IdleHashing:
+    """One call's background hasher (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._queue: list[tuple[Any, int]] = []
+        self._queued: set[int] = set()
+        self._running = False
+        self._closed = False
+        #: id(tensor) -> (a weak reference to it, its version when submitted, its digest).
+        self._done: dict[int, tuple[weakref.ref[Any], int, str]] = {}
+        #: Storage addresses of the tensors submitted, and those written since (:meth:`invalidate`).
+        self._storage: dict[int, int] = {}
+        self._written: set[int] = set()
+        self.hashed_bytes = 0
+        self._thread = threading.Thread(target=self._run, name="weight-checker-idle-hashing", daemon=True)
+        self._thread.start()
+
+    def submit(self, tensors: Iterable[Any]) -> None:
+        """Queues each tensor worth it: a contiguous CPU tensor of at least
+        :data:`MIN_BYTES`, not queued yet. The caller's: its memory holds its
+        bytes now, and nothing writes them without torch seeing it."""
+        chosen = [
+            t
+            for t in tensors
+            if id(t) not in self._queued
+            and t.device.type == "cpu"
+            and t.numel() * t.element_size() >= MIN_BYTES
+            and t.is_contiguous()
+        ]
+        if not chosen:
+            return
+        with self._cv:
+            if self._closed:
+                return
+            for t in chosen:
+                self._queued.add(id(t))
+                self._storage[id(t)] = t.untyped_storage().data_ptr()
+                self._queue.append((t, t._version))
+            self._cv.notify()
+
+    def idle(self) -> bool:
+        """Whether nothing is queued or being hashed."""
+        with self._cv:
+            return not self._queue and not self._running
+
+    def close(self) -> None:
+        """Nothing more hashed: what is queued is dropped, the run under way
+        stopped at its next step (its tensors are the caller's to hash),
+        and the thread ends."""
+        from weight_checker import _core
+
+        with self._cv:
+            self._closed = True
+            self._queue.clear()
+            self._cv.notify_all()
+        while self._thread.is_alive():
+            _core.cancel_background()  # again, for a run started after the last call
+            self._thread.join(0.005)
+
+    def invalidate(self, address: int) -> None:
+        """The memory of the storage at ``address`` is written (a deferred
+        copy into it, recorded or written for real): no digest of a tensor
+        in it is taken from here on."""
+        self._written.add(address)
+
+    def digest_of(self, tensor: Any) -> str | None:
+        """The digest hashed of this very tensor, if its version is still the
+        one it had when submitted and its memory was not written since
+        (:meth:`invalidate`); else ``None``."""
+        entry = self._done.get(id(tensor))
+        if entry is None:
+            return None
+        ref, version, digest = entry
+        hashed = ref()
+        if hashed is None or hashed is not tensor:
+            return None  # another object that took the id of one hashed and freed
+        unchanged = hashed._version == version and self._storage.get(id(hashed)) not in self._written
+        return digest if unchanged else None
+
+    def _run(self) -> None:
+        from weight_checker import _core
+
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # this thread only
+        except (AttributeError, OSError):
+            return  # no idle policy here: hashing at the normal one would take the loaders' cores
+        while True:
+            with self._cv:
+                while not self._queue and not self._closed:
+                    self._cv.wait()
+                if self._closed:
+                    return
+                run: list[tuple[Any, int]] = []
+                nbytes = 0
+                while self._queue and (not run or nbytes < RUN_BYTES):
+                    tensor, version = self._queue.pop(0)
+                    run.append((tensor, version))
+                    nbytes += tensor.numel() * tensor.element_size()
+                self._running = True
+            digests: list[str] = []
+            try:
+                digests = _core.digest_here([t for t, _ in run])
+            except Exception:
+                pass  # stopped, or failed: the last step hashes these tensors itself
+            with self._cv:
+                for (tensor, version), digest in zip(run, digests, strict=False):
+                    self._done[id(tensor)] = (weakref.ref(tensor), version, digest)
+                self.hashed_bytes += nbytes if digests else 0
+                self._running = False
+                self._cv.notify_all()
+            del run
+
+
+def available() -> bool:
+    """Whether this host has the idle scheduling policy."""
+    return hasattr(os, "SCHED_IDLE") and hasattr(os, "sched_setscheduler")
+
+
+@contextlib.contextmanager
+def session() -> Iterator[IdleHashing | None]:
+    """On this thread, inside: :func:`submit` queues tensors for one
+    :class:`IdleHashing`, and :func:`current` gives it; closed on the way
+    out. Nested, the outer session goes on."""
+    if getattr(_LOCAL, "hashing", None) is not None or not available():
+        yield getattr(_LOCAL, "hashing", None)
+        return
+    hashing = IdleHashing()
+    _LOCAL.hashing = hashing
+    try:
+        yield hashing
+    finally:
+        _LOCAL.hashing = None
+        hashing.close()
+
+
+def current() -> IdleHashing | None:
+    """This thread's open session's hasher, if any."""
+    return getattr(_LOCAL, "hashing", None)
+
+
+def submit(tensors: Iterable[Any]) -> None:
+    """:meth:`IdleHashing.submit` to this thread's session; nothing outside one."""
+    hashing = current()
+    if hashing is not None:
+        hashing.submit(tensors)
+
+
+def invalidate(address: int) -> None:
+    """:meth:`IdleHashing.invalidate` on this thread's session; nothing outside one."""
+    hashing = current()
+    if hashing is not None:
+        hashing.invalidate(address)
+
+
+def digests(names: list[str], tensors: list[Any], last: bool = True) -> list[str]:
+    """The digest of each tensor: the session's, where it hashed that very
+    tensor unchanged, the rest hashed now (all of them outside a session).
+    ``last``: nothing more is asked of the session, which then stops
+    (its run under way finished first, and used); else it goes on."""
+    from weight_checker.hashing.digests import digest_tensors
+
+    hashing = current()
+    if hashing is not None and last:
+        hashing.close()
+    found = [hashing.digest_of(t) if hashing is not None else None for t in tensors]
+    rest = [i for i, d in enumerate(found) if d is None]
+    hashed, _ = digest_tensors([names[i] for i in rest], [tensors[i] for i in rest])
+    for i, digest in zip(rest, hashed, strict=True):
+        found[i] = digest
+    return [d for d in found if d is not None]  # every one found or hashed

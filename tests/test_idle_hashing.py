@@ -1,0 +1,185 @@
+"""Digests made in idle time (weight_checker.hashing.idle), against hashlib:
+the background run itself, its cancellation, and which digests a later
+checksum may take (the very tensor, unchanged, its memory not written)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from weight_checker import _core
+from weight_checker.hashing import idle
+
+pytestmark = pytest.mark.skipif(not idle.available(), reason="no SCHED_IDLE on this host")
+
+
+def _sha(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.detach().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
+
+
+def _hashed(hashing: idle.IdleHashing, tensors: list[torch.Tensor], timeout: float = 30.0) -> None:
+    """Waits until the background has hashed every one of ``tensors``."""
+    end = time.monotonic() + timeout
+    while any(hashing.digest_of(t) is None for t in tensors):
+        assert time.monotonic() < end, "the background never hashed them"
+        time.sleep(0.01)
+
+
+def test_digest_here_equals_hashlib_on_this_thread_alone():
+    rng = np.random.default_rng(0)
+    buffers = [rng.integers(0, 256, n, dtype=np.uint8) for n in (0, 1, 63, 64, 4097, 3 << 20, 17 << 20)]
+    tensor = torch.arange(1 << 20, dtype=torch.int32)
+    got = _core.digest_here([*buffers, tensor])
+    assert got == [hashlib.sha256(b).hexdigest() for b in buffers] + [_sha(tensor)]
+    strided = tensor.reshape(1024, 1024)[:, ::2]
+    with pytest.raises(ValueError, match="buffer 1 is not contiguous"):
+        _core.digest_here([tensor, strided])
+    # Eight large buffers, which a default run spreads over the pool: none of
+    # its threads runs a moment of this one.
+    large = [np.full(32 << 20, i, dtype=np.uint8) for i in range(8)]
+    me = str(threading.get_native_id())
+
+    def runtimes() -> dict[str, int]:
+        out = {}
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                out[tid] = int(f.read().split()[0])
+        return out
+
+    _core.digest_many(large[:2])  # the pool started
+    before = runtimes()
+    assert _core.digest_here(large) == [hashlib.sha256(b).hexdigest() for b in large]
+    after = runtimes()
+    others = sum(after[t] - before.get(t, 0) for t in after if t != me)
+    assert after[me] - before[me] > 50e6 and others < 10e6, (after[me] - before[me], others)
+
+
+def test_a_cancelled_run_raises_and_the_next_one_runs():
+    big = np.ones(512 << 20, dtype=np.uint8)
+    outcome: list[object] = []
+
+    def run() -> None:
+        try:
+            outcome.append(_core.digest_here([big]))
+        except RuntimeError as e:
+            outcome.append(e)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    time.sleep(0.02)
+    while thread.is_alive():  # a run that started after a cancel is cancelled by the next
+        _core.cancel_background()
+        thread.join(0.005)
+    assert isinstance(outcome[0], RuntimeError) and "cancelled" in str(outcome[0])
+    small = np.arange(1 << 20, dtype=np.uint8)
+    assert _core.digest_here([small]) == [hashlib.sha256(small).hexdigest()]
+
+
+def test_the_background_runs_at_the_idle_policy():
+    policies: list[int] = []
+    original = idle.IdleHashing._run
+
+    def run(self: idle.IdleHashing) -> None:
+        original_setter = os.sched_setscheduler
+
+        def record(pid: int, policy: int, param: os.sched_param) -> None:
+            original_setter(pid, policy, param)
+            policies.append(os.sched_getscheduler(0))
+
+        os.sched_setscheduler = record  # type: ignore[assignment]
+        try:
+            original(self)
+        finally:
+            os.sched_setscheduler = original_setter  # type: ignore[assignment]
+
+    idle.IdleHashing._run = run  # type: ignore[method-assign]
+    try:
+        with idle.session() as hashing:
+            assert hashing is not None
+            t = torch.arange(1 << 18, dtype=torch.float32)
+            hashing.submit([t])
+            _hashed(hashing, [t])
+    finally:
+        idle.IdleHashing._run = original  # type: ignore[method-assign]
+    assert policies == [os.SCHED_IDLE]
+
+
+def test_digests_taken_only_of_the_very_tensor_unchanged():
+    torch.manual_seed(0)
+    kept, bumped, written, replaced = (torch.randn(1 << 16) for _ in range(4))
+    small = torch.randn(16)  # under MIN_BYTES: never queued
+    strided = torch.randn(512, 512).t()  # not contiguous: never queued
+    with idle.session() as hashing:
+        assert hashing is not None and idle.current() is hashing
+        idle.submit([kept, bumped, written, replaced, small, strided])
+        _hashed(hashing, [kept, bumped, written, replaced])
+        assert hashing.digest_of(small) is None and hashing.digest_of(strided) is None
+        bumped.add_(1)  # in place through torch: its version changes
+        written.numpy()[:] = 0  # a write torch does not see ...
+        idle.invalidate(written.untyped_storage().data_ptr())  # ... told as the deferred copies tell it
+        alias = kept.view(-1)  # another object over the same bytes: not the tensor hashed
+        names = ["kept", "bumped", "written", "alias", "small", "strided", "replaced"]
+        tensors = [kept, bumped, written, alias, small, strided, torch.zeros(1 << 16)]
+        assert hashing.digest_of(kept) == _sha(kept)
+        assert [hashing.digest_of(t) for t in (bumped, written, alias)] == [None, None, None]
+        digests = idle.digests(names, tensors)  # the session's last question: it stops
+    assert digests == [_sha(t) for t in tensors]
+    assert idle.current() is None
+    assert not hashing._thread.is_alive()
+    idle.submit([kept])  # outside a session: nothing
+    assert idle.digests(["kept"], [kept]) == [_sha(kept)]
+
+
+def test_a_session_left_by_an_exception_stops_its_thread():
+    with pytest.raises(ValueError), idle.session() as hashing:
+        assert hashing is not None
+        hashing.submit([torch.randn(1 << 20) for _ in range(8)])
+        raise ValueError("the call failed")
+    assert not hashing._thread.is_alive()
+    assert idle.current() is None
+
+
+def test_no_background_where_the_host_has_no_idle_policy(monkeypatch):
+    monkeypatch.setattr(idle, "available", lambda: False)
+    with idle.session() as hashing:
+        assert hashing is None and idle.current() is None
+        t = torch.randn(1 << 16)
+        idle.submit([t])
+        assert idle.digests(["t"], [t]) == [_sha(t)]
+
+
+def test_fp8_expected_digests_hash_in_the_background_and_equal_those_hashed_at_the_end(models, monkeypatch):
+    """A TP=2 online FP8 call: part of its tensors hashed in idle time, the
+    digests equal to a call that hashes everything at the end."""
+    import weight_checker
+
+    path = models.path("tiny-llama")
+    sessions: list[idle.IdleHashing] = []
+    original = idle.IdleHashing.close
+
+    def close(self: idle.IdleHashing) -> None:
+        # A call this small ends before its background runs: here it asks for
+        # its digests once everything submitted is hashed.
+        end = time.monotonic() + 30
+        while not self.idle() and time.monotonic() < end:
+            time.sleep(0.005)
+        sessions.append(self)
+        original(self)
+
+    monkeypatch.setattr(idle.IdleHashing, "close", close)
+    monkeypatch.setattr(idle, "MIN_BYTES", 0)
+    for tp in (1, 2):
+        sessions.clear()
+        with_idle = dict(weight_checker.expected_digests(path, tp=tp, quantization="fp8_per_channel"))
+        assert sessions and sum(s.hashed_bytes for s in sessions) > 0, "nothing was hashed in the background"
+        taken = sum(1 for s in sessions for _ in s._done)
+        assert taken > 0
+        with monkeypatch.context() as m:
+            m.setattr(idle, "available", lambda: False)
+            at_the_end = dict(weight_checker.expected_digests(path, tp=tp, quantization="fp8_per_channel"))
+        assert with_idle == at_the_end
