@@ -56,9 +56,11 @@ class IdleHashing:
         self._closed = False
         #: id(tensor) -> (a weak reference to it, its version when submitted, its digest).
         self._done: dict[int, tuple[weakref.ref[Any], int, str]] = {}
-        #: Storage addresses of the tensors submitted, and those written since (:meth:`invalidate`).
-        self._storage: dict[int, int] = {}
-        self._written: set[int] = set()
+        #: id(tensor) -> (its storage's address, the clock when submitted); each
+        #: storage address -> the clock when last written (:meth:`invalidate`).
+        self._storage: dict[int, tuple[int, int]] = {}
+        self._written: dict[int, int] = {}
+        self._clock = 0
         self.hashed_bytes = 0
         self._thread = threading.Thread(target=self._run, name="weight-checker-idle-hashing", daemon=True)
         self._thread.start()
@@ -67,24 +69,42 @@ class IdleHashing:
         """Queues each tensor worth it: a contiguous CPU tensor of at least
         :data:`MIN_BYTES`, not queued yet. The caller's: its memory holds its
         bytes now, and nothing writes them without torch seeing it."""
-        chosen = [
-            t
-            for t in tensors
-            if id(t) not in self._queued
-            and t.device.type == "cpu"
-            and t.numel() * t.element_size() >= MIN_BYTES
-            and t.is_contiguous()
-        ]
+        import torch
+
+        # Looked at past any torch function mode of the caller's (the deferred
+        # copies': asking for a storage would hand that memory out).
+        with torch._C.DisableTorchFunction():
+            chosen = [
+                (t, t.untyped_storage().data_ptr(), t._version)
+                for t in tensors
+                if id(t) not in self._queued
+                and t.device.type == "cpu"
+                and t.numel() * t.element_size() >= MIN_BYTES
+                and t.is_contiguous()
+            ]
         if not chosen:
             return
         with self._cv:
             if self._closed:
                 return
-            for t in chosen:
+            for t, address, version in chosen:
                 self._queued.add(id(t))
-                self._storage[id(t)] = t.untyped_storage().data_ptr()
-                self._queue.append((t, t._version))
+                self._clock += 1
+                self._storage[id(t)] = (address, self._clock)
+                self._queue.append((t, version))
             self._cv.notify()
+
+    def drop(self, tensors: Iterable[Any]) -> None:
+        """Those of ``tensors`` still queued are taken off (hashed by the
+        caller now): the queue keeps no memory alive that the caller frees."""
+        ids = {id(t) for t in tensors}
+        with self._cv:
+            self._queue = [(t, v) for t, v in self._queue if id(t) not in ids]
+
+    @property
+    def used(self) -> bool:
+        """Whether anything was submitted."""
+        return bool(self._queued)
 
     def idle(self) -> bool:
         """Whether nothing is queued or being hashed."""
@@ -108,8 +128,9 @@ class IdleHashing:
     def invalidate(self, address: int) -> None:
         """The memory of the storage at ``address`` is written (a deferred
         copy into it, recorded or written for real): no digest of a tensor
-        in it is taken from here on."""
-        self._written.add(address)
+        in it submitted before is taken."""
+        self._clock += 1
+        self._written[address] = self._clock
 
     def digest_of(self, tensor: Any) -> str | None:
         """The digest hashed of this very tensor, if its version is still the
@@ -122,7 +143,8 @@ class IdleHashing:
         hashed = ref()
         if hashed is None or hashed is not tensor:
             return None  # another object that took the id of one hashed and freed
-        unchanged = hashed._version == version and self._storage.get(id(hashed)) not in self._written
+        address, submitted = self._storage[id(hashed)]
+        unchanged = hashed._version == version and self._written.get(address, 0) < submitted
         return digest if unchanged else None
 
     def _run(self) -> None:
@@ -131,7 +153,12 @@ class IdleHashing:
         try:
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # this thread only
         except (AttributeError, OSError):
-            return  # no idle policy here: hashing at the normal one would take the loaders' cores
+            # Refused (a sandbox): hashing at the normal policy would take the
+            # loaders' cores. Nothing more is taken, nor kept alive here.
+            with self._cv:
+                self._closed = True
+                self._queue.clear()
+            return
         while True:
             with self._cv:
                 while not self._queue and not self._closed:
@@ -204,12 +231,14 @@ def digests(names: list[str], tensors: list[Any], last: bool = True) -> list[str
     """The digest of each tensor: the session's, where it hashed that very
     tensor unchanged, the rest hashed now (all of them outside a session).
     ``last``: nothing more is asked of the session, which then stops
-    (its run under way finished first, and used); else it goes on."""
+    (its run under way cut short); else it goes on with what else it holds."""
     from weight_checker.hashing.digests import digest_tensors
 
     hashing = current()
     if hashing is not None and last:
         hashing.close()
+    elif hashing is not None:
+        hashing.drop(tensors)
     found = [hashing.digest_of(t) if hashing is not None else None for t in tensors]
     rest = [i for i, d in enumerate(found) if d is None]
     hashed, _ = digest_tensors([names[i] for i in rest], [tensors[i] for i in rest])

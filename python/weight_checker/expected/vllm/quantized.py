@@ -479,7 +479,10 @@ def rank_digests(model: Any, prefix: str, last: bool = True) -> dict[str, str]:
 
     targets = vllm_checksum_targets(model)
     walked = model if targets is None else targets
-    if idle.current() is None:
+    hashing = idle.current()
+    if hashing is None or not hashing.used:  # nothing from the background: the core walks the model itself
+        if hashing is not None and last:
+            hashing.close()
         return checksum(walked, prefix)
     names, tensors = collect(walked)
     return {prefix + n: d for n, d in zip(names, idle.digests(names, tensors, last=last), strict=True)}
