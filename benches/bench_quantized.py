@@ -62,9 +62,9 @@ held = []
 one_rank, all_ranks = quantized.rank_digests, quantized.ranks_digests
 def keep(model, prefix):
     held.extend((prefix + n, t.detach().contiguous()) for n, t in model.named_parameters())
-def keep_one(model, prefix, *args):
+def keep_one(model, prefix):
     keep(model, prefix)
-    return one_rank(model, prefix, *args)
+    return one_rank(model, prefix)
 def keep_all(models, *args):
     for model, prefix in models:
         keep(model, prefix)

@@ -1,17 +1,21 @@
 """Digests made in a core's idle time, for a later checksum to reuse.
 
-An expected-digests call for a quantized engine spends much of its time on
-one Python thread (vLLM's loaders, the builds of the rank models) while the
-other cores idle, and its last step hashes every rank's tensors on all of
-them. A layer's tensors are final once vLLM has processed it, well before
-that step. :class:`IdleHashing` hashes them in between, on a thread of its
-own under Linux's ``SCHED_IDLE`` policy: it runs only on a core nothing
-else wants, so the loaders and the FP8 kernels (the pool's threads) keep
-theirs, and it hashes on that thread alone (``_core.digest_here``: no pool
-thread at the normal priority takes its work up). The last step then takes
-the digest of each tensor that is still the very object hashed, its
-version unchanged (:meth:`IdleHashing.digest_of`), and hashes the rest as
-before.
+An expected-digests call for a quantized TP engine spends much of its time
+on one Python thread (vLLM's loaders, the builds of the rank models) while
+the other cores idle, and its last step hashes every rank's tensors on all
+of them. A layer's tensors are final once vLLM has processed it, well
+before that step. :class:`IdleHashing` hashes them in between, on a thread
+of its own under Linux's ``SCHED_IDLE`` policy, on that thread alone
+(``_core.digest_here``: no pool thread at the normal priority takes its
+work up), and it waits between two steps while an FP8 kernel runs (the
+core's ``foreground``): on this project's 2-vCPU Intel Xeon an idle-policy
+hasher beside the kernels slowed them from 2.9 to 2.0 GB/s, and the loads
+lost what the hashing saved. The last step then takes the digest of each
+tensor that is still the very object hashed, its version unchanged
+(:meth:`IdleHashing.digest_of`), and hashes the rest as before. Measured
+there (``benches/bench_quantized.py``, online FP8 of a 1 GB model at TP=2):
+0.57-0.66 s a call against 0.68-0.69 s; at TP=1 a rank's load left too
+little idle time to gain, and no session is opened.
 
 A digest taken assumes what every digest of memory in use assumes: nothing
 writes a submitted tensor without torch seeing it (through ``.data``, a
@@ -93,18 +97,6 @@ class IdleHashing:
                 self._storage[id(t)] = (address, self._clock)
                 self._queue.append((t, version))
             self._cv.notify()
-
-    def drop(self, tensors: Iterable[Any]) -> None:
-        """Those of ``tensors`` still queued are taken off (hashed by the
-        caller now): the queue keeps no memory alive that the caller frees."""
-        ids = {id(t) for t in tensors}
-        with self._cv:
-            self._queue = [(t, v) for t, v in self._queue if id(t) not in ids]
-
-    @property
-    def used(self) -> bool:
-        """Whether anything was submitted."""
-        return bool(self._queued)
 
     def idle(self) -> bool:
         """Whether nothing is queued or being hashed."""
@@ -227,18 +219,15 @@ def invalidate(address: int) -> None:
         hashing.invalidate(address)
 
 
-def digests(names: list[str], tensors: list[Any], last: bool = True) -> list[str]:
+def digests(names: list[str], tensors: list[Any]) -> list[str]:
     """The digest of each tensor: the session's, where it hashed that very
     tensor unchanged, the rest hashed now (all of them outside a session).
-    ``last``: nothing more is asked of the session, which then stops
-    (its run under way cut short); else it goes on with what else it holds."""
+    The session stops first (its run under way cut short)."""
     from weight_checker.hashing.digests import digest_tensors
 
     hashing = current()
-    if hashing is not None and last:
+    if hashing is not None:
         hashing.close()
-    elif hashing is not None:
-        hashing.drop(tensors)
     found = [hashing.digest_of(t) if hashing is not None else None for t in tensors]
     rest = [i for i, d in enumerate(found) if d is None]
     hashed, _ = digest_tensors([names[i] for i in rest], [tensors[i] for i in rest])

@@ -125,7 +125,7 @@ def quantized_ranks(
     import time
 
     from weight_checker.expected.rank import Rank
-    from weight_checker.expected.vllm import online_process, warm_memory
+    from weight_checker.expected.vllm import warm_memory
     from weight_checker.hashing import idle
 
     with warm_memory.POOL.trimming(), warm_memory.young_garbage():
@@ -135,7 +135,10 @@ def quantized_ranks(
         online = getattr(config.model_config, "quantization", None) in ONLINE
         one_pass = online and tp > 1
         if one_pass:
-            with idle.session():  # each rank's final tensors hashed while the next one loads
+            # Each processed layer hashed in idle time while the next ones, and
+            # the next rank, load (:mod:`weight_checker.hashing.idle`; at TP=1,
+            # measured here, a rank's load leaves too little idle to gain).
+            with idle.session():
                 if _online_ranks(config, source, ranks, tp, pp, dp, allow_unwritten, out, reduce, progress):
                     return ranks
         # Two passes where one would hold too much memory (or for a format
@@ -165,23 +168,20 @@ def quantized_ranks(
                 for rank in ranks:
                     rank.put(first[rank.name])
                 return ranks
-        if online:
-            online_process.install()  # its wrapper hands each processed layer to the session
-        with idle.session():  # each processed layer hashed while the next ones load
-            for rank in ranks:
-                if progress is not None:
-                    progress(rank.name)
-                started = time.perf_counter()
-                with reduce.for_rank(rank.pp_rank, rank.tp_rank):
-                    model = load_and_process(config, source, rank, tp, pp, dp, allow_unwritten)
-                hashed_at = time.perf_counter()
-                out.seconds["load"] += hashed_at - started
-                refuse_unseen(model, rank.name)
-                rank.put(rank_digests(model, rank.prefix, rank is ranks[-1]))
-                out.seconds["hash"] += time.perf_counter() - hashed_at
-                drop_tensors(model)
-                del model
-                gc.collect(0)
+        for rank in ranks:
+            if progress is not None:
+                progress(rank.name)
+            started = time.perf_counter()
+            with reduce.for_rank(rank.pp_rank, rank.tp_rank):
+                model = load_and_process(config, source, rank, tp, pp, dp, allow_unwritten)
+            hashed_at = time.perf_counter()
+            out.seconds["load"] += hashed_at - started
+            refuse_unseen(model, rank.name)
+            rank.put(rank_digests(model, rank.prefix))
+            out.seconds["hash"] += time.perf_counter() - hashed_at
+            drop_tensors(model)
+            del model
+            gc.collect(0)
         return ranks
 
 
@@ -467,22 +467,10 @@ def ranks_digests(models: list[tuple[Any, str]]) -> list[dict[str, str]]:
     return [{k: d for k, d in digests.items() if k.startswith(prefix)} for _, prefix in models]
 
 
-def rank_digests(model: Any, prefix: str, last: bool = True) -> dict[str, str]:
-    """The worker's walk of the processed model (what vLLM's checksum
-    covers), hashed; in an idle hashing session, what it hashed of this very
-    model is taken (``last``: the session's last question, see
-    :func:`weight_checker.hashing.idle.digests`)."""
-    from weight_checker.hashing import idle
+def rank_digests(model: Any, prefix: str) -> dict[str, str]:
+    """The worker's walk of the processed model (what vLLM's checksum covers), hashed."""
     from weight_checker.hashing.digests import checksum
-    from weight_checker.hashing.walk import collect
     from weight_checker.integrations.vllm.scope_walk import vllm_checksum_targets
 
     targets = vllm_checksum_targets(model)
-    walked = model if targets is None else targets
-    hashing = idle.current()
-    if hashing is None or not hashing.used:  # nothing from the background: the core walks the model itself
-        if hashing is not None and last:
-            hashing.close()
-        return checksum(walked, prefix)
-    names, tensors = collect(walked)
-    return {prefix + n: d for n, d in zip(names, idle.digests(names, tensors, last=last), strict=True)}
+    return checksum(model if targets is None else targets, prefix)
