@@ -130,9 +130,57 @@ def test_digests_taken_only_of_the_very_tensor_unchanged():
         digests = idle.digests(names, tensors)  # the session's last question: it stops
     assert digests == [_sha(t) for t in tensors]
     assert idle.current() is None
+    hashing._thread.join(30)  # closing does not wait for it; it ends on its own
     assert not hashing._thread.is_alive()
     idle.submit([kept])  # outside a session: nothing
     assert idle.digests(["kept"], [kept]) == [_sha(kept)]
+
+
+def test_a_tensor_rebound_or_of_no_version_gives_no_digest():
+    """``.data =`` moves a parameter to other memory without a version
+    change; an inference tensor keeps no version: neither digest is taken,
+    and a rebinding while the background reads it frees nothing under it."""
+    torch.manual_seed(1)
+    moved = torch.nn.Parameter(torch.randn(1 << 16), requires_grad=False)
+    big = torch.nn.Parameter(torch.ones(1 << 28, dtype=torch.uint8), requires_grad=False)
+    with torch.inference_mode():
+        frozen = torch.randn(1 << 16)
+    with idle.session() as hashing:
+        assert hashing is not None
+        hashing.submit([moved, frozen, big])
+        big.data = torch.zeros(16, dtype=torch.uint8)  # while it is hashed: its old storage stays alive
+        _hashed(hashing, [moved])
+        moved.data = torch.randn(1 << 16)
+        assert hashing.digest_of(moved) is None and hashing.digest_of(frozen) is None
+        end = time.monotonic() + 30
+        while not hashing.idle() and time.monotonic() < end:
+            time.sleep(0.01)
+        assert hashing.digest_of(big) is None
+        assert idle.digests(["moved", "frozen", "big"], [moved, frozen, big]) == [_sha(t) for t in (moved, frozen, big)]
+
+
+def test_a_copy_deferred_into_a_hashed_tensor_takes_its_digest_away(monkeypatch):
+    """The deferred copies tell the session when they write a memory: a copy
+    recorded into a tensor already hashed (its bytes change, its version
+    does not), and its replay, leave it to the last step."""
+    from weight_checker.expected.vllm import deferred_rows, warm_memory
+
+    monkeypatch.setattr(warm_memory, "MIN_BYTES", 0)
+    source = torch.randn(1 << 16)
+    with idle.session() as hashing:
+        assert hashing is not None
+        with warm_memory.serving(mode=False), deferred_rows.DeferredCopies(serves=True) as copies:
+            target = torch.empty(1 << 16, dtype=torch.float32, device="cpu")  # served by the pool
+            target.fill_(2.0)
+            hashing.submit([target])
+            _hashed(hashing, [target])
+            assert hashing.digest_of(target) == _sha(target.clone())  # (a numpy view of it would hand it out)
+            copies.note_source("w", source)
+            target.copy_(source)  # recorded, not written: the version stays
+            assert deferred_rows.pending_pieces(target)
+            assert hashing.digest_of(target) is None
+        assert torch.equal(target, source)  # written as the mode ended
+        assert idle.digests(["target"], [target]) == [_sha(source)]
 
 
 def test_a_session_left_by_an_exception_stops_its_thread():
@@ -140,6 +188,7 @@ def test_a_session_left_by_an_exception_stops_its_thread():
         assert hashing is not None
         hashing.submit([torch.randn(1 << 20) for _ in range(8)])
         raise ValueError("the call failed")
+    hashing._thread.join(30)
     assert not hashing._thread.is_alive()
     assert idle.current() is None
 

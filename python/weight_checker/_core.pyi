@@ -78,7 +78,8 @@ def digest_here(buffers: Iterable[Any]) -> list[str]:
     settings), waiting between steps while an FP8 kernel runs: for a hasher
     at a low priority. ``ValueError`` for a buffer that is not contiguous; a
     run under way when :func:`cancel_background` is called raises
-    ``RuntimeError('cancelled')``."""
+    ``RuntimeError('cancelled')``. The buffers must stay unwritten and
+    their memory allocated until it returns, as for every digest."""
 
 def cancel_background() -> None:
     """Stops every :func:`digest_here` run under way at its next step."""

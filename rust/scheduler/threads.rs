@@ -143,6 +143,14 @@ mod tests {
     use std::sync::atomic::AtomicBool;
     use std::sync::Arc;
 
+    /// The cancel epoch and the foreground count are the process's: the
+    /// tests that move them run one at a time.
+    static SERIAL: Mutex<()> = Mutex::new(());
+
+    fn serial() -> std::sync::MutexGuard<'static, ()> {
+        SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     #[test]
     fn one_thread_inside_only_and_restored_after_a_panic() {
         let outside = default_threads();
@@ -158,6 +166,7 @@ mod tests {
 
     #[test]
     fn background_waits_while_foreground_runs() {
+        let _serial = serial();
         let (entered, leave) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
         let (e, l) = (entered.clone(), leave.clone());
         let fg = std::thread::spawn(move || {
@@ -194,6 +203,7 @@ mod tests {
 
     #[test]
     fn a_cancelled_run_stops_and_a_later_one_runs() {
+        let _serial = serial();
         in_background(|| {
             assert!(give_way());
             cancel_background();

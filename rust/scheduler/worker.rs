@@ -311,12 +311,12 @@ pub(super) fn worker<S: ChunkSource>(shared: &Shared<'_, S>, w: usize) {
         if wide.is_none() && step == STEP_BYTES && run > 1 && dephase(shared, active) {
             continue;
         }
-        wide_calls += u64::from(wide.is_some());
         // A background run waits here while foreground work runs, and stops if cancelled.
         if !super::threads::give_way() {
             shared.fail(Error::Cancelled);
             break;
         }
+        wide_calls += u64::from(wide.is_some());
         hash_step(shared, active, step, wide);
     }
     if wide_calls > 0 {

@@ -19,7 +19,11 @@ little idle time to gain, and no session is opened.
 
 A digest taken assumes what every digest of memory in use assumes: nothing
 writes a submitted tensor without torch seeing it (through ``.data``, a
-raw pointer or a numpy view: its version does not change). The callers
+raw pointer or a numpy view: its version does not change), and nothing
+frees or resizes its storage while it is read (what is hashed is an alias
+that owns the storage, so a tensor rebound elsewhere, ``.data = ...``,
+frees nothing under it; its digest is then not taken: where it lies is
+checked too). The callers
 submit a layer only once vLLM's processing of it has returned, and leave
 out a tensor whose memory still has copies pending (``pending_pieces`` of
 :mod:`weight_checker.expected.vllm.deferred_rows`); a copy deferred into
@@ -27,11 +31,15 @@ a memory later, or written there for real, is told here (:func:`invalidate`),
 and no digest of a tensor in that memory is taken.
 
 Where ``SCHED_IDLE`` is missing (not Linux), :func:`session` hashes nothing
-in the background: the last step hashes everything, as before.
+in the background: the last step hashes everything, as before. Left as it
+is: on a host whose cores other processes keep busy, the idle thread may
+hold the GIL when it is preempted, and the caller's thread then waits for
+it to run again (closing never waits for it).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import threading
@@ -46,6 +54,9 @@ MIN_BYTES = 1 << 16
 #: asks for its digests is stopped, and its tensors hashed then.
 RUN_BYTES = 64 << 20
 
+#: How long a session's end waits for its thread to let go of a stopped run.
+JOIN_SECONDS = 1.0
+
 _LOCAL = threading.local()
 
 
@@ -54,15 +65,17 @@ class IdleHashing:
 
     def __init__(self) -> None:
         self._cv = threading.Condition()
-        self._queue: list[tuple[Any, int]] = []
+        #: (tensor, the alias hashed, its version when submitted), in order.
+        self._queue: collections.deque[tuple[Any, Any, int]] = collections.deque()
         self._queued: set[int] = set()
         self._running = False
         self._closed = False
         #: id(tensor) -> (a weak reference to it, its version when submitted, its digest).
         self._done: dict[int, tuple[weakref.ref[Any], int, str]] = {}
-        #: id(tensor) -> (its storage's address, the clock when submitted); each
-        #: storage address -> the clock when last written (:meth:`invalidate`).
-        self._storage: dict[int, tuple[int, int]] = {}
+        #: id(tensor) -> (where it lies, :func:`_layout`; the clock when
+        #: submitted); each storage address -> the clock when last written
+        #: (:meth:`invalidate`).
+        self._submitted: dict[int, tuple[tuple[Any, ...], int]] = {}
         self._written: dict[int, int] = {}
         self._clock = 0
         self.hashed_bytes = 0
@@ -70,32 +83,43 @@ class IdleHashing:
         self._thread.start()
 
     def submit(self, tensors: Iterable[Any]) -> None:
-        """Queues each tensor worth it: a contiguous CPU tensor of at least
-        :data:`MIN_BYTES`, not queued yet. The caller's: its memory holds its
-        bytes now, and nothing writes them without torch seeing it."""
+        """Queues each tensor worth it, once a session: a plain contiguous
+        CPU tensor of at least :data:`MIN_BYTES` (an inference tensor, which
+        keeps no version, or one torch cannot describe, is left to the last
+        step). The caller's: its memory holds its bytes now, and nothing
+        writes them without torch seeing it."""
         import torch
 
+        chosen = []
         # Looked at past any torch function mode of the caller's (the deferred
         # copies': asking for a storage would hand that memory out).
         with torch._C.DisableTorchFunction():
-            chosen = [
-                (t, t.untyped_storage().data_ptr(), t._version)
-                for t in tensors
-                if id(t) not in self._queued
-                and t.device.type == "cpu"
-                and t.numel() * t.element_size() >= MIN_BYTES
-                and t.is_contiguous()
-            ]
+            for t in tensors:
+                if id(t) in self._queued or type(t) not in (torch.Tensor, torch.nn.Parameter):
+                    continue
+                try:
+                    if (
+                        t.is_inference()
+                        or t.device.type != "cpu"
+                        or not t.is_contiguous()
+                        or t.numel() * t.element_size() < MIN_BYTES
+                    ):
+                        continue
+                    # The alias hashed owns the storage: rebinding the tensor's
+                    # (``.data =``) while it is read frees nothing under it.
+                    chosen.append((t, t.detach(), _layout(t), t._version))
+                except (RuntimeError, NotImplementedError, TypeError):
+                    continue
+                self._queued.add(id(t))
         if not chosen:
             return
         with self._cv:
             if self._closed:
                 return
-            for t, address, version in chosen:
-                self._queued.add(id(t))
+            for t, alias, layout, version in chosen:
                 self._clock += 1
-                self._storage[id(t)] = (address, self._clock)
-                self._queue.append((t, version))
+                self._submitted[id(t)] = (layout, self._clock)
+                self._queue.append((t, alias, version))
             self._cv.notify()
 
     def idle(self) -> bool:
@@ -104,18 +128,19 @@ class IdleHashing:
             return not self._queue and not self._running
 
     def close(self) -> None:
-        """Nothing more hashed: what is queued is dropped, the run under way
-        stopped at its next step (its tensors are the caller's to hash),
-        and the thread ends."""
+        """Nothing more hashed or taken: what is queued is dropped, and the
+        run under way is stopped at its next step (its tensors are the
+        caller's to hash). Returns at once: on a busy host the thread, at the
+        idle policy, may not run again for seconds; it ends when it does."""
         from weight_checker import _core
 
         with self._cv:
+            if self._closed:
+                return
             self._closed = True
             self._queue.clear()
             self._cv.notify_all()
-        while self._thread.is_alive():
-            _core.cancel_background()  # again, for a run started after the last call
-            self._thread.join(0.005)
+        _core.cancel_background()
 
     def invalidate(self, address: int) -> None:
         """The memory of the storage at ``address`` is written (a deferred
@@ -126,8 +151,11 @@ class IdleHashing:
 
     def digest_of(self, tensor: Any) -> str | None:
         """The digest hashed of this very tensor, if its version is still the
-        one it had when submitted and its memory was not written since
-        (:meth:`invalidate`); else ``None``."""
+        one it had when submitted, it still lies where it lay (same storage,
+        offset, shape, strides and dtype: not rebound by ``.data =``), and its
+        memory was not written since (:meth:`invalidate`); else ``None``."""
+        import torch
+
         entry = self._done.get(id(tensor))
         if entry is None:
             return None
@@ -135,9 +163,11 @@ class IdleHashing:
         hashed = ref()
         if hashed is None or hashed is not tensor:
             return None  # another object that took the id of one hashed and freed
-        address, submitted = self._storage[id(hashed)]
-        unchanged = hashed._version == version and self._written.get(address, 0) < submitted
-        return digest if unchanged else None
+        layout, submitted = self._submitted[id(hashed)]
+        with torch._C.DisableTorchFunction():
+            if hashed._version != version or _layout(hashed) != layout:
+                return None
+        return digest if self._written.get(layout[0], 0) < submitted else None
 
     def _run(self) -> None:
         from weight_checker import _core
@@ -157,25 +187,33 @@ class IdleHashing:
                     self._cv.wait()
                 if self._closed:
                     return
-                run: list[tuple[Any, int]] = []
+                run: list[tuple[Any, Any, int]] = []
                 nbytes = 0
                 while self._queue and (not run or nbytes < RUN_BYTES):
-                    tensor, version = self._queue.pop(0)
-                    run.append((tensor, version))
-                    nbytes += tensor.numel() * tensor.element_size()
+                    entry = self._queue.popleft()
+                    run.append(entry)
+                    nbytes += entry[1].numel() * entry[1].element_size()
                 self._running = True
             digests: list[str] = []
             try:
-                digests = _core.digest_here([t for t, _ in run])
-            except Exception:
-                pass  # stopped, or failed: the last step hashes these tensors itself
-            with self._cv:
-                for (tensor, version), digest in zip(run, digests, strict=False):
-                    self._done[id(tensor)] = (weakref.ref(tensor), version, digest)
-                self.hashed_bytes += nbytes if digests else 0
-                self._running = False
-                self._cv.notify_all()
-            del run
+                digests = _core.digest_here([alias for _, alias, _ in run])
+            except BaseException:  # stopped, failed or panicked: the last step hashes these tensors itself
+                pass
+            finally:
+                with self._cv:
+                    if not self._closed:  # a closed session takes nothing more
+                        for (tensor, _, version), digest in zip(run, digests, strict=False):
+                            self._done[id(tensor)] = (weakref.ref(tensor), version, digest)
+                        self.hashed_bytes += nbytes if digests else 0
+                    self._running = False
+                    self._cv.notify_all()
+                run.clear()  # nothing of the run kept alive until the next one
+
+
+def _layout(t: Any) -> tuple[Any, ...]:
+    """Where a tensor's bytes lie: its storage's address first, then its own
+    address, shape, strides and dtype."""
+    return (t.untyped_storage().data_ptr(), t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
 
 
 def available() -> bool:
@@ -198,6 +236,10 @@ def session() -> Iterator[IdleHashing | None]:
     finally:
         _LOCAL.hashing = None
         hashing.close()
+        # Its run, stopped, lets go of the tensors it holds as soon as it runs
+        # again: at once on a host with a core to spare. On a busy one the
+        # call does not wait long for it; they are let go of when it does.
+        hashing._thread.join(JOIN_SECONDS)
 
 
 def current() -> IdleHashing | None:
