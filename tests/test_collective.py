@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -72,8 +73,11 @@ def trainer(
                 q.kill()
             raise
     log = "\n".join(logs)
-    assert all(p.returncode == 0 for p in procs), log[-6000:]
-    return json.loads(out.read_text()), log
+    try:
+        assert all(p.returncode == 0 for p in procs), log[-6000:]
+        return json.loads(out.read_text()), log
+    finally:
+        shutil.rmtree(out.parent, ignore_errors=True)  # the run's working directory, read
 
 
 def background_jobs(env) -> dict[str, functools.partial]:

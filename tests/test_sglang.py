@@ -476,6 +476,7 @@ def sglang_trainer(server, world: int, steps: int, perturb: int | None = None) -
     """tests/fsdp_worker.py's ``world`` ranks (a real ``fully_shard`` trainer on
     a gloo CPU mesh) in SGLang's environment, their digests collective from
     their shards for the engine ``server`` runs (``--like``); rank 0's result."""
+    import shutil
     import socket
     import tempfile
 
@@ -507,8 +508,11 @@ def sglang_trainer(server, world: int, steps: int, perturb: int | None = None) -
         log.seek(0)
         text.append(log.read())
         log.close()
-    assert all(p.returncode == 0 for p in procs), "\n".join(text)[-6000:]
-    return json.loads(out.read_text())
+    try:
+        assert all(p.returncode == 0 for p in procs), "\n".join(text)[-6000:]
+        return json.loads(out.read_text())
+    finally:
+        shutil.rmtree(out.parent, ignore_errors=True)  # the run's working directory, read
 
 
 @needs_sglang
