@@ -1,5 +1,7 @@
 //! How many worker threads a scheduler runs: the process-wide default
-//! (a vLLM worker's share of the host) and its environment override.
+//! (a vLLM worker's share of the host) and its environment override; and
+//! background runs, on their own thread, that give way to foreground work
+//! (the FP8 kernels) and can be cancelled.
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
