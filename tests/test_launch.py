@@ -109,3 +109,79 @@ def test_another_sitecustomize_on_the_path_still_runs(tmp_path):
     mark, first = out.stdout.split()
     assert mark == "ran"
     assert first == str(AMX_SITE_DIR / "sitecustomize.py")
+
+
+# A stand-in server process for the start's retry: the launcher's logic is
+# under test here, and the real servers' starts run in their own suites.
+_SERVES_HEALTH = """
+import http.server, sys
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+print("serving", flush=True)
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+"""
+_HANGS = "print('imports done', flush=True); import time; time.sleep(600)"
+_KEEPS_LOGGING = "import time\nwhile True:\n    print('loading', flush=True); time.sleep(0.1)"
+
+
+def _launcher(tmp_path, scripts):
+    """A ``launch`` for :func:`start_with_retry` that runs ``scripts`` in turn."""
+    from weight_checker.testing.launch import Server, free_port
+
+    started = []
+
+    def launch():
+        port = free_port()
+        code = scripts[len(started)]
+        log = tmp_path / "server.log"
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-c", code, str(port)], stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        started.append(proc)
+        return Server(f"http://127.0.0.1:{port}", "stand-in", log, proc)
+
+    return launch, started
+
+
+def test_a_hung_start_is_stopped_and_started_once_more(tmp_path, monkeypatch, capsys):
+    from weight_checker.testing import launch as launcher
+
+    monkeypatch.setattr(launcher, "STALL_S", 1.0)
+    launch, started = _launcher(tmp_path, [_HANGS, _SERVES_HEALTH])
+    server = launcher.start_with_retry(launch, "stand-in", 60, health_timeout=1, poll=0.1)
+    try:
+        assert len(started) == 2
+        assert started[0].poll() is not None, "the hung server's process was left running"
+        assert (tmp_path / "server.log.hung").read_text() == "imports done\n"
+        assert server.get("/health")[0] == 200
+        assert "log unchanged for 1s; starting it once more" in capsys.readouterr().err
+    finally:
+        server.stop()
+
+
+def test_a_server_that_hangs_twice_fails_with_its_log(tmp_path, monkeypatch):
+    from weight_checker.testing import launch as launcher
+
+    monkeypatch.setattr(launcher, "STALL_S", 1.0)
+    launch, started = _launcher(tmp_path, [_HANGS, _HANGS])
+    with pytest.raises(launcher.ServerHung, match=r"(?s)log unchanged for 1s.*imports done"):
+        launcher.start_with_retry(launch, "stand-in", 60, health_timeout=1, poll=0.1)
+    assert len(started) == 2 and all(p.poll() is not None for p in started)
+
+
+@pytest.mark.parametrize(
+    ("script", "error"), [(_KEEPS_LOGGING, "not healthy after 3s"), ("raise SystemExit(3)", "exited with 3")]
+)
+def test_a_slow_or_failed_start_is_not_retried(tmp_path, monkeypatch, script, error):
+    from weight_checker.testing import launch as launcher
+
+    monkeypatch.setattr(launcher, "STALL_S", 1.0)
+    launch, started = _launcher(tmp_path, [script, _SERVES_HEALTH])
+    with pytest.raises(RuntimeError, match=error):
+        launcher.start_with_retry(launch, "stand-in", 3, health_timeout=1, poll=0.1)
+    assert len(started) == 1 and started[0].poll() is not None

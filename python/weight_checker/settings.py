@@ -156,6 +156,15 @@ SETTINGS: tuple[Setting, ...] = (
         _positive_number,
     ),
     Setting(
+        "WEIGHT_CHECKER_SERVER_STALL_S",
+        "a positive number (seconds)",
+        "240",
+        "A test server (vLLM or SGLang) whose log has not grown for this long before it is healthy is "
+        "taken as hung: it is stopped and started once more, its log kept beside the new one.",
+        "tests",
+        _positive_number,
+    ),
+    Setting(
         "WEIGHT_CHECKER_VLLM031_PYTHON",
         "a path to a Python interpreter",
         ".venv-vllm031/bin/python",

@@ -32,7 +32,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +41,8 @@ from weight_checker.errors import HttpError
 from weight_checker.httpclient import request
 
 STARTUP_TIMEOUT_S = settings.get("WEIGHT_CHECKER_VLLM_STARTUP_S") or 300.0
+#: A start whose log stays unchanged this long is hung, not slow (see :func:`start_with_retry`).
+STALL_S = settings.get("WEIGHT_CHECKER_SERVER_STALL_S") or 240.0
 
 #: The directory whose ``sitecustomize`` requests the AMX tile state.
 AMX_SITE_DIR = Path(__file__).resolve().parent / "_launch_site"
@@ -182,29 +184,64 @@ def start_server(
 ) -> Server:
     """A vLLM API server on a free port, healthy when this returns; stop it
     with :meth:`Server.stop` (the whole process group). Stopped here if it
-    does not become healthy. Arguments: see :func:`vllm_server`."""
-    port = free_port()
+    does not become healthy; started once more if it hung (:func:`start_with_retry`).
+    Arguments: see :func:`vllm_server`."""
     if api_key:
         extra_args = [*extra_args, "--api-key", api_key]
-    cmd = [
-        python or sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model), "--skip-tokenizer-init", "--enforce-eager",
-        "--dtype", "bfloat16", "--max-model-len", "256",
-        "--host", "127.0.0.1", "--port", str(port), *extra_args,
-    ]  # fmt: skip
     full_env = vllm_env(extra_args, env, amx_tile=amx_tile)
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
-    server = Server(f"http://127.0.0.1:{port}", str(model), log, proc, api_key)
-    wait_until_healthy(server, "vLLM", STARTUP_TIMEOUT_S, health_timeout=2, poll=0.25)
+
+    def launch() -> Server:
+        port = free_port()
+        cmd = [
+            python or sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(model), "--skip-tokenizer-init", "--enforce-eager",
+            "--dtype", "bfloat16", "--max-model-len", "256",
+            "--host", "127.0.0.1", "--port", str(port), *extra_args,
+        ]  # fmt: skip
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
+        return Server(f"http://127.0.0.1:{port}", str(model), log, proc, api_key)
+
+    return start_with_retry(launch, "vLLM", STARTUP_TIMEOUT_S, health_timeout=2, poll=0.25)
+
+
+class ServerHung(RuntimeError):
+    """A server that is still running but whose log has not changed for
+    :data:`STALL_S` seconds before it became healthy."""
+
+
+def start_with_retry(
+    launch: Callable[[], Server], name: str, limit_s: float, *, health_timeout: float, poll: float
+) -> Server:
+    """``launch()``, then :func:`wait_until_healthy`. A start that hangs (its
+    log unchanged for :data:`STALL_S` s, as an SGLang TP=2 start once stayed
+    for 600 s after its imports in a CI run on a loaded host) is stopped and started
+    once more on new ports; its log is kept as ``<log>.hung``. A server that
+    exits, or is still writing its log when ``limit_s`` passes, is not retried:
+    that is a failure to look at, not a hang."""
+    server = launch()
+    try:
+        wait_until_healthy(server, name, limit_s, health_timeout=health_timeout, poll=poll)
+        return server
+    except ServerHung as e:
+        hung = server.log.with_name(server.log.name + ".hung")
+        server.log.replace(hung)
+        print(
+            f"{name}: {e.args[0].splitlines()[0].rstrip(':')}; starting it once more (its log: {hung})", file=sys.stderr
+        )
+    server = launch()
+    wait_until_healthy(server, name, limit_s, health_timeout=health_timeout, poll=poll)
     return server
 
 
 def wait_until_healthy(server: Server, name: str, limit_s: float, *, health_timeout: float, poll: float) -> None:
     """Returns once ``GET /health`` answers 200; stops the server (its whole
-    group) and raises, with the log's end, if it exits or ``limit_s`` passes first."""
+    group) and raises, with the log's end, if it exits or ``limit_s`` passes
+    first, or :class:`ServerHung` if its log stays unchanged for :data:`STALL_S`."""
     try:
-        deadline = time.monotonic() + limit_s
+        start = time.monotonic()
+        deadline = start + limit_s
+        log_size, log_changed = -1, start
         while True:
             if server.proc.poll() is not None:
                 raise RuntimeError(f"{name} exited with {server.proc.returncode}:\n{server.log_text()[-4000:]}")
@@ -213,7 +250,16 @@ def wait_until_healthy(server: Server, name: str, limit_s: float, *, health_time
                     return
             except HttpError:
                 pass
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            size = server.log.stat().st_size if server.log.exists() else 0
+            if size != log_size:
+                log_size, log_changed = size, now
+            elif now - log_changed > STALL_S:
+                raise ServerHung(
+                    f"{name} not healthy after {now - start:.0f}s, its log unchanged for {STALL_S:.0f}s:\n"
+                    f"{server.log_text()[-4000:]}"
+                )
+            if now > deadline:
                 raise RuntimeError(f"{name} not healthy after {limit_s}s:\n{server.log_text()[-4000:]}")
             time.sleep(poll)
     except BaseException:

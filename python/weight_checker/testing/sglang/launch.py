@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from weight_checker import settings
-from weight_checker.testing.launch import Server, ci, free_port, wait_until_healthy
+from weight_checker.testing.launch import Server, ci, free_port, start_with_retry
 from weight_checker.testing.sglang import STANDIN_DIR
 
 STARTUP_TIMEOUT_S = settings.get("WEIGHT_CHECKER_SGLANG_STARTUP_S") or 600.0
@@ -70,24 +70,27 @@ def start_sglang_server(
     env: dict[str, str] | None = None,
     api_key: str | None = None,
 ) -> Server:
-    """An SGLang server on a free port, healthy when this returns (stopped here if it never is)."""
-    port = free_port()
+    """An SGLang server on a free port, healthy when this returns (stopped here
+    if it never is; started once more if it hung: :func:`~weight_checker.testing.launch.start_with_retry`)."""
     if api_key:
         extra_args = [*extra_args, "--api-key", api_key]
-    cmd = [
-        str(python), "-m", "sglang.launch_server",
-        "--model-path", str(model), "--device", "cpu", "--attention-backend", "torch_native",
-        "--disable-cuda-graph", "--max-total-tokens", "4096", "--context-length", "512",
-        "--tp", str(tp), "--host", "127.0.0.1", "--port", str(port), *extra_args,
-    ]  # fmt: skip
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, env=sglang_env(tp, env), start_new_session=True
-        )
-    server = Server(f"http://127.0.0.1:{port}", str(model), log, proc, api_key)
+
+    def launch() -> Server:
+        port = free_port()
+        cmd = [
+            str(python), "-m", "sglang.launch_server",
+            "--model-path", str(model), "--device", "cpu", "--attention-backend", "torch_native",
+            "--disable-cuda-graph", "--max-total-tokens", "4096", "--context-length", "512",
+            "--tp", str(tp), "--host", "127.0.0.1", "--port", str(port), *extra_args,
+        ]  # fmt: skip
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, env=sglang_env(tp, env), start_new_session=True
+            )
+        return Server(f"http://127.0.0.1:{port}", str(model), log, proc, api_key)
+
     # /health runs a one-token generation: ready means it can serve.
-    wait_until_healthy(server, "SGLang", STARTUP_TIMEOUT_S, health_timeout=10, poll=0.5)
-    return server
+    return start_with_retry(launch, "SGLang", STARTUP_TIMEOUT_S, health_timeout=10, poll=0.5)
 
 
 @contextlib.contextmanager
