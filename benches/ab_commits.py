@@ -7,7 +7,9 @@ the machine's noise falls on both alike.
 The older commit is checked out in a temporary worktree; its own copy of the
 benchmark runs with its own ``python/`` first on ``sys.path``. Both run over
 this tree's compiled core (``weight_checker._core``, copied in), so what is
-compared is the Python code: a refactor of the package, for one. Each run's
+compared is the Python code: a refactor of the package, for one. Where the
+core's interface changed too, ``--old-core PATH`` gives the older side the
+core built from its commit (a copy of its ``_core`` library). Each run's
 output is printed whole, under a line naming the tree and the round.
 """
 
@@ -34,6 +36,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--old", required=True, help="the older commit (any git revision)")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--old-core", type=Path, help="the older side's compiled core (default: this tree's)")
     ap.add_argument("bench", nargs=argparse.REMAINDER, help="-- SCRIPT [ARGS...], relative to the repository")
     args = ap.parse_args()
     bench = args.bench[1:] if args.bench[:1] == ["--"] else args.bench
@@ -44,7 +47,7 @@ def main() -> int:
         old = Path(tmp) / "old"
         subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(old), args.old], check=True)
         try:
-            shutil.copy2(core, old / "python" / "weight_checker" / core.name)
+            shutil.copy2(args.old_core or core, old / "python" / "weight_checker" / core.name)
             rev = subprocess.run(
                 ["git", "-C", str(ROOT), "rev-parse", "--short", args.old], capture_output=True, text=True, check=True
             ).stdout.strip()

@@ -3,6 +3,7 @@
 //! Pure Rust; the PyO3 binding sits behind the `python` feature so that
 //! `cargo test` and `cargo bench` need no interpreter.
 
+pub mod background;
 pub mod checkpoint;
 pub mod error;
 mod fault_guard;

@@ -30,83 +30,92 @@ def _hashed(hashing: idle.IdleHashing, tensors: list[torch.Tensor], timeout: flo
         time.sleep(0.01)
 
 
-def test_digest_here_equals_hashlib_on_this_thread_alone():
+def _finished(hasher: _core.BackgroundHasher, n: int, timeout: float = 60.0) -> dict[int, str | None]:
+    """The next ``n`` jobs the hasher gives back: ``{id: digest}``."""
+    got: dict[int, str | None] = {}
+    end = time.monotonic() + timeout
+    while len(got) < n:
+        assert time.monotonic() < end, "the background never gave them back"
+        got.update(hasher.take_digests())
+        time.sleep(0.005)
+    return got
+
+
+def _runtimes() -> dict[int, int]:
+    """Each thread of this process: the CPU time it ran (ns)."""
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/schedstat") as f:
+            out[int(tid)] = int(f.read().split()[0])
+    return out
+
+
+def test_the_background_equals_hashlib_on_its_thread_alone():
     rng = np.random.default_rng(0)
     buffers = [rng.integers(0, 256, n, dtype=np.uint8) for n in (0, 1, 63, 64, 4097, 3 << 20, 17 << 20)]
     tensor = torch.arange(1 << 20, dtype=torch.int32)
-    got = _core.digest_here([*buffers, tensor])
-    assert got == [hashlib.sha256(b).hexdigest() for b in buffers] + [_sha(tensor)]
+    hasher = _core.BackgroundHasher(8 << 20)
+    hasher.submit(range(8), [*map(torch.from_numpy, buffers), tensor[256:]])
+    got = _finished(hasher, 8)
+    assert [got[i] for i in range(8)] == [hashlib.sha256(b).hexdigest() for b in buffers] + [_sha(tensor[256:])]
     strided = tensor.reshape(1024, 1024)[:, ::2]
-    with pytest.raises(ValueError, match="buffer 1 is not contiguous"):
-        _core.digest_here([tensor, strided])
+    for refused in (strided, buffers[2]):  # a buffer export is released attached to Python: never on its thread
+        with pytest.raises(ValueError, match="buffer 1 is not a contiguous tensor"):
+            hasher.submit([8, 9], [tensor, refused])
+    assert hasher.idle() and hasher.take_digests() == []  # nothing of a refused submit queued
     # Eight large buffers, which a default run spreads over the pool: none of
-    # its threads runs a moment of this one.
+    # its threads (nor this one) runs a moment of the background's run.
     large = [np.full(32 << 20, i, dtype=np.uint8) for i in range(8)]
-    me = str(threading.get_native_id())
-
-    def runtimes() -> dict[str, int]:
-        out = {}
-        for tid in os.listdir("/proc/self/task"):
-            with open(f"/proc/self/task/{tid}/schedstat") as f:
-                out[tid] = int(f.read().split()[0])
-        return out
-
     _core.digest_many(large[:2])  # the pool started
-    before = runtimes()
-    assert _core.digest_here(large) == [hashlib.sha256(b).hexdigest() for b in large]
-    after = runtimes()
-    others = sum(after[t] - before.get(t, 0) for t in after if t != me)
-    assert after[me] - before[me] > 50e6 and others < 10e6, (after[me] - before[me], others)
+    before = _runtimes()
+    hasher.submit(range(10, 18), map(torch.from_numpy, large))
+    got = _finished(hasher, 8)
+    after = _runtimes()
+    assert [got[10 + i] for i in range(8)] == [hashlib.sha256(b).hexdigest() for b in large]
+    tid = hasher.thread_id
+    assert tid is not None
+    others = sum(after[t] - before.get(t, 0) for t in after if t not in (tid, threading.get_native_id()))
+    assert after[tid] - before[tid] > 50e6 and others < 10e6, (after[tid] - before[tid], others)
+    assert hasher.hashed_bytes == sum(b.nbytes for b in (*buffers, tensor[256:].numpy(), *large))
 
 
-def test_a_cancelled_run_raises_and_the_next_one_runs():
-    big = np.ones(512 << 20, dtype=np.uint8)
-    outcome: list[object] = []
+def test_a_closed_hasher_stops_its_run_gives_every_buffer_back_and_stops_no_other():
+    import sys
 
-    def run() -> None:
-        try:
-            outcome.append(_core.digest_here([big]))
-        except RuntimeError as e:
-            outcome.append(e)
-
-    thread = threading.Thread(target=run)
-    thread.start()
+    big = torch.ones(512 << 20, dtype=torch.uint8)
+    refs = sys.getrefcount(big)
+    mine, theirs = _core.BackgroundHasher(1 << 30), _core.BackgroundHasher(1 << 30)
+    mine.submit([1, 2], [big, big])
+    theirs.submit([1], [big])
     time.sleep(0.02)
-    while thread.is_alive():  # a run that started after a cancel is cancelled by the next
-        _core.cancel_background()
-        thread.join(0.005)
-    assert isinstance(outcome[0], RuntimeError) and "cancelled" in str(outcome[0])
-    small = np.arange(1 << 20, dtype=np.uint8)
-    assert _core.digest_here([small]) == [hashlib.sha256(small).hexdigest()]
+    mine.close()
+    mine.submit([3], [big])  # after the close: dropped
+    assert mine.wait(30) and mine.idle()
+    assert mine.take_digests() == [(1, None), (2, None)]  # stopped, and given back
+    assert _finished(theirs, 1) == {1: _sha(big)}  # one owner's close stops no other's run
+    assert sys.getrefcount(big) == refs  # no reference kept anywhere
+    assert mine.hashed_bytes == 0
 
 
-def test_the_background_runs_at_the_idle_policy():
-    policies: list[int] = []
-    original = idle.IdleHashing._run
-
-    def run(self: idle.IdleHashing) -> None:
-        original_setter = os.sched_setscheduler
-
-        def record(pid: int, policy: int, param: os.sched_param) -> None:
-            original_setter(pid, policy, param)
-            policies.append(os.sched_getscheduler(0))
-
-        os.sched_setscheduler = record  # type: ignore[assignment]
-        try:
-            original(self)
-        finally:
-            os.sched_setscheduler = original_setter  # type: ignore[assignment]
-
-    idle.IdleHashing._run = run  # type: ignore[method-assign]
-    try:
-        with idle.session() as hashing:
-            assert hashing is not None
-            t = torch.arange(1 << 18, dtype=torch.float32)
-            hashing.submit([t])
-            _hashed(hashing, [t])
-    finally:
-        idle.IdleHashing._run = original  # type: ignore[method-assign]
-    assert policies == [os.SCHED_IDLE]
+def test_the_background_thread_runs_at_the_idle_policy_and_never_takes_the_gil():
+    hasher = _core.BackgroundHasher(1 << 30)
+    buffer = torch.full((64 << 20,), 3, dtype=torch.uint8)
+    hasher.submit([0], [buffer])
+    _finished(hasher, 1)
+    tid = hasher.thread_id
+    assert tid is not None and os.sched_getscheduler(tid) == os.SCHED_IDLE
+    # This thread holds the GIL throughout a long sort (C code, which never
+    # lets go of it): a run that needed the GIL would not even start until
+    # the sort ends. On a host whose cores others keep busy, an idle-policy
+    # thread preempted while holding it would stall the whole process.
+    numbers = np.random.default_rng(1).random(3_000_000).tolist()
+    hasher.submit([1], [buffer])
+    start = time.monotonic()
+    numbers.sort()
+    held = time.monotonic() - start
+    got = hasher.take_digests()
+    if held > 0.5:  # long enough for 64 MiB on one core
+        assert got == [(1, _sha(buffer))], held
 
 
 def test_digests_taken_only_of_the_very_tensor_unchanged():
@@ -130,8 +139,7 @@ def test_digests_taken_only_of_the_very_tensor_unchanged():
         digests = idle.digests(names, tensors)  # the session's last question: it stops
     assert digests == [_sha(t) for t in tensors]
     assert idle.current() is None
-    hashing._thread.join(30)  # closing does not wait for it; it ends on its own
-    assert not hashing._thread.is_alive()
+    assert hashing.wait(30)  # closing does not wait for it; it ends on its own
     idle.submit([kept])  # outside a session: nothing
     assert idle.digests(["kept"], [kept]) == [_sha(kept)]
 
@@ -188,8 +196,7 @@ def test_a_session_left_by_an_exception_stops_its_thread():
         assert hashing is not None
         hashing.submit([torch.randn(1 << 20) for _ in range(8)])
         raise ValueError("the call failed")
-    hashing._thread.join(30)
-    assert not hashing._thread.is_alive()
+    assert hashing.wait(30)
     assert idle.current() is None
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import gc
 import hashlib
 import os
-import threading
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 from weight_checker.expected.vllm import deferred_rows, warm_memory
+from weight_checker.hashing import idle
 from weight_checker.testing.launch import vllm_available
 
 MB = 1 << 20
@@ -634,12 +634,12 @@ def test_online_fp8_at_tp2_falls_back_to_two_passes_where_one_would_not_fit_and_
         raise ExpectedDigestsError("refused on purpose")
 
     monkeypatch.setattr(quantized, "ranks_digests", fail)
+    # The session's end waits this long for an idle hasher to give back its
+    # stopped run (on a busy host it may not run for a while).
+    monkeypatch.setattr(idle, "JOIN_SECONDS", 30.0)
     with pytest.raises(ExpectedDigestsError, match="on purpose"):
         weight_checker.expected_digests(path, tp=2, quantization="fp8_per_channel")
     assert loads == [False, False]  # one pass: each rank loaded once
-    for thread in threading.enumerate():  # an idle hasher still letting go of its stopped run (a busy host)
-        if thread.name == "weight-checker-idle-hashing":
-            thread.join(30)
     assert warm_memory.POOL.live_bytes() == 0  # emptied by the call itself (no collection asked for)
 
 

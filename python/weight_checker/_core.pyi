@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, final
 
 __all__ = [
+    "BackgroundHasher",
     "DeviceTensorError",
     "MultiHasher",
     "SafetensorsError",
@@ -24,13 +25,11 @@ __all__ = [
     "calibrate",
     "calibrate_small",
     "calibrate_wide",
-    "cancel_background",
     "check_settings",
     "checksum_module",
     "checksum_safetensors",
     "copy_into",
     "describe_assignment",
-    "digest_here",
     "digest_many",
     "dominant_chains",
     "fp8_amax_quantize_piece",
@@ -71,18 +70,6 @@ def sha256_many(buffers: Iterable[Any], names: Sequence[str] | None = None) -> l
 
 def digest_many(buffers: Iterable[Any], names: Sequence[str] | None = None) -> tuple[list[str], list[bool]]:
     """Like :func:`sha256_many`, plus whether each input was all zero bytes."""
-
-def digest_here(buffers: Iterable[Any]) -> list[str]:
-    """SHA-256 (lowercase hex) of each contiguous buffer, hashed on the
-    calling thread alone (no pool thread takes part, whatever the thread
-    settings), waiting between steps while an FP8 kernel runs: for a hasher
-    at a low priority. ``ValueError`` for a buffer that is not contiguous; a
-    run under way when :func:`cancel_background` is called raises
-    ``RuntimeError('cancelled')``. The buffers must stay unwritten and
-    their memory allocated until it returns, as for every digest."""
-
-def cancel_background() -> None:
-    """Stops every :func:`digest_here` run under way at its next step."""
 
 def checksum_module(
     module: Any,
@@ -270,6 +257,38 @@ def safetensors_tensors(path: str) -> list[tuple[str, str, list[int], int]]:
 def safetensors_cached_fraction(path: str) -> float:
     """The fraction of one file's tensor data in the page cache, as
     :func:`checksum_safetensors` measures it to choose its path."""
+
+@final
+class BackgroundHasher:
+    """One thread at Linux's ``SCHED_IDLE`` policy (never taking the GIL)
+    that hashes the contiguous tensors submitted, on itself alone, waiting
+    between steps while an FP8 kernel runs. Where the host refuses the
+    policy (:attr:`refused`), nothing is hashed and every buffer comes back
+    without a digest. The buffers must stay unwritten until their digests
+    are taken, as for every digest."""
+
+    def __new__(cls, run_bytes: int) -> BackgroundHasher: ...
+    def submit(self, ids: Sequence[int], buffers: Iterable[Any]) -> None:
+        """Queues contiguous host tensors (torch's, or DLPack exports) under
+        the caller's ids; ``ValueError`` naming the first that is not one
+        (a strided view, a buffer-protocol object): nothing is queued then."""
+    def take_digests(self) -> list[tuple[int, str | None]]:
+        """``(id, hex digest)`` of each buffer finished since the last call
+        (``None``: its run was stopped or failed); their objects are let go of."""
+    def idle(self) -> bool:
+        """Whether nothing is queued or being hashed."""
+    @property
+    def hashed_bytes(self) -> int: ...
+    @property
+    def thread_id(self) -> int | None:
+        """The thread's Linux id, once it runs."""
+    @property
+    def refused(self) -> bool: ...
+    def close(self) -> None:
+        """Drops the queue and stops the run under way at its next step; returns at once."""
+    def wait(self, timeout_s: float) -> bool:
+        """After :meth:`close`, waits up to ``timeout_s`` for the thread to end
+        and let go of every buffer; whether it did."""
 
 @final
 class MultiHasher:

@@ -114,6 +114,25 @@ impl Held<'_> {
     }
 }
 
+impl<'py> Held<'py> {
+    /// A contiguous input as its address, length and the object that keeps
+    /// the bytes alive, for a reader past this call (a background thread);
+    /// `None` for a strided view, or a buffer export (released attached to
+    /// Python). The bytes stay valid while the owner lives (the variants'
+    /// invariant, see [`Held::source`]).
+    pub(super) fn into_contiguous(self) -> Option<(*const u8, usize, Py<PyAny>)> {
+        match self {
+            Held::Slice { ptr, len, _owner } => Some((ptr, len, _owner.unbind())),
+            Held::Strided { view, _owner } if view.nbytes() == 0 => Some((std::ptr::null(), 0, _owner.unbind())),
+            Held::Strided { view, _owner } => {
+                let (ptr, len) = view.as_contiguous().map(|s| (s.as_ptr(), s.len()))?;
+                Some((ptr, len, _owner.unbind()))
+            }
+            Held::Buffer { .. } => None,
+        }
+    }
+}
+
 /// The caller's names for the inputs, looked up only to word an error (so
 /// the happy path never converts them).
 #[derive(Clone, Copy)]

@@ -5,7 +5,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use super::acquire::{acquire, Held, Names, Source};
-use crate::scheduler::{BatchQueue, Batches, RunSummary, Scheduler, Slices};
+use crate::scheduler::{BatchQueue, Batches, RunSummary, Scheduler};
 use crate::sha256::Digest;
 
 /// Above this many bytes, the GIL is released while hashing (as hashlib does
@@ -207,45 +207,4 @@ pub(super) fn digest_as_acquired<'py>(
         }
     }
     Ok((total, summary))
-}
-
-/// SHA-256 (lowercase hex) of each contiguous buffer, hashed as a
-/// background hasher (`crate::scheduler::in_background`): on the calling
-/// thread alone, no pool thread taking part, waiting between steps while an
-/// FP8 kernel runs; `RuntimeError('cancelled')` when `cancel_background`
-/// stops it. `last_run` describes this thread's last run. For a thread at
-/// the idle scheduling policy.
-#[pyfunction]
-pub(super) fn digest_here<'py>(py: Python<'py>, buffers: &Bound<'py, PyAny>) -> PyResult<Vec<String>> {
-    let held = buffers
-        .try_iter()?
-        .collect::<PyResult<Vec<_>>>()?
-        .iter()
-        .enumerate()
-        .map(|(i, obj)| acquire(obj, Names(None), i))
-        .collect::<PyResult<Vec<_>>>()?;
-    let slices = held
-        .iter()
-        .enumerate()
-        .map(|(i, h)| match h.source() {
-            Source::Slice(bytes) => Ok(bytes),
-            Source::Strided(_) => Err(PyValueError::new_err(format!(
-                "buffer {i} is not contiguous: a background run reads contiguous buffers"
-            ))),
-        })
-        .collect::<PyResult<Vec<_>>>()?;
-    let sources: Vec<Slices<'_>> = slices.iter().map(std::slice::from_ref).map(Slices::new).collect();
-    // With the GIL released other Python threads run while the bytes are
-    // read: what keeps them unchanged until hashed is the caller's contract,
-    // as for every digest (see `Held::source`); `held` keeps them alive.
-    let digests = py.detach(|| crate::scheduler::in_background(|| Scheduler::default().hash_sources(sources, None)));
-    drop(held);
-    Ok(digests.map_err(super::to_py_err)?.iter().map(Digest::hex).collect())
-}
-
-/// Stops every `digest_here` run under way at its next step (it raises
-/// `RuntimeError('cancelled')`); later ones run.
-#[pyfunction]
-pub(super) fn cancel_background() {
-    crate::scheduler::cancel_background()
 }

@@ -15,6 +15,7 @@
 //! records how the call ran for `_core.last_run()`.
 
 mod acquire;
+mod background;
 mod checkpoints;
 mod copy;
 mod diagnostics;
@@ -237,8 +238,7 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     use runs::{check_settings, last_run, wide_kernel_available};
     m.add_function(wrap_pyfunction!(sha256_many, m)?)?;
     m.add_function(wrap_pyfunction!(digest_many, m)?)?;
-    m.add_function(wrap_pyfunction!(hashing::digest_here, m)?)?;
-    m.add_function(wrap_pyfunction!(hashing::cancel_background, m)?)?;
+    m.add_class::<background::BackgroundHasher>()?;
     m.add_function(wrap_pyfunction!(checksum_module, m)?)?;
     m.add_function(wrap_pyfunction!(tensor_impl_offset, m)?)?;
     m.add_function(wrap_pyfunction!(kernel, m)?)?;

@@ -52,7 +52,7 @@ pub use batches::{batches_floor, hash_batched, BatchQueue, Batches};
 pub use multi::MultiHasher;
 pub use report::{last_run, BatchTally, RunShape, RunSummary};
 pub use source::{ChunkSource, Slices};
-pub use threads::{cancel_background, default_threads, foreground, in_background, set_default_threads, THREADS_ENV};
+pub use threads::{default_threads, foreground, in_background, set_default_threads, THREADS_ENV};
 use worker::{worker, Shared, Task};
 
 use crate::error::Error;

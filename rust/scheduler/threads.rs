@@ -1,11 +1,11 @@
 //! How many worker threads a scheduler runs: the process-wide default
 //! (a vLLM worker's share of the host) and its environment override; and
 //! background runs, on their own thread, that give way to foreground work
-//! (the FP8 kernels) and can be cancelled.
+//! (the FP8 kernels) and stop when their owner cancels them.
 
-use std::cell::Cell;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Condvar, Mutex, OnceLock};
+use std::cell::RefCell;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::Duration;
 
 use crate::settings;
@@ -14,14 +14,11 @@ pub use crate::settings::THREADS_ENV;
 static DEFAULT_THREADS: AtomicUsize = AtomicUsize::new(0);
 
 thread_local! {
-    /// Inside [`in_background`], the [`BACKGROUND_EPOCH`] it started in: the
-    /// runs this thread starts use it alone, and give way to [`foreground`]
-    /// work between steps.
-    static BACKGROUND: Cell<Option<u64>> = const { Cell::new(None) };
+    /// Inside [`in_background`], the run's cancel flag: the runs this thread
+    /// starts use it alone, give way to [`foreground`] work between steps,
+    /// and stop once the flag is set.
+    static BACKGROUND: RefCell<Option<Arc<AtomicBool>>> = const { RefCell::new(None) };
 }
-
-/// Advanced by [`cancel_background`]: a background run started before stops.
-static BACKGROUND_EPOCH: AtomicU64 = AtomicU64::new(0);
 
 /// Foreground calls under way ([`foreground`]), and what a background run
 /// waiting for them to end sleeps on.
@@ -36,28 +33,19 @@ static FOREGROUND_ENDED: (Mutex<()>, Condvar) = (Mutex::new(()), Condvar::new())
 /// Intel Xeon, a task at that policy hashing beside the FP8 kernels slowed
 /// them from 2.9 to 2.0 GB/s (the pool's threads did not get their cores
 /// back at once); waiting leaves it only the time they leave idle. A run
-/// under way when [`cancel_background`] is called stops at its next step
-/// ([`crate::Error::Cancelled`]).
-pub fn in_background<T>(f: impl FnOnce() -> T) -> T {
+/// under way when `cancelled` is set stops at its next step
+/// ([`crate::Error::Cancelled`]); the flag is its owner's alone, so one
+/// owner's cancel stops no other's runs.
+pub fn in_background<T>(cancelled: &Arc<AtomicBool>, f: impl FnOnce() -> T) -> T {
     /// Restores the flag as it was, also when `f` panics.
-    struct Restore(Option<u64>);
+    struct Restore(Option<Arc<AtomicBool>>);
     impl Drop for Restore {
         fn drop(&mut self) {
-            BACKGROUND.with(|flag| flag.set(self.0));
+            BACKGROUND.with(|flag| *flag.borrow_mut() = self.0.take());
         }
     }
-    let epoch = BACKGROUND_EPOCH.load(Ordering::SeqCst);
-    let _restore = Restore(BACKGROUND.with(|flag| flag.replace(Some(epoch))));
+    let _restore = Restore(BACKGROUND.with(|flag| flag.replace(Some(cancelled.clone()))));
     f()
-}
-
-/// Stops every background run under way ([`in_background`]) at its next
-/// step; the ones started later run.
-pub fn cancel_background() {
-    BACKGROUND_EPOCH.fetch_add(1, Ordering::SeqCst);
-    let (lock, ended) = &FOREGROUND_ENDED;
-    drop(lock.lock().unwrap_or_else(|e| e.into_inner()));
-    ended.notify_all(); // one waiting for foreground work stops now
 }
 
 /// Runs `f` as foreground work: background runs ([`in_background`]) wait
@@ -81,18 +69,18 @@ pub fn foreground<T>(f: impl FnOnce() -> T) -> T {
 }
 
 /// On a background thread ([`in_background`]): waits while [`foreground`]
-/// work runs, then `false` if the run was cancelled ([`cancel_background`]).
-/// Elsewhere `true` at once.
+/// work runs, then `false` if the run was cancelled. Elsewhere `true` at once.
 pub(super) fn give_way() -> bool {
-    let Some(epoch) = BACKGROUND.with(Cell::get) else {
+    let Some(cancelled) = BACKGROUND.with(|flag| flag.borrow().clone()) else {
         return true;
     };
-    let live = || BACKGROUND_EPOCH.load(Ordering::SeqCst) == epoch;
+    let live = || !cancelled.load(Ordering::SeqCst);
     if FOREGROUND.load(Ordering::SeqCst) > 0 {
         let (lock, ended) = &FOREGROUND_ENDED;
         let mut guard = lock.lock().unwrap_or_else(|e| e.into_inner());
         while FOREGROUND.load(Ordering::SeqCst) > 0 && live() {
-            // Timed: a wait is never longer than this, whatever the order of events.
+            // Timed: a wait is never longer than this, whatever the order of
+            // events (a cancel sets its flag without waking anyone).
             guard = ended
                 .wait_timeout(guard, Duration::from_millis(5))
                 .unwrap_or_else(|e| e.into_inner())
@@ -127,7 +115,7 @@ fn env_threads() -> Option<usize> {
 /// [`set_default_threads`] set, else rayon's pool size (the cores in this
 /// process's CPU affinity).
 pub fn default_threads() -> usize {
-    if BACKGROUND.with(Cell::get).is_some() {
+    if BACKGROUND.with(|flag| flag.borrow().is_some()) {
         return 1;
     }
     if let Some(n) = env_threads() {
@@ -142,11 +130,9 @@ pub fn default_threads() -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::atomic::AtomicBool;
-    use std::sync::Arc;
 
-    /// The cancel epoch and the foreground count are the process's: the
-    /// tests that move them run one at a time.
+    /// The foreground count is the process's: the tests that move it run
+    /// one at a time.
     static SERIAL: Mutex<()> = Mutex::new(());
 
     fn serial() -> std::sync::MutexGuard<'static, ()> {
@@ -155,15 +141,18 @@ mod tests {
 
     #[test]
     fn one_thread_inside_only_and_restored_after_a_panic() {
+        let flag = Arc::new(AtomicBool::new(false));
         let outside = default_threads();
-        assert_eq!(in_background(default_threads), 1);
-        assert_eq!(in_background(|| in_background(default_threads)), 1);
+        assert_eq!(in_background(&flag, default_threads), 1);
+        assert_eq!(in_background(&flag, || in_background(&flag, default_threads)), 1);
         assert_eq!(default_threads(), outside);
-        let panicked = std::panic::catch_unwind(|| in_background(|| panic!("inside")));
+        let panicked = std::panic::catch_unwind(|| in_background(&flag, || panic!("inside")));
         assert!(panicked.is_err());
         assert_eq!(default_threads(), outside);
         // Another thread is not affected.
-        in_background(|| assert_eq!(std::thread::spawn(default_threads).join().unwrap(), outside));
+        in_background(&flag, || {
+            assert_eq!(std::thread::spawn(default_threads).join().unwrap(), outside)
+        });
     }
 
     #[test]
@@ -186,7 +175,7 @@ mod tests {
         let waited = Arc::new(AtomicBool::new(false));
         let w = waited.clone();
         let bg = std::thread::spawn(move || {
-            in_background(|| {
+            in_background(&Arc::new(AtomicBool::new(false)), || {
                 assert!(give_way());
                 w.store(true, Ordering::SeqCst);
             })
@@ -204,13 +193,13 @@ mod tests {
     }
 
     #[test]
-    fn a_cancelled_run_stops_and_a_later_one_runs() {
-        let _serial = serial();
-        in_background(|| {
+    fn a_cancelled_run_stops_and_no_other_owner_s_run_does() {
+        let (mine, theirs) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
+        in_background(&mine, || {
             assert!(give_way());
-            cancel_background();
+            mine.store(true, Ordering::SeqCst);
             assert!(!give_way());
         });
-        in_background(|| assert!(give_way()));
+        in_background(&theirs, || assert!(give_way()));
     }
 }

@@ -5,8 +5,8 @@ on one Python thread (vLLM's loaders, the builds of the rank models) while
 the other cores idle, and its last step hashes every rank's tensors on all
 of them. A layer's tensors are final once vLLM has processed it, well
 before that step. :class:`IdleHashing` hashes them in between, on a thread
-of its own under Linux's ``SCHED_IDLE`` policy, on that thread alone
-(``_core.digest_here``: no pool thread at the normal priority takes its
+of the core's own under Linux's ``SCHED_IDLE`` policy, on that thread alone
+(``_core.BackgroundHasher``: no pool thread at the normal priority takes its
 work up), and it waits between two steps while an FP8 kernel runs (the
 core's ``foreground``): on this project's 2-vCPU Intel Xeon an idle-policy
 hasher beside the kernels slowed them from 2.9 to 2.0 GB/s, and the loads
@@ -30,16 +30,17 @@ out a tensor whose memory still has copies pending (``pending_pieces`` of
 a memory later, or written there for real, is told here (:func:`invalidate`),
 and no digest of a tensor in that memory is taken.
 
-Where ``SCHED_IDLE`` is missing (not Linux), :func:`session` hashes nothing
-in the background: the last step hashes everything, as before. Left as it
-is: on a host whose cores other processes keep busy, the idle thread may
-hold the GIL when it is preempted, and the caller's thread then waits for
-it to run again (closing never waits for it).
+Where ``SCHED_IDLE`` is missing (not Linux) or refused, :func:`session`
+hashes nothing in the background: the last step hashes everything, as
+before. The idle thread never runs Python: on a host whose cores other
+processes keep busy it may wait seconds to run again, and one preempted
+while it held the GIL would stall every Python thread of the process that
+long. It takes no lock a caller waits on either (its jobs and digests
+travel through channels), and closing never waits for it.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import os
 import threading
@@ -64,12 +65,14 @@ class IdleHashing:
     """One call's background hasher (see the module docstring)."""
 
     def __init__(self) -> None:
-        self._cv = threading.Condition()
-        #: (tensor, the alias hashed, its version when submitted), in order.
-        self._queue: collections.deque[tuple[Any, Any, int]] = collections.deque()
-        self._queued: set[int] = set()
-        self._running = False
+        from weight_checker import _core
+
+        self._core = _core.BackgroundHasher(RUN_BYTES)
         self._closed = False
+        self._queued: set[int] = set()
+        self._next_job = 0
+        #: job id -> (a weak reference to the tensor, its version when submitted).
+        self._jobs: dict[int, tuple[weakref.ref[Any], int]] = {}
         #: id(tensor) -> (a weak reference to it, its version when submitted, its digest).
         self._done: dict[int, tuple[weakref.ref[Any], int, str]] = {}
         #: id(tensor) -> (where it lies, :func:`_layout`; the clock when
@@ -78,9 +81,16 @@ class IdleHashing:
         self._submitted: dict[int, tuple[tuple[Any, ...], int]] = {}
         self._written: dict[int, int] = {}
         self._clock = 0
-        self.hashed_bytes = 0
-        self._thread = threading.Thread(target=self._run, name="weight-checker-idle-hashing", daemon=True)
-        self._thread.start()
+
+    @property
+    def hashed_bytes(self) -> int:
+        """Bytes the background has hashed so far."""
+        return self._core.hashed_bytes
+
+    @property
+    def thread_id(self) -> int | None:
+        """The hashing thread's Linux id, once it runs."""
+        return self._core.thread_id
 
     def submit(self, tensors: Iterable[Any]) -> None:
         """Queues each tensor worth it, once a session: a plain contiguous
@@ -90,6 +100,8 @@ class IdleHashing:
         writes them without torch seeing it."""
         import torch
 
+        if self._closed or self._core.refused:
+            return
         chosen = []
         # Looked at past any torch function mode of the caller's (the deferred
         # copies': asking for a storage would hand that memory out).
@@ -113,34 +125,35 @@ class IdleHashing:
                 self._queued.add(id(t))
         if not chosen:
             return
-        with self._cv:
-            if self._closed:
-                return
-            for t, alias, layout, version in chosen:
-                self._clock += 1
-                self._submitted[id(t)] = (layout, self._clock)
-                self._queue.append((t, alias, version))
-            self._cv.notify()
+        ids = []
+        for t, _, layout, version in chosen:
+            self._clock += 1
+            self._next_job += 1
+            self._submitted[id(t)] = (layout, self._clock)
+            self._jobs[self._next_job] = (weakref.ref(t), version)
+            ids.append(self._next_job)
+        with torch._C.DisableTorchFunction():
+            self._core.submit(ids, [alias for _, alias, _, _ in chosen])
 
     def idle(self) -> bool:
         """Whether nothing is queued or being hashed."""
-        with self._cv:
-            return not self._queue and not self._running
+        return self._core.idle()
 
     def close(self) -> None:
-        """Nothing more hashed or taken: what is queued is dropped, and the
-        run under way is stopped at its next step (its tensors are the
-        caller's to hash). Returns at once: on a busy host the thread, at the
-        idle policy, may not run again for seconds; it ends when it does."""
-        from weight_checker import _core
-
-        with self._cv:
-            if self._closed:
-                return
+        """Nothing more hashed: what is queued is dropped, and the run under
+        way is stopped at its next step (its tensors are the caller's to
+        hash). Returns at once: on a busy host the thread, at the idle
+        policy, may not run again for seconds; it ends when it does. The
+        digests finished before are still taken (:meth:`digest_of`)."""
+        if not self._closed:
             self._closed = True
-            self._queue.clear()
-            self._cv.notify_all()
-        _core.cancel_background()
+            self._core.close()
+            self._collect()
+
+    def wait(self, timeout_s: float) -> bool:
+        """After :meth:`close`: waits up to ``timeout_s`` for the thread to
+        end and let go of every tensor it held; whether it did."""
+        return self._core.wait(timeout_s)
 
     def invalidate(self, address: int) -> None:
         """The memory of the storage at ``address`` is written (a deferred
@@ -156,6 +169,7 @@ class IdleHashing:
         memory was not written since (:meth:`invalidate`); else ``None``."""
         import torch
 
+        self._collect()
         entry = self._done.get(id(tensor))
         if entry is None:
             return None
@@ -169,45 +183,13 @@ class IdleHashing:
                 return None
         return digest if self._written.get(layout[0], 0) < submitted else None
 
-    def _run(self) -> None:
-        from weight_checker import _core
-
-        try:
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # this thread only
-        except (AttributeError, OSError):
-            # Refused (a sandbox): hashing at the normal policy would take the
-            # loaders' cores. Nothing more is taken, nor kept alive here.
-            with self._cv:
-                self._closed = True
-                self._queue.clear()
-            return
-        while True:
-            with self._cv:
-                while not self._queue and not self._closed:
-                    self._cv.wait()
-                if self._closed:
-                    return
-                run: list[tuple[Any, Any, int]] = []
-                nbytes = 0
-                while self._queue and (not run or nbytes < RUN_BYTES):
-                    entry = self._queue.popleft()
-                    run.append(entry)
-                    nbytes += entry[1].numel() * entry[1].element_size()
-                self._running = True
-            digests: list[str] = []
-            try:
-                digests = _core.digest_here([alias for _, alias, _ in run])
-            except BaseException:  # stopped, failed or panicked: the last step hashes these tensors itself
-                pass
-            finally:
-                with self._cv:
-                    if not self._closed:  # a closed session takes nothing more
-                        for (tensor, _, version), digest in zip(run, digests, strict=False):
-                            self._done[id(tensor)] = (weakref.ref(tensor), version, digest)
-                        self.hashed_bytes += nbytes if digests else 0
-                    self._running = False
-                    self._cv.notify_all()
-                run.clear()  # nothing of the run kept alive until the next one
+    def _collect(self) -> None:
+        """Takes the digests the thread finished (and lets go of their tensors)."""
+        for job, digest in self._core.take_digests():
+            ref, version = self._jobs.pop(job)
+            tensor = ref()
+            if digest is not None and tensor is not None:
+                self._done[id(tensor)] = (ref, version, digest)
 
 
 def _layout(t: Any) -> tuple[Any, ...]:
@@ -239,7 +221,8 @@ def session() -> Iterator[IdleHashing | None]:
         # Its run, stopped, lets go of the tensors it holds as soon as it runs
         # again: at once on a host with a core to spare. On a busy one the
         # call does not wait long for it; they are let go of when it does.
-        hashing._thread.join(JOIN_SECONDS)
+        hashing.wait(JOIN_SECONDS)
+        hashing._collect()  # the tensors its stopped run gave back, let go of here
 
 
 def current() -> IdleHashing | None:
