@@ -126,6 +126,10 @@ http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
 """
 _HANGS = "print('imports done', flush=True); import time; time.sleep(600)"
 _KEEPS_LOGGING = "import time\nwhile True:\n    print('loading', flush=True); time.sleep(0.1)"
+# A loader that prints nothing while it works (in a child: the group's CPU counts).
+_WORKS_QUIETLY = (
+    "import subprocess, sys; print('loading', flush=True); subprocess.run([sys.executable, '-c', 'while True: pass'])"
+)
 
 
 def _launcher(tmp_path, scripts):
@@ -151,15 +155,15 @@ def _launcher(tmp_path, scripts):
 def test_a_hung_start_is_stopped_and_started_once_more(tmp_path, monkeypatch, capsys):
     from weight_checker.testing import launch as launcher
 
-    monkeypatch.setattr(launcher, "STALL_S", 1.0)
+    monkeypatch.setattr(launcher, "STALL_S", 2.0)
     launch, started = _launcher(tmp_path, [_HANGS, _SERVES_HEALTH])
     server = launcher.start_with_retry(launch, "stand-in", 60, health_timeout=1, poll=0.1)
     try:
         assert len(started) == 2
-        assert started[0].poll() is not None, "the hung server's process was left running"
+        assert started[0].poll() is not None and not launcher._group_alive(started[0]), "the hung server was left"
         assert (tmp_path / "server.log.hung").read_text() == "imports done\n"
         assert server.get("/health")[0] == 200
-        assert "log unchanged for 1s; starting it once more" in capsys.readouterr().err
+        assert "its processes idle for 2s; starting it once more" in capsys.readouterr().err
     finally:
         server.stop()
 
@@ -167,21 +171,27 @@ def test_a_hung_start_is_stopped_and_started_once_more(tmp_path, monkeypatch, ca
 def test_a_server_that_hangs_twice_fails_with_its_log(tmp_path, monkeypatch):
     from weight_checker.testing import launch as launcher
 
-    monkeypatch.setattr(launcher, "STALL_S", 1.0)
+    monkeypatch.setattr(launcher, "STALL_S", 2.0)
     launch, started = _launcher(tmp_path, [_HANGS, _HANGS])
-    with pytest.raises(launcher.ServerHung, match=r"(?s)log unchanged for 1s.*imports done"):
+    with pytest.raises(launcher.ServerHung, match=r"(?s)idle for 2s.*imports done"):
         launcher.start_with_retry(launch, "stand-in", 60, health_timeout=1, poll=0.1)
     assert len(started) == 2 and all(p.poll() is not None for p in started)
 
 
 @pytest.mark.parametrize(
-    ("script", "error"), [(_KEEPS_LOGGING, "not healthy after 3s"), ("raise SystemExit(3)", "exited with 3")]
+    ("script", "error"),
+    [
+        (_KEEPS_LOGGING, "not healthy after 8s"),  # writes its log
+        (_WORKS_QUIETLY, "not healthy after 8s"),  # writes nothing, but works
+        ("raise SystemExit(3)", "exited with 3"),
+    ],
 )
 def test_a_slow_or_failed_start_is_not_retried(tmp_path, monkeypatch, script, error):
     from weight_checker.testing import launch as launcher
 
-    monkeypatch.setattr(launcher, "STALL_S", 1.0)
+    monkeypatch.setattr(launcher, "STALL_S", 2.0)
     launch, started = _launcher(tmp_path, [script, _SERVES_HEALTH])
     with pytest.raises(RuntimeError, match=error):
-        launcher.start_with_retry(launch, "stand-in", 3, health_timeout=1, poll=0.1)
+        launcher.start_with_retry(launch, "stand-in", 8, health_timeout=1, poll=0.1)
     assert len(started) == 1 and started[0].poll() is not None
+    assert not launcher._group_alive(started[0]), "a process of the stopped start is left"

@@ -206,29 +206,36 @@ def start_server(
 
 
 class ServerHung(RuntimeError):
-    """A server that is still running but whose log has not changed for
-    :data:`STALL_S` seconds before it became healthy."""
+    """A server still running, not healthy, whose log has not changed and
+    whose processes have used almost no CPU for :data:`STALL_S` seconds."""
+
+
+#: A start is quiet, not hung, while its processes use at least this share
+#: of one core (a loader that prints nothing while it works).
+_BUSY_SHARE = 0.1
 
 
 def start_with_retry(
     launch: Callable[[], Server], name: str, limit_s: float, *, health_timeout: float, poll: float
 ) -> Server:
-    """``launch()``, then :func:`wait_until_healthy`. A start that hangs (its
-    log unchanged for :data:`STALL_S` s, as an SGLang TP=2 start once stayed
-    for 600 s after its imports in a CI run on a loaded host) is stopped and started
-    once more on new ports; its log is kept as ``<log>.hung``. A server that
-    exits, or is still writing its log when ``limit_s`` passes, is not retried:
-    that is a failure to look at, not a hang."""
+    """``launch()``, then :func:`wait_until_healthy`. A start that hangs (for
+    :data:`STALL_S` s its log unchanged and its processes nearly idle, as an
+    SGLang TP=2 start once sat for 600 s after its imports in a CI run on a
+    loaded host) is stopped and started once more on new ports; its log is
+    kept as ``<log>.hung``. A server that exits, or is still working when
+    ``limit_s`` passes, is not retried: that is a failure to look at, not a
+    hang. At worst a start takes ``STALL_S`` plus the stop plus ``limit_s``."""
     server = launch()
     try:
         wait_until_healthy(server, name, limit_s, health_timeout=health_timeout, poll=poll)
         return server
     except ServerHung as e:
+        if _group_alive(server.proc):
+            raise RuntimeError(f"{name} hung and its processes did not stop: not started again") from e
         hung = server.log.with_name(server.log.name + ".hung")
         server.log.replace(hung)
-        print(
-            f"{name}: {e.args[0].splitlines()[0].rstrip(':')}; starting it once more (its log: {hung})", file=sys.stderr
-        )
+        first = e.args[0].splitlines()[0].rstrip(":")
+        print(f"{name}: {first}; starting it once more (its log: {hung})", file=sys.stderr)
     server = launch()
     wait_until_healthy(server, name, limit_s, health_timeout=health_timeout, poll=poll)
     return server
@@ -237,11 +244,14 @@ def start_with_retry(
 def wait_until_healthy(server: Server, name: str, limit_s: float, *, health_timeout: float, poll: float) -> None:
     """Returns once ``GET /health`` answers 200; stops the server (its whole
     group) and raises, with the log's end, if it exits or ``limit_s`` passes
-    first, or :class:`ServerHung` if its log stays unchanged for :data:`STALL_S`."""
+    first, or :class:`ServerHung` if it hangs (see :func:`start_with_retry`)."""
     try:
         start = time.monotonic()
         deadline = start + limit_s
-        log_size, log_changed = -1, start
+        log_size = -1
+        #: When the server last showed life (its log grew, or its processes
+        #: worked), and their CPU seconds then.
+        alive_at, cpu_at = start, _group_cpu_seconds(server.proc)
         while True:
             if server.proc.poll() is not None:
                 raise RuntimeError(f"{name} exited with {server.proc.returncode}:\n{server.log_text()[-4000:]}")
@@ -252,12 +262,14 @@ def wait_until_healthy(server: Server, name: str, limit_s: float, *, health_time
                 pass
             now = time.monotonic()
             size = server.log.stat().st_size if server.log.exists() else 0
-            if size != log_size:
-                log_size, log_changed = size, now
-            elif now - log_changed > STALL_S:
+            cpu = _group_cpu_seconds(server.proc)
+            busy = cpu is not None and cpu_at is not None and cpu - cpu_at >= _BUSY_SHARE * max(now - alive_at, poll)
+            if size != log_size or busy:
+                log_size, alive_at, cpu_at = size, now, cpu
+            elif now - alive_at > STALL_S:
                 raise ServerHung(
-                    f"{name} not healthy after {now - start:.0f}s, its log unchanged for {STALL_S:.0f}s:\n"
-                    f"{server.log_text()[-4000:]}"
+                    f"{name} not healthy after {now - start:.0f}s, its log unchanged and its processes idle "
+                    f"for {STALL_S:.0f}s:\n{server.log_text()[-4000:]}"
                 )
             if now > deadline:
                 raise RuntimeError(f"{name} not healthy after {limit_s}s:\n{server.log_text()[-4000:]}")
@@ -265,6 +277,38 @@ def wait_until_healthy(server: Server, name: str, limit_s: float, *, health_time
     except BaseException:
         stop(server.proc)
         raise
+
+
+def _group_cpu_seconds(proc: subprocess.Popen) -> float | None:
+    """CPU seconds used by the server's process group (its own processes and
+    their waited-for children), from ``/proc``; ``None`` where there is none."""
+    try:
+        pgid = os.getpgid(proc.pid)
+        tick = os.sysconf("SC_CLK_TCK")
+        pids = [d for d in os.listdir("/proc") if d.isdigit()]
+    except (OSError, ValueError):
+        return None
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+        except OSError:
+            continue  # gone meanwhile
+        if len(fields) > 14 and int(fields[2]) == pgid:
+            total += sum(int(v) for v in fields[11:15])  # utime, stime, cutime, cstime
+    return total / tick
+
+
+def _group_alive(proc: subprocess.Popen) -> bool:
+    """Whether any process of the server's group is still there."""
+    try:
+        os.killpg(proc.pid, 0)  # the group's id is the leader's pid (start_new_session)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 @contextlib.contextmanager
