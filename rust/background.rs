@@ -5,23 +5,24 @@
 //! work, and collects their digests later ([`Background::take_digests`]).
 //! The thread hashes them in runs of about `run_bytes` on itself alone,
 //! waiting between two steps while foreground work runs
-//! ([`crate::scheduler::foreground`]); [`Background::close`] drops what is
-//! queued and stops the run under way at its next step.
+//! ([`crate::scheduler::foreground`]); [`Background::close`] stops the run
+//! under way at its next step, and what was queued comes back undigested.
 //!
 //! The thread is Rust's and never runs Python. A thread at the idle policy
 //! on a host whose cores other processes keep busy may wait seconds to run
 //! again; one that held Python's GIL when it was preempted would make every
-//! Python thread of the process wait that long. This one holds nothing a
-//! caller needs between its runs: jobs and digests travel through channels,
-//! and what keeps a buffer alive (its owner) goes back to the caller with
-//! its digest, to be dropped where the caller may drop it.
+//! Python thread of the process wait that long. For the same reason a
+//! caller never blocks on anything the thread holds: it only *tries* the
+//! two queues they share (a busy one is tried again at the next call), wakes
+//! the thread with `unpark`, and reads atomics. What keeps a buffer alive
+//! (its owner) goes back to the caller with its digest, to be dropped where
+//! the caller may drop it (attached to Python, for a Python owner).
 
 use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::mpsc::{channel, Receiver, Sender, TryRecvError};
-use std::sync::{Arc, Condvar, Mutex};
-use std::thread::JoinHandle;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, TryLockError};
+use std::thread::{JoinHandle, Thread};
 use std::time::{Duration, Instant};
 
 use crate::scheduler::{in_background, Scheduler, Slices};
@@ -68,60 +69,90 @@ pub struct Done<O> {
 
 /// The background hasher (see the module docs).
 pub struct Background<O: Send + 'static> {
-    jobs: Mutex<Option<Sender<Job<O>>>>,
-    done: Mutex<Receiver<Done<O>>>,
-    shared: Arc<Shared>,
+    shared: Arc<Shared<O>>,
+    /// Jobs submitted while the thread held the queue: queued by a later
+    /// call. Only callers take this lock.
+    held_back: Mutex<Vec<Job<O>>>,
+    waker: Thread,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
-/// What the thread and its owner both see: atomics, and a flag the thread
-/// sets once, when it has let go of every job.
-struct Shared {
+/// What the thread and its owner share. The owner only tries the two
+/// locks; the thread takes them as it needs (it may wait for a caller).
+struct Shared<O> {
     cancelled: Arc<AtomicBool>,
+    queue: Mutex<VecDeque<Job<O>>>,
+    done: Mutex<Vec<Done<O>>>,
     /// Jobs submitted and not yet given back.
     pending: AtomicUsize,
     hashed_bytes: AtomicU64,
     /// The thread's id (Linux `gettid`), 0 until it runs.
     thread_id: AtomicU64,
-    /// Whether the thread runs at the idle policy (else it hashes nothing).
+    /// Whether the host refused the idle policy (nothing is hashed then).
     refused: AtomicBool,
-    ended: (Mutex<bool>, Condvar),
+    /// Set once, when the thread has given back every job it took.
+    ended: AtomicBool,
+    /// What [`Background::wait`] sleeps on.
+    ended_signal: (Mutex<()>, Condvar),
+}
+
+/// `lock`, also after a panic elsewhere (the data stay consistent: every
+/// critical section here only moves jobs between containers).
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// `try_lock`: `None` while someone else holds it.
+fn try_lock<T>(m: &Mutex<T>) -> Option<MutexGuard<'_, T>> {
+    match m.try_lock() {
+        Ok(guard) => Some(guard),
+        Err(TryLockError::Poisoned(e)) => Some(e.into_inner()),
+        Err(TryLockError::WouldBlock) => None,
+    }
 }
 
 impl<O: Send + 'static> Background<O> {
     /// Starts the thread. Where the idle policy is refused (or missing: not
     /// Linux), it hashes nothing: every job comes back without a digest.
     pub fn start(run_bytes: usize) -> std::io::Result<Background<O>> {
-        let (jobs, jobs_rx) = channel::<Job<O>>();
-        let (done_tx, done) = channel::<Done<O>>();
+        Background::start_with(run_bytes, set_idle_policy)
+    }
+
+    /// [`start`](Self::start), with `set_policy` putting the thread at the
+    /// idle policy (whether the host allowed it).
+    fn start_with(run_bytes: usize, set_policy: fn() -> bool) -> std::io::Result<Background<O>> {
         let shared = Arc::new(Shared {
             cancelled: Arc::new(AtomicBool::new(false)),
+            queue: Mutex::new(VecDeque::new()),
+            done: Mutex::new(Vec::new()),
             pending: AtomicUsize::new(0),
             hashed_bytes: AtomicU64::new(0),
             thread_id: AtomicU64::new(0),
             refused: AtomicBool::new(false),
-            ended: (Mutex::new(false), Condvar::new()),
+            ended: AtomicBool::new(false),
+            ended_signal: (Mutex::new(()), Condvar::new()),
         });
         let for_thread = shared.clone();
         let thread = std::thread::Builder::new()
             .name("weight-checker-idle-hashing".into())
             .spawn(move || {
                 /// Tells the owner the thread let go of everything, also on a panic.
-                struct Ended(Arc<Shared>);
-                impl Drop for Ended {
+                struct Ended<O>(Arc<Shared<O>>);
+                impl<O> Drop for Ended<O> {
                     fn drop(&mut self) {
-                        let (lock, ended) = &self.0.ended;
-                        *lock.lock().unwrap_or_else(|e| e.into_inner()) = true;
+                        self.0.ended.store(true, Ordering::SeqCst);
+                        let (signal, ended) = &self.0.ended_signal;
+                        drop(lock(signal)); // a waiter between its check and its wait is not missed
                         ended.notify_all();
                     }
                 }
-                let _ended = Ended(for_thread.clone());
-                run(&for_thread, &jobs_rx, &done_tx, run_bytes.max(1));
+                let ended = Ended(for_thread);
+                run(&ended.0, run_bytes.max(1), set_policy);
             })?;
         Ok(Background {
-            jobs: Mutex::new(Some(jobs)),
-            done: Mutex::new(done),
             shared,
+            held_back: Mutex::new(Vec::new()),
+            waker: thread.thread().clone(),
             thread: Mutex::new(Some(thread)),
         })
     }
@@ -129,39 +160,43 @@ impl<O: Send + 'static> Background<O> {
     /// Queues jobs, in order. After [`close`](Self::close) they are dropped
     /// here; where the host refused the idle policy they come back undigested.
     pub fn submit(&self, jobs: impl IntoIterator<Item = Job<O>>) {
-        let sender = self.jobs.lock().unwrap_or_else(|e| e.into_inner());
+        if self.shared.cancelled.load(Ordering::SeqCst) {
+            return; // the jobs, and their owners, dropped here
+        }
+        let mut held = lock(&self.held_back);
         for job in jobs {
-            match sender.as_ref() {
-                Some(s) => {
-                    self.shared.pending.fetch_add(1, Ordering::SeqCst);
-                    if let Err(returned) = s.send(job) {
-                        // The thread has ended (it panicked): nothing is hashed.
-                        self.shared.pending.fetch_sub(1, Ordering::SeqCst);
-                        drop(returned);
-                    }
-                }
-                None => drop(job),
-            }
+            self.shared.pending.fetch_add(1, Ordering::SeqCst);
+            held.push(job);
+        }
+        self.hand_over(&mut held);
+    }
+
+    /// Moves the held-back jobs to the thread's queue, unless it holds the
+    /// queue right now (then a later call does).
+    fn hand_over(&self, held: &mut Vec<Job<O>>) {
+        if held.is_empty() {
+            return;
+        }
+        if let Some(mut queue) = try_lock(&self.shared.queue) {
+            queue.extend(held.drain(..));
+            drop(queue);
+            self.waker.unpark();
         }
     }
 
-    /// The jobs finished since the last call, in the order they finished.
+    /// The jobs finished since the last call, in the order they finished
+    /// (none while the thread is handing some back: they come next time).
     pub fn take_digests(&self) -> Vec<Done<O>> {
-        let done = self.done.lock().unwrap_or_else(|e| e.into_inner());
-        let mut out = Vec::new();
-        loop {
-            match done.try_recv() {
-                Ok(d) => out.push(d),
-                Err(TryRecvError::Empty | TryRecvError::Disconnected) => return out,
-            }
-        }
+        self.hand_over(&mut lock(&self.held_back));
+        try_lock(&self.shared.done)
+            .map(|mut d| std::mem::take(&mut *d))
+            .unwrap_or_default()
     }
 
     /// Whether nothing is queued or being hashed: every job submitted has
     /// been given back, or the thread has ended (after a close).
     pub fn idle(&self) -> bool {
-        self.shared.pending.load(Ordering::SeqCst) == 0
-            || *self.shared.ended.0.lock().unwrap_or_else(|e| e.into_inner())
+        self.shared.pending.load(Ordering::SeqCst) == 0 || self.shared.ended.load(Ordering::SeqCst)
     }
 
     /// Bytes hashed so far.
@@ -182,29 +217,36 @@ impl<O: Send + 'static> Background<O> {
         self.shared.refused.load(Ordering::SeqCst)
     }
 
-    /// Nothing more is hashed: the queue is dropped and the run under way
-    /// stops at its next step. Returns at once; [`wait`](Self::wait) waits
-    /// for the thread to let go of the jobs' owners.
+    /// Nothing more is hashed: the run under way stops at its next step,
+    /// and every job not hashed comes back undigested
+    /// ([`take_digests`](Self::take_digests)). Returns at once;
+    /// [`wait`](Self::wait) waits for the thread to give everything back.
     pub fn close(&self) {
         self.shared.cancelled.store(true, Ordering::SeqCst);
-        drop(self.jobs.lock().unwrap_or_else(|e| e.into_inner()).take());
+        let held: Vec<Job<O>> = std::mem::take(&mut *lock(&self.held_back));
+        self.shared.pending.fetch_sub(held.len(), Ordering::SeqCst);
+        drop(held); // never handed over: their owners dropped here
+        self.waker.unpark();
     }
 
     /// After [`close`](Self::close): waits up to `timeout` for the thread to
-    /// end; whether it did. Every owner it held is then dropped or given back.
+    /// end; whether it did. Every owner it held is then given back.
     pub fn wait(&self, timeout: Duration) -> bool {
-        let deadline = Instant::now() + timeout;
-        let (lock, ended) = &self.shared.ended;
-        let mut done = lock.lock().unwrap_or_else(|e| e.into_inner());
-        while !*done {
-            let left = deadline.saturating_duration_since(Instant::now());
+        let deadline = Instant::now().checked_add(timeout); // None: no deadline
+        let (signal, ended) = &self.shared.ended_signal;
+        let mut guard = lock(signal);
+        while !self.shared.ended.load(Ordering::SeqCst) {
+            let left = match deadline {
+                Some(d) => d.saturating_duration_since(Instant::now()),
+                None => Duration::from_secs(3600),
+            };
             if left.is_zero() {
                 return false;
             }
-            done = ended.wait_timeout(done, left).unwrap_or_else(|e| e.into_inner()).0;
+            guard = ended.wait_timeout(guard, left).unwrap_or_else(|e| e.into_inner()).0;
         }
-        drop(done);
-        if let Some(thread) = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take() {
+        drop(guard);
+        if let Some(thread) = lock(&self.thread).take() {
             let _ = thread.join(); // ended: returns at once
         }
         true
@@ -221,60 +263,50 @@ impl<O: Send + 'static> Drop for Background<O> {
 
 /// The thread: at the idle policy, runs of jobs until closed; then every
 /// job not hashed goes back undigested, so that the owner drops what keeps
-/// its bytes alive (attached to Python, for a Python owner).
-fn run<O: Send>(shared: &Shared, jobs: &Receiver<Job<O>>, done: &Sender<Done<O>>, run_bytes: usize) {
+/// its bytes alive.
+fn run<O: Send>(shared: &Shared<O>, run_bytes: usize, set_policy: fn() -> bool) {
     shared.thread_id.store(this_thread_id(), Ordering::SeqCst);
-    let mut waiting: VecDeque<Job<O>> = VecDeque::new();
-    if !set_idle_policy() {
+    if !set_policy() {
         shared.refused.store(true, Ordering::SeqCst);
         shared.cancelled.store(true, Ordering::SeqCst);
     }
     loop {
-        if waiting.is_empty() {
-            match jobs.recv() {
-                Ok(job) => waiting.push_back(job),
-                Err(_) => return, // closed, and every job given back
-            }
-        }
-        while let Ok(job) = jobs.try_recv() {
-            waiting.push_back(job);
-        }
+        let cancelled = shared.cancelled.load(Ordering::SeqCst);
         let mut batch = Vec::new();
         let mut bytes = 0usize;
-        if shared.cancelled.load(Ordering::SeqCst) {
-            batch.extend(waiting.drain(..)); // given back undigested
-        }
-        while let Some(job) = waiting.front() {
-            if !batch.is_empty() && bytes >= run_bytes {
-                break;
+        {
+            let mut queue = lock(&shared.queue);
+            while let Some(job) = queue.front() {
+                if !cancelled && !batch.is_empty() && bytes >= run_bytes {
+                    break;
+                }
+                bytes += job.len;
+                batch.extend(queue.pop_front());
             }
-            bytes += job.len;
-            batch.extend(waiting.pop_front());
         }
-        let digests = if shared.cancelled.load(Ordering::SeqCst) {
-            None
-        } else {
-            hash(shared, &batch)
-        };
+        if batch.is_empty() {
+            if cancelled {
+                return;
+            }
+            std::thread::park(); // `unpark` before this returns at once
+            continue;
+        }
+        let digests = if cancelled { None } else { hash(shared, &batch) };
         if digests.is_some() {
             shared.hashed_bytes.fetch_add(bytes as u64, Ordering::SeqCst);
         }
         let n = batch.len();
-        for (i, job) in batch.into_iter().enumerate() {
-            let digest = digests.as_ref().map(|d| d[i]);
-            // An owner that is gone stopped listening: the job is dropped here then.
-            let _ = done.send(Done {
-                id: job.id,
-                digest,
-                owner: job.owner,
-            });
-        }
+        lock(&shared.done).extend(batch.into_iter().enumerate().map(|(i, job)| Done {
+            id: job.id,
+            digest: digests.as_ref().map(|d| d[i]),
+            owner: job.owner,
+        }));
         shared.pending.fetch_sub(n, Ordering::SeqCst);
     }
 }
 
 /// One run on this thread alone; `None` if it was stopped, failed or panicked.
-fn hash<O>(shared: &Shared, batch: &[Job<O>]) -> Option<Vec<Digest>> {
+fn hash<O>(shared: &Shared<O>, batch: &[Job<O>]) -> Option<Vec<Digest>> {
     let slices: Vec<&[u8]> = batch.iter().map(Job::bytes).collect();
     let sources: Vec<Slices<'_>> = slices.iter().map(std::slice::from_ref).map(Slices::new).collect();
     catch_unwind(AssertUnwindSafe(|| {
@@ -336,8 +368,7 @@ mod tests {
         }
         let mut done = hasher.take_digests();
         if hasher.refused() {
-            assert!(done.is_empty());
-            return; // a host without the idle policy: nothing to check
+            return; // a host without the idle policy: `refused_policy_hashes_nothing` covers it
         }
         done.sort_by_key(|d| d.id);
         assert_eq!(done.len(), 6);
@@ -374,5 +405,24 @@ mod tests {
         }
         drop(done);
         assert_eq!(Arc::strong_count(&big), 1, "an owner kept after the thread ended");
+    }
+
+    #[test]
+    fn a_refused_policy_hashes_nothing_and_gives_every_owner_back() {
+        let hasher = Background::start_with(1 << 20, || false).unwrap();
+        let bytes = Arc::new(vec![1u8; 1 << 20]);
+        hasher.submit((0..3).map(|i| job(i, &bytes)));
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !hasher.idle() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert!(hasher.refused());
+        let done = hasher.take_digests();
+        assert!(done.len() <= 3 && done.iter().all(|d| d.digest.is_none()));
+        assert_eq!(hasher.hashed_bytes(), 0);
+        drop(done);
+        assert!(hasher.wait(Duration::MAX), "an unbounded wait");
+        drop(hasher.take_digests());
+        assert_eq!(Arc::strong_count(&bytes), 1, "an owner kept");
     }
 }

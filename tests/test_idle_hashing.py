@@ -98,24 +98,25 @@ def test_a_closed_hasher_stops_its_run_gives_every_buffer_back_and_stops_no_othe
 
 
 def test_the_background_thread_runs_at_the_idle_policy_and_never_takes_the_gil():
+    import ctypes
+
     hasher = _core.BackgroundHasher(1 << 30)
     buffer = torch.full((64 << 20,), 3, dtype=torch.uint8)
+    start = time.monotonic()
     hasher.submit([0], [buffer])
     _finished(hasher, 1)
+    alone = time.monotonic() - start  # what the job takes on this host now
     tid = hasher.thread_id
     assert tid is not None and os.sched_getscheduler(tid) == os.SCHED_IDLE
-    # This thread holds the GIL throughout a long sort (C code, which never
-    # lets go of it): a run that needed the GIL would not even start until
-    # the sort ends. On a host whose cores others keep busy, an idle-policy
-    # thread preempted while holding it would stall the whole process.
-    numbers = np.random.default_rng(1).random(3_000_000).tolist()
+    # This thread now sleeps holding the GIL (a C call through PyDLL, which
+    # keeps it): a run that needed the GIL could not even start. Sleeping,
+    # it leaves its core free; on a host whose cores others keep busy, an
+    # idle-policy thread preempted while holding the GIL would stall the
+    # whole process.
+    libc = ctypes.PyDLL(None)
     hasher.submit([1], [buffer])
-    start = time.monotonic()
-    numbers.sort()
-    held = time.monotonic() - start
-    got = hasher.take_digests()
-    if held > 0.5:  # long enough for 64 MiB on one core
-        assert got == [(1, _sha(buffer))], held
+    libc.usleep(ctypes.c_uint(int(min(max(1.0, 10 * alone), 20.0) * 1e6)))
+    assert hasher.take_digests() == [(1, _sha(buffer))], alone
 
 
 def test_digests_taken_only_of_the_very_tensor_unchanged():
@@ -165,6 +166,25 @@ def test_a_tensor_rebound_or_of_no_version_gives_no_digest():
             time.sleep(0.01)
         assert hashing.digest_of(big) is None
         assert idle.digests(["moved", "frozen", "big"], [moved, frozen, big]) == [_sha(t) for t in (moved, frozen, big)]
+
+
+def test_a_rebinding_never_lands_where_the_hashed_memory_lay():
+    """``.data =`` keeps the version; the allocator, given the old memory
+    back, would put the new bytes at the very address hashed. The session
+    keeps that memory until it ends, so no rebinding can land there."""
+    torch.manual_seed(2)
+    for _ in range(4):
+        with idle.session() as hashing:
+            assert hashing is not None
+            p = torch.nn.Parameter(torch.randn(1 << 16), requires_grad=False)
+            first = p.data_ptr()
+            hashing.submit([p])
+            _hashed(hashing, [p])
+            for k in range(8):
+                p.data = torch.full_like(p, float(k))
+                assert p.data_ptr() != first, "a rebinding landed on the memory hashed"
+            assert hashing.digest_of(p) is None
+            assert idle.digests(["p"], [p]) == [_sha(p)]
 
 
 def test_a_copy_deferred_into_a_hashed_tensor_takes_its_digest_away(monkeypatch):

@@ -270,11 +270,14 @@ class BackgroundHasher:
     def __new__(cls, run_bytes: int) -> BackgroundHasher: ...
     def submit(self, ids: Sequence[int], buffers: Iterable[Any]) -> None:
         """Queues contiguous host tensors (torch's, or DLPack exports) under
-        the caller's ids; ``ValueError`` naming the first that is not one
-        (a strided view, a buffer-protocol object): nothing is queued then."""
+        the caller's ids. Nothing is queued if one is not: ``ValueError``
+        for a strided view or a buffer-protocol object, ``TypeError`` for
+        an object with no bytes, ``DeviceTensorError`` for device memory."""
     def take_digests(self) -> list[tuple[int, str | None]]:
         """``(id, hex digest)`` of each buffer finished since the last call
-        (``None``: its run was stopped or failed); their objects are let go of."""
+        (``None``: not hashed: closed, stopped or failed); their objects are
+        let go of. Never waits for the thread: what it is handing back right
+        then comes at the next call."""
     def idle(self) -> bool:
         """Whether nothing is queued or being hashed."""
     @property
@@ -283,9 +286,11 @@ class BackgroundHasher:
     def thread_id(self) -> int | None:
         """The thread's Linux id, once it runs."""
     @property
-    def refused(self) -> bool: ...
+    def refused(self) -> bool:
+        """Whether the host refused the idle policy: then nothing is hashed."""
     def close(self) -> None:
-        """Drops the queue and stops the run under way at its next step; returns at once."""
+        """Stops the run under way at its next step; what was queued comes
+        back undigested (:meth:`take_digests`). Returns at once."""
     def wait(self, timeout_s: float) -> bool:
         """After :meth:`close`, waits up to ``timeout_s`` for the thread to end
         and let go of every buffer; whether it did."""

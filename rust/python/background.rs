@@ -2,8 +2,8 @@
 //! idle-policy hasher whose thread never runs Python. What keeps each
 //! buffer alive (a reference to its object) travels with the job and comes
 //! back with its digest, to be dropped here, attached to Python; one the
-//! thread drops itself (a closed hasher's queue) is released by PyO3 the
-//! next time a thread attaches.
+//! thread drops itself (where this object was freed before the thread
+//! ended) is released by PyO3 the next time a thread attaches.
 
 use std::time::Duration;
 
@@ -94,7 +94,8 @@ impl BackgroundHasher {
         self.inner.refused()
     }
 
-    /// Drops the queue and stops the run under way at its next step; returns at once.
+    /// Stops the run under way at its next step; what was queued comes back
+    /// undigested (:meth:`take_digests`). Returns at once.
     fn close(&self) {
         self.inner.close()
     }

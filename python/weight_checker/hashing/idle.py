@@ -20,10 +20,12 @@ little idle time to gain, and no session is opened.
 A digest taken assumes what every digest of memory in use assumes: nothing
 writes a submitted tensor without torch seeing it (through ``.data``, a
 raw pointer or a numpy view: its version does not change), and nothing
-frees or resizes its storage while it is read (what is hashed is an alias
-that owns the storage, so a tensor rebound elsewhere, ``.data = ...``,
-frees nothing under it; its digest is then not taken: where it lies is
-checked too). The callers
+frees or resizes its storage, nor writes it through another tensor set on
+it (``set_``: no version shared). What is hashed is an alias that owns the
+storage, kept until the session ends: a tensor rebound elsewhere, ``.data
+= ...``, frees nothing under the run, and its new memory cannot lie where
+the old one did (the allocator cannot hand out an address still held), so
+checking where it lies catches the rebinding. The callers
 submit a layer only once vLLM's processing of it has returned, and leave
 out a tensor whose memory still has copies pending (``pending_pieces`` of
 :mod:`weight_checker.expected.vllm.deferred_rows`); a copy deferred into
@@ -35,8 +37,9 @@ hashes nothing in the background: the last step hashes everything, as
 before. The idle thread never runs Python: on a host whose cores other
 processes keep busy it may wait seconds to run again, and one preempted
 while it held the GIL would stall every Python thread of the process that
-long. It takes no lock a caller waits on either (its jobs and digests
-travel through channels), and closing never waits for it.
+long. Nor does a caller ever wait for it: the core only tries the queues
+they share (a busy one is tried again at the next call), and closing
+returns at once.
 """
 
 from __future__ import annotations
@@ -71,10 +74,13 @@ class IdleHashing:
         self._closed = False
         self._queued: set[int] = set()
         self._next_job = 0
-        #: job id -> (a weak reference to the tensor, its version when submitted).
-        self._jobs: dict[int, tuple[weakref.ref[Any], int]] = {}
+        #: job id -> (a weak reference to the tensor, its version when
+        #: submitted, the alias hashed). The alias is kept until the session
+        #: ends: while it holds the old memory, a rebinding cannot land there.
+        self._jobs: dict[int, tuple[weakref.ref[Any], int, Any]] = {}
         #: id(tensor) -> (a weak reference to it, its version when submitted, its digest).
         self._done: dict[int, tuple[weakref.ref[Any], int, str]] = {}
+        self._aliases: list[Any] = []
         #: id(tensor) -> (where it lies, :func:`_layout`; the clock when
         #: submitted); each storage address -> the clock when last written
         #: (:meth:`invalidate`).
@@ -100,6 +106,7 @@ class IdleHashing:
         writes them without torch seeing it."""
         import torch
 
+        self._collect()
         if self._closed or self._core.refused:
             return
         chosen = []
@@ -126,23 +133,29 @@ class IdleHashing:
         if not chosen:
             return
         ids = []
-        for t, _, layout, version in chosen:
+        for t, alias, layout, version in chosen:
             self._clock += 1
             self._next_job += 1
             self._submitted[id(t)] = (layout, self._clock)
-            self._jobs[self._next_job] = (weakref.ref(t), version)
+            self._jobs[self._next_job] = (weakref.ref(t), version, alias)
             ids.append(self._next_job)
-        with torch._C.DisableTorchFunction():
-            self._core.submit(ids, [alias for _, alias, _, _ in chosen])
+        try:
+            with torch._C.DisableTorchFunction():
+                self._core.submit(ids, [alias for _, alias, _, _ in chosen])
+        except (ValueError, TypeError, BufferError):
+            # One the core cannot read in the background: none of these is
+            # queued, and the last step hashes them (the call goes on).
+            for job in ids:
+                del self._jobs[job]
 
     def idle(self) -> bool:
         """Whether nothing is queued or being hashed."""
         return self._core.idle()
 
     def close(self) -> None:
-        """Nothing more hashed: what is queued is dropped, and the run under
-        way is stopped at its next step (its tensors are the caller's to
-        hash). Returns at once: on a busy host the thread, at the idle
+        """Nothing more hashed: the run under way is stopped at its next
+        step, and what is queued is given back (its tensors are the caller's
+        to hash). Returns at once: on a busy host the thread, at the idle
         policy, may not run again for seconds; it ends when it does. The
         digests finished before are still taken (:meth:`digest_of`)."""
         if not self._closed:
@@ -186,10 +199,19 @@ class IdleHashing:
     def _collect(self) -> None:
         """Takes the digests the thread finished (and lets go of their tensors)."""
         for job, digest in self._core.take_digests():
-            ref, version = self._jobs.pop(job)
+            ref, version, alias = self._jobs.pop(job)
             tensor = ref()
             if digest is not None and tensor is not None:
                 self._done[id(tensor)] = (ref, version, digest)
+                self._aliases.append(alias)
+
+    def release(self) -> None:
+        """After :meth:`close`: nothing more is taken, and the memory the
+        aliases kept is let go of (the session's end)."""
+        self._collect()
+        self._done.clear()
+        self._jobs.clear()
+        self._aliases.clear()
 
 
 def _layout(t: Any) -> tuple[Any, ...]:
@@ -222,7 +244,7 @@ def session() -> Iterator[IdleHashing | None]:
         # again: at once on a host with a core to spare. On a busy one the
         # call does not wait long for it; they are let go of when it does.
         hashing.wait(JOIN_SECONDS)
-        hashing._collect()  # the tensors its stopped run gave back, let go of here
+        hashing.release()  # what its runs gave back, and the aliases kept, let go of here
 
 
 def current() -> IdleHashing | None:
