@@ -159,8 +159,9 @@ SETTINGS: tuple[Setting, ...] = (
         "WEIGHT_CHECKER_SERVER_STALL_S",
         "a positive number (seconds)",
         "240",
-        "A test server (vLLM or SGLang) whose log has not grown for this long before it is healthy is "
-        "taken as hung: it is stopped and started once more, its log kept beside the new one.",
+        "A test server (vLLM or SGLang) whose log has not grown, and whose processes used under a tenth "
+        "of a core, for this long before it is healthy is taken as hung: it is stopped and started once "
+        "more, its log kept beside the new one.",
         "tests",
         _positive_number,
     ),
