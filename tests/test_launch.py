@@ -181,8 +181,8 @@ def test_a_server_that_hangs_twice_fails_with_its_log(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     ("script", "error"),
     [
-        (_KEEPS_LOGGING, "not healthy after 8s"),  # writes its log
-        (_WORKS_QUIETLY, "not healthy after 8s"),  # writes nothing, but works
+        (_KEEPS_LOGGING, "not healthy after 5s"),  # writes its log
+        (_WORKS_QUIETLY, "not healthy after 5s"),  # writes nothing, but works
         ("raise SystemExit(3)", "exited with 3"),
     ],
 )
@@ -192,6 +192,6 @@ def test_a_slow_or_failed_start_is_not_retried(tmp_path, monkeypatch, script, er
     monkeypatch.setattr(launcher, "STALL_S", 2.0)
     launch, started = _launcher(tmp_path, [script, _SERVES_HEALTH])
     with pytest.raises(RuntimeError, match=error):
-        launcher.start_with_retry(launch, "stand-in", 8, health_timeout=1, poll=0.1)
+        launcher.start_with_retry(launch, "stand-in", 5, health_timeout=1, poll=0.1)
     assert len(started) == 1 and started[0].poll() is not None
     assert not launcher._group_alive(started[0]), "a process of the stopped start is left"
