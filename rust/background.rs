@@ -74,6 +74,7 @@ pub struct Background<O: Send + 'static> {
     /// call. Only callers take this lock.
     held_back: Mutex<Vec<Job<O>>>,
     waker: Thread,
+    /// Kept while it runs; dropped (detached), never joined, once it ended.
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -121,6 +122,13 @@ impl<O: Send + 'static> Background<O> {
     /// [`start`](Self::start), with `set_policy` putting the thread at the
     /// idle policy (whether the host allowed it).
     fn start_with(run_bytes: usize, set_policy: fn() -> bool) -> std::io::Result<Background<O>> {
+        // The calibrations, measured once a process, are measured here if
+        // they were not yet: never on the idle thread (at that policy, with
+        // every other thread that hashes waiting for them).
+        if let Ok(scheduler) = Scheduler::from_env() {
+            let _ = scheduler.kernel.small_message_lanes();
+            let _ = scheduler.kernel.wide_stream_rates();
+        }
         let shared = Arc::new(Shared {
             cancelled: Arc::new(AtomicBool::new(false)),
             queue: Mutex::new(VecDeque::new()),
@@ -196,6 +204,7 @@ impl<O: Send + 'static> Background<O> {
     /// Whether nothing is queued or being hashed: every job submitted has
     /// been given back, or the thread has ended (after a close).
     pub fn idle(&self) -> bool {
+        self.hand_over(&mut lock(&self.held_back)); // jobs held back would never count as done
         self.shared.pending.load(Ordering::SeqCst) == 0 || self.shared.ended.load(Ordering::SeqCst)
     }
 
@@ -246,9 +255,9 @@ impl<O: Send + 'static> Background<O> {
             guard = ended.wait_timeout(guard, left).unwrap_or_else(|e| e.into_inner()).0;
         }
         drop(guard);
-        if let Some(thread) = lock(&self.thread).take() {
-            let _ = thread.join(); // ended: returns at once
-        }
+        // Not joined: the thread may still be between its last signal and its
+        // exit, and at the idle policy it may not run again for a while.
+        drop(lock(&self.thread).take());
         true
     }
 }

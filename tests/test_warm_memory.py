@@ -524,6 +524,7 @@ def test_fp8_at_tp2_from_a_callable_that_refills_one_buffer_per_rank_equals_a_ru
         return list(buffers.items())
 
     monkeypatch.setattr(warm_memory, "POOL", warm_memory.WarmPool())
+    monkeypatch.setattr(idle, "JOIN_SECONDS", 30.0)  # the idle hasher lets go before the call returns
     results = []
     for min_bytes in (0, 1 << 62):
         monkeypatch.setattr(warm_memory, "MIN_BYTES", min_bytes)

@@ -203,7 +203,10 @@ class IdleHashing:
     def _collect(self) -> None:
         """Takes the digests the thread finished (and lets go of their tensors)."""
         for job, digest in self._core.take_digests():
-            ref, version, alias = self._jobs.pop(job)
+            entry = self._jobs.pop(job, None)
+            if entry is None:
+                continue  # after release(): nothing more is taken
+            ref, version, alias = entry
             tensor = ref()
             if digest is not None and tensor is not None:
                 self._done[id(tensor)] = (ref, version, digest)

@@ -338,7 +338,11 @@ def stop(proc: subprocess.Popen) -> None:
     try:
         pgid = os.getpgid(proc.pid)
     except ProcessLookupError:
-        return
+        if proc.returncode is None:
+            return
+        # The leader exited and was reaped; its workers may still run in its
+        # group, whose id is its pid (every server here starts a new session).
+        pgid = proc.pid
     for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
         try:
             os.killpg(pgid, sig)
