@@ -67,6 +67,10 @@ pub struct Done<O> {
     pub owner: O,
 }
 
+/// How often a caller tries the thread's queue before it leaves the jobs
+/// for its next call (see [`Background::hand_over`]).
+const HAND_OVER_TRIES: usize = 256;
+
 /// The background hasher (see the module docs).
 pub struct Background<O: Send + 'static> {
     shared: Arc<Shared<O>>,
@@ -179,16 +183,22 @@ impl<O: Send + 'static> Background<O> {
         self.hand_over(&mut held);
     }
 
-    /// Moves the held-back jobs to the thread's queue, unless it holds the
-    /// queue right now (then a later call does).
+    /// Moves the held-back jobs to the thread's queue. The thread holds the
+    /// queue only to move jobs (well under a microsecond): a busy queue is
+    /// tried again a few times, yielding between tries. If it stays busy
+    /// the thread was preempted holding it, and a later call hands them over.
     fn hand_over(&self, held: &mut Vec<Job<O>>) {
         if held.is_empty() {
             return;
         }
-        if let Some(mut queue) = try_lock(&self.shared.queue) {
-            queue.extend(held.drain(..));
-            drop(queue);
-            self.waker.unpark();
+        for _ in 0..HAND_OVER_TRIES {
+            if let Some(mut queue) = try_lock(&self.shared.queue) {
+                queue.extend(held.drain(..));
+                drop(queue);
+                self.waker.unpark();
+                return;
+            }
+            std::thread::yield_now();
         }
     }
 
