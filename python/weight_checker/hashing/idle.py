@@ -38,8 +38,8 @@ before. The idle thread never runs Python: on a host whose cores other
 processes keep busy it may wait seconds to run again, and one preempted
 while it held the GIL would stall every Python thread of the process that
 long. Nor does a caller ever wait for it: the core only tries the queues
-they share (a busy one is tried again at the next call), and closing
-returns at once.
+they share (a few tries, yielding between them; one still busy is tried
+again at the next call), and closing returns at once.
 """
 
 from __future__ import annotations
